@@ -1,0 +1,148 @@
+"""The decode cycle (SPEC 1): prefill -> draft -> verify -> accept -> rewind, in token ids.
+
+Owns the order of operations and what each side's cache holds after every cycle. Yields one
+`Cycle` per verify pass with the tokens it commits. Knows nothing about text, stop strings
+or timing: `generate.py` does that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .draft import DFlashDraft
+from .sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
+from .target import TargetAdapter
+
+PREFILL_STEP = 512
+
+# Fallback verify-width cap for quantized targets, before anything is measured on the
+# device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
+QUANTIZED_VERIFY_CAP = 5
+
+
+@dataclass
+class Cycle:
+    """What one step of the decoder committed."""
+
+    tokens: list[int]  # emitted tokens, in order (drafts accepted, then the target's own)
+    accepted: int  # drafted tokens accepted (n); tau of this cycle = accepted + 1
+    width: int  # verify width W of this cycle (0 for the token sampled after prefill)
+
+
+def is_quantized(model) -> bool:
+    args = getattr(model, "args", None)
+    if getattr(args, "quantization", None):
+        return True
+    from mlx.nn import QuantizedLinear
+
+    return any(isinstance(m, QuantizedLinear) for _, m in model.named_modules())
+
+
+def default_verify_width(model, draft: DFlashDraft | None) -> int:
+    if draft is None:
+        return 1
+    width = draft.config.block_size
+    if is_quantized(model):
+        width = min(width, QUANTIZED_VERIFY_CAP)
+    return width
+
+
+def speculative_decode(
+    target: TargetAdapter,
+    draft: DFlashDraft | None,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    params: SamplingParams,
+    key: mx.array,
+    width: int,
+    draft_block: int,
+    eos_ids: frozenset[int] = frozenset(),
+    prefill_step: int = PREFILL_STEP,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Cycle]:
+    """Decode up to `max_tokens` tokens after `prompt`, yielding each committed cycle.
+
+    `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
+    number of rows L >= W the draft runs. Stops after an EOS token or `max_tokens`.
+    """
+    assert 1 <= width <= max(draft_block, 1)
+    cache = target.make_cache()
+    ids = draft.config.target_layer_ids if draft is not None else None
+    if draft is not None:
+        draft.reset()
+
+    # Prefill in chunks; the draft's context grows chunk by chunk so features never pile up.
+    tokens = mx.array(prompt, dtype=mx.int32)[None]
+    total = len(prompt)
+    done = 0
+    while True:
+        n = min(prefill_step, total - done)
+        logits, feats = target.forward(tokens[:, done : done + n], cache, ids)
+        if draft is not None:
+            draft.add_context(feats)
+        done += n
+        if done == total:
+            break
+        mx.eval([c.state for c in cache] + (draft.state if draft is not None else []))
+        mx.clear_cache()
+        if progress is not None:
+            progress(done, total)
+    if progress is not None:
+        progress(total, total)
+
+    key, sub = mx.random.split(key)
+    last = logits[0, -1:]
+    first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
+    anchor = first.astype(mx.int32)
+    tok = anchor.item()
+    yield Cycle([tok], 0, 0)
+    emitted = 1
+    if tok in eos_ids:
+        return
+
+    pending: list[mx.array] = []  # features of committed positions the draft has not seen
+    while emitted < max_tokens:
+        w = min(width, max_tokens - emitted)
+        key, k_draft, k_accept = mx.random.split(key, 3)
+        if w > 1:
+            if pending:
+                draft.add_context(mx.concatenate(pending, axis=1))
+                pending = []
+            d_logits = draft.block_logits(anchor, draft_block)[: w - 1]
+            if params.greedy:
+                drafts = mx.argmax(d_logits, axis=-1).astype(mx.int32)
+            else:
+                q = probabilities(d_logits, params)
+                drafts = sample(q, k_draft).astype(mx.int32)
+            block = mx.concatenate([anchor.reshape(1), drafts])
+        else:
+            drafts = mx.zeros((0,), dtype=mx.int32)
+            block = anchor.reshape(1)
+        saved = target.snapshot(cache)
+        logits, feats = target.forward(block[None], cache, ids)
+        if params.greedy:
+            n, out = greedy_accept(drafts, logits[0])
+        else:
+            p = probabilities(logits[0], params)
+            n, final = rejection_accept(drafts, q if w > 1 else None, p, k_accept)
+            out = mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
+        mx.eval(n, out)  # the one host sync of the cycle
+        n = n.item()
+        new = out.tolist()
+        new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
+        target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
+        if draft is not None:
+            pending.append(feats[:, : n + 1])
+        for j, t in enumerate(new):
+            if t in eos_ids:
+                new = new[: j + 1]
+                break
+        emitted += len(new)
+        anchor = mx.array(new[-1], dtype=mx.int32)
+        yield Cycle(new, n, w)
+        if new[-1] in eos_ids:
+            return

@@ -1,0 +1,189 @@
+"""The DFlash draft model (SPEC 2): one forward pass drafts a whole block.
+
+Owns the draft's layers, its KV-injection attention and its context cache (projected K/V of
+committed target features). Attribute names equal the checkpoint's weight names. Knows
+nothing about tokenizers, sampling or the target beyond two bound callables: the target's
+token embedding and its LM head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DraftConfig
+
+
+class DraftAttention(nn.Module):
+    """Queries from block rows; keys/values from `[context ; block]` with shared projections."""
+
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = hd**-0.5
+        self.causal = cfg.layer_is_causal(layer_idx)
+        sliding = cfg.layer_types[layer_idx] == "sliding_attention"
+        self.window = cfg.sliding_window if sliding else None
+        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def _kv(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        k = self.rope(k.transpose(0, 2, 1, 3), offset=offset)  # (B, Hkv, L, Dh)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return k, v
+
+    def add_context(self, ctx: mx.array, cache: KVCache) -> None:
+        """Project context rows (already `hidden_norm(fc(features))`) into the cache."""
+        k, v = self._kv(ctx, cache.offset)
+        cache.update_and_fetch(k, v)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        B, L, _ = x.shape
+        offset = cache.offset  # the block starts right after the committed context
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)  # (B, H, L, Dh)
+        k, v = self._kv(x, offset)
+        n_ctx = 0
+        if cache.offset > 0:
+            ck, cv = cache.keys_and_values()
+            if self.window is not None:
+                ck, cv = ck[..., -(self.window - 1) :, :], cv[..., -(self.window - 1) :, :]
+            n_ctx = ck.shape[2]
+            k = mx.concatenate([ck, k], axis=2)
+            v = mx.concatenate([cv, v], axis=2)
+        mask = None
+        if self.causal:
+            rows = mx.arange(L)[:, None]
+            cols = mx.arange(n_ctx + L)[None] - n_ctx
+            mask = cols <= rows  # context always visible, causal inside the block
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DraftAttention(cfg, layer_idx)
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """A DFlash (v1) draft. Call `bind` with the target's embedding and head before use."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        n_feat = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_feat * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.layers = [DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        # Plain attributes (not modules): the target's frozen embedding and head are
+        # borrowed, never part of the draft's parameters or checkpoint.
+        self._embed: Callable[[mx.array], mx.array] | None = None
+        self._lm_head: Callable[[mx.array], mx.array] | None = None
+        self._caches: list[KVCache] = []
+        self.reset()
+
+    def bind(
+        self,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        embed_scale: float = 1.0,
+    ) -> None:
+        scale = embed_scale * self.config.input_embedding_scale
+        self._embed = embed if scale == 1.0 else (lambda ids: embed(ids) * scale)
+        self._lm_head = lm_head
+
+    @property
+    def is_bound(self) -> bool:
+        return self._embed is not None
+
+    def reset(self) -> None:
+        """Forget all context (a new prompt)."""
+        self._caches = [KVCache() for _ in self.layers]
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The context cache's arrays (to evaluate between prefill chunks)."""
+        return [a for c in self._caches if c.keys is not None for a in (c.keys, c.values)]
+
+    @property
+    def context_length(self) -> int:
+        return self._caches[0].offset if self._caches else 0
+
+    def add_context(self, features: mx.array) -> None:
+        """Append target features `(1, m, len(target_layer_ids) * D)` of committed positions."""
+        c = self.hidden_norm(self.fc(features))
+        for layer, cache in zip(self.layers, self._caches):
+            layer.self_attn.add_context(c, cache)
+
+    def hidden(self, block_ids: mx.array) -> mx.array:
+        """Final normed hidden states of the block rows, `(1, L, D)`."""
+        if self._embed is None:
+            raise RuntimeError("the draft is not bound to a target; call bind() first")
+        x = self._embed(block_ids)
+        for layer, cache in zip(self.layers, self._caches):
+            x = layer(x, cache)
+        return self.norm(x)
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self._lm_head(h)
+        if self.config.output_multiplier != 1.0:
+            out = out * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def block_logits(self, anchor: mx.array, length: int) -> mx.array:
+        """Logits for block indices `1..length-1` given the anchor token, `(length-1, V)`."""
+        mask = mx.full((length - 1,), self.config.mask_token_id, dtype=anchor.dtype)
+        block = mx.concatenate([anchor.reshape(1), mask])[None]
+        h = self.hidden(block)
+        return self.logits(h[0, 1:]).astype(mx.float32)
+
+
+def embedding_scale_for(model_type: str, hidden_size: int) -> float:
+    """Targets that scale their embeddings inside the model (the draft must do the same)."""
+    if model_type.startswith("gemma"):
+        return math.sqrt(hidden_size)
+    return 1.0

@@ -1,0 +1,144 @@
+"""Hub id or local folder -> models, and the draft/target compatibility checks (SPEC 5.1).
+
+Owns: resolving a source (folder, or a Hugging Face Hub id fetched with huggingface_hub),
+reading the z-lab draft format unchanged, and refusing a draft that does not fit a target
+with a message naming both sides. Targets load through `mlx_lm.load`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import DraftConfig
+from .draft import DFlashDraft
+from .target import TargetAdapter
+
+_DRAFT_FILES = ["*.json", "*.safetensors"]
+
+
+class LoadError(ValueError):
+    """A model source that cannot be used, with what to do about it."""
+
+
+def resolve(source: str | Path, what: str, allow_patterns: list[str] | None = None) -> Path:
+    """A local folder for `source`: the folder itself, or a Hub snapshot downloaded for it."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LoadError(f"{what} {str(source)!r} is a file; expected a model folder")
+        return path
+    text = str(source)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise LoadError(f"{what} {text!r}: no such folder, and not a Hub id of the form 'org/name'")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=allow_patterns))
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        raise LoadError(
+            f"could not fetch {what} {text!r} from the Hugging Face Hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}). "
+            "If this machine is offline, download the model elsewhere and pass its local "
+            "folder instead of the Hub id."
+        ) from e
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise LoadError(f"{path}: file not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load(target: str | Path):
+    """Load a target `(model, tokenizer)` with mlx-lm, from a Hub id or a local folder."""
+    from mlx_lm import load as mlx_lm_load
+
+    folder = resolve(target, "target")
+    read_json(folder / "config.json")
+    try:
+        return mlx_lm_load(str(folder))
+    except (ValueError, FileNotFoundError) as e:
+        raise LoadError(f"target {str(target)!r}: {e}") from e
+
+
+def load_draft(draft: str | Path) -> DFlashDraft:
+    """Load a DFlash draft in the published z-lab format from a Hub id or a local folder."""
+    folder = resolve(draft, "draft", _DRAFT_FILES)
+    cfg_path = folder / "config.json"
+    raw = read_json(cfg_path)
+    arch = raw.get("architectures") or []
+    if any("DFlash2" in a for a in arch):
+        raise LoadError(
+            f"{cfg_path}: architectures {arch} is a DFlash 2 draft, which this version "
+            "does not load yet (its conv and selector weights would be ignored)"
+        )
+    try:
+        cfg = DraftConfig.from_dict(raw, source=str(cfg_path))
+    except ValueError as e:
+        raise LoadError(str(e)) from e
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{folder}: no *.safetensors weights file")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:
+            raise LoadError(f"{f}: cannot read safetensors ({e})") from e
+    # Drafts borrow the target's embedding and head; ignore copies a checkpoint may carry.
+    weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    model = DFlashDraft(cfg)
+    if cfg.quantization:
+        q = cfg.quantization
+        nn.quantize(
+            model,
+            group_size=q.get("group_size", 64),
+            bits=q.get("bits", 4),
+            mode=q.get("mode", "affine"),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise LoadError(f"{folder}: weights do not match {cfg_path.name}: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def bind_draft(draft: DFlashDraft, model: nn.Module) -> None:
+    """Check that `draft` was built for `model` and bind it to the target's embedding/head."""
+    t = TargetAdapter.of(model)
+    c = draft.config
+    problems = []
+    if c.hidden_size != t.hidden_size:
+        problems.append(f"hidden size: draft {c.hidden_size}, target {t.hidden_size}")
+    target_vocab = t.vocab_size
+    if c.vocab_size > t.embed_rows or (target_vocab and c.vocab_size != target_vocab):
+        problems.append(
+            f"vocabulary: draft {c.vocab_size}, target {target_vocab or t.embed_rows} "
+            f"({t.embed_rows} embedding rows)"
+        )
+    if c.num_target_layers != t.num_layers:
+        problems.append(
+            f"layers: draft built for a {c.num_target_layers}-layer target, "
+            f"target has {t.num_layers}"
+        )
+    bad = [i for i in c.target_layer_ids if i >= t.num_layers]
+    if bad:
+        problems.append(
+            f"target_layer_ids {c.target_layer_ids} out of range for a {t.num_layers}-layer target"
+        )
+    if problems:
+        raise LoadError(f"draft does not fit target {t.model_type!r}: " + "; ".join(problems))
+    draft.bind(t.embed_tokens, t.lm_head, t.embed_scale)

@@ -1,0 +1,197 @@
+"""mlx-lm target adapter: hidden-state capture, caches and rewind (SPEC 5).
+
+Owns how we look inside an mlx-lm model without changing it for anyone else: the decoder
+layer *instances* of one model get a capturing subclass (no class-level patch), so plain
+mlx-lm decoding of the same model is unaffected. Owns the one rewind helper
+(`TargetAdapter.rewind`): trimmable caches are trimmed, recurrent caches (`ArraysCache`,
+e.g. Qwen3.5 GatedDeltaNet) are restored and replayed over the accepted prefix. Knows
+nothing about drafts, sampling or text.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+
+class _Recorder:
+    """Per-forward scratch the wrapped layers write into (references only, no compute)."""
+
+    def __init__(self) -> None:
+        self.capture_ids: frozenset[int] = frozenset()
+        self.replay_ids: frozenset[int] = frozenset()
+        self.active = False
+        self.outputs: dict[int, mx.array] = {}
+        self.calls: dict[int, tuple[mx.array, tuple, dict]] = {}
+
+    def clear(self) -> None:
+        self.outputs = {}
+        self.calls = {}
+
+
+_CAPTURE_CLASSES: dict[type, type] = {}
+
+
+def _capturing_class(cls: type) -> type:
+    """A subclass of a decoder-layer class whose instances report their input and output."""
+    if cls in _CAPTURE_CLASSES:
+        return _CAPTURE_CLASSES[cls]
+
+    def __call__(self, x, *args, **kwargs):
+        out = cls.__call__(self, x, *args, **kwargs)
+        rec = self._dflash_rec
+        if rec.active:
+            i = self._dflash_idx
+            if i in rec.capture_ids:
+                rec.outputs[i] = out
+            if i in rec.replay_ids:
+                rec.calls[i] = (x, args, kwargs)
+        return out
+
+    sub = type(f"DFlashCaptured{cls.__name__}", (cls,), {"__call__": __call__})
+    _CAPTURE_CLASSES[cls] = sub
+    return sub
+
+
+def _inner_lm(model: nn.Module) -> nn.Module:
+    """The text model holding `.model` and maybe `.lm_head` (VLM-style wrappers unwrapped)."""
+    if "language_model" in model and isinstance(model["language_model"], nn.Module):
+        return model["language_model"]
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        layers = getattr(_inner_lm(model).model, "layers", None)
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of target {type(model).__module__}; "
+            "expected an mlx-lm causal LM with `.layers`"
+        )
+    return list(layers)
+
+
+class TargetAdapter:
+    """Forward passes of an mlx-lm model that also return the features a draft reads."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        inner = _inner_lm(model)
+        backbone = inner.model
+        self.embed_tokens = backbone.embed_tokens
+        args = getattr(inner, "args", None) or getattr(model, "args", None)
+        self.model_type = str(getattr(args, "model_type", getattr(model, "model_type", "")))
+        self.hidden_size = int(getattr(args, "hidden_size", 0) or backbone.norm.weight.shape[-1])
+        self.embed_rows = int(
+            getattr(self.embed_tokens, "num_embeddings", 0) or self.embed_tokens.weight.shape[0]
+        )
+        self.vocab_size = getattr(args, "vocab_size", None)
+        self._head = inner["lm_head"] if "lm_head" in inner else None
+        self.layers = _decoder_layers(model)
+        self.num_layers = len(self.layers)
+        self._rec = _Recorder()
+        for i, layer in enumerate(self.layers):
+            if not hasattr(layer, "_dflash_rec"):
+                layer.__class__ = _capturing_class(type(layer))
+            layer._dflash_rec = self._rec
+            layer._dflash_idx = i
+
+    @classmethod
+    def of(cls, model: nn.Module) -> TargetAdapter:
+        """One adapter per model instance, created on first use."""
+        adapter = model.__dict__.get("_dflash_adapter")
+        if adapter is None:
+            adapter = cls(model)
+            model.__dict__["_dflash_adapter"] = adapter
+        return adapter
+
+    @property
+    def embed_scale(self) -> float:
+        return math.sqrt(self.hidden_size) if self.model_type.startswith("gemma") else 1.0
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        if self._head is not None:
+            return self._head(h)
+        return self.embed_tokens.as_linear(h)
+
+    # -- caches ---------------------------------------------------------------------------
+
+    def make_cache(self) -> list[Any]:
+        """A prompt cache every entry of which we can rewind; refuses targets we cannot."""
+        cache = make_prompt_cache(self.model)
+        if len(cache) != self.num_layers:
+            raise ValueError(
+                f"target {self.model_type!r} has {self.num_layers} layers but "
+                f"{len(cache)} cache entries; speculative decoding needs one per layer"
+            )
+        for i, c in enumerate(cache):
+            if isinstance(c, RotatingKVCache):
+                # A rotating cache stops being trimmable once it wraps; a full cache with
+                # the layer's own window mask computes the same attention.
+                cache[i] = c = KVCache()
+            if not (isinstance(c, ArraysCache) or c.is_trimmable()):
+                raise ValueError(
+                    f"target {self.model_type!r}: layer {i} uses {type(c).__name__}, which "
+                    "can be neither trimmed nor replayed, so drafts could not be rewound"
+                )
+        self._rec.replay_ids = frozenset(
+            i for i, c in enumerate(cache) if isinstance(c, ArraysCache)
+        )
+        return cache
+
+    def forward(
+        self, tokens: mx.array, cache: list[Any], capture_ids: list[int] | None
+    ) -> tuple[mx.array, mx.array | None]:
+        """Logits `(1, n, V)` and features `(1, n, len(capture_ids) * D)` (or None)."""
+        rec = self._rec
+        rec.clear()
+        rec.capture_ids = frozenset(capture_ids or ())
+        rec.active = True
+        try:
+            logits = self.model(tokens, cache=cache)
+        finally:
+            rec.active = False
+        feats = None
+        if capture_ids:
+            feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)
+        return logits, feats
+
+    def snapshot(self, cache: list[Any]) -> dict[int, tuple]:
+        """Recurrent states before a verify pass (array references: MLX arrays are values)."""
+        return {i: (list(cache[i].cache), *cache[i].state[1:]) for i in self._rec.replay_ids}
+
+    def rewind(self, cache: list[Any], keep: int, total: int, snapshot: dict[int, tuple]) -> None:
+        """Undo the last `total - keep` positions of the latest forward pass.
+
+        Trimmable caches drop them; recurrent caches go back to `snapshot` and re-run their
+        layer over the first `keep` inputs it saw (SPEC 5.3).
+        """
+        drop = total - keep
+        if drop <= 0:
+            return
+        for i, c in enumerate(cache):
+            if i in snapshot:
+                continue
+            c.trim(drop)
+        for i, saved in snapshot.items():
+            cache[i].state = (list(saved[0]), *saved[1:])
+            x, args, kwargs = self._rec.calls[i]
+            args = tuple(_slice_mask(a, keep) for a in args)
+            kwargs = {k: _slice_mask(v, keep) for k, v in kwargs.items()}
+            type(self.layers[i]).__mro__[1].__call__(self.layers[i], x[:, :keep], *args, **kwargs)
+        self._rec.clear()
+
+
+def _slice_mask(a: Any, keep: int) -> Any:
+    if isinstance(a, mx.array):
+        if a.ndim != 2:
+            raise NotImplementedError(
+                f"cannot replay a recurrent layer called with a {a.ndim}-d array argument"
+            )
+        return a[:, :keep]
+    return a
