@@ -1,0 +1,173 @@
+"""The first invariant: greedy DFlash output equals the target's own greedy decode."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx import generate, load
+from dflash_mlx.draft import DFlashDraft
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox",
+    "for i in range(10):\n    print(",
+]
+
+
+def target_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Plain mlx-lm greedy decoding: the reference every DFlash run must reproduce."""
+    steps = generate_step(mx.array(prompt_ids), model, max_tokens=n, sampler=lambda x: x.argmax(-1))
+    return [int(t) for t, _ in steps]
+
+
+class ScriptedDraft(DFlashDraft):
+    """A draft whose proposals are read from a script instead of computed.
+
+    `script` is the full greedy sequence (prompt + continuation); at each cycle the draft
+    proposes its next tokens, corrupted from block index `right(cycle)` on. The anchor's
+    position is the draft's context length, which the engine must keep exact.
+    """
+
+    def __init__(self, base: DFlashDraft, script: list[int], right):
+        super().__init__(base.config)
+        self.update(base.parameters())
+        self.script = script
+        self.right = right
+        self.calls = 0
+
+    def block_logits(self, anchor, length):
+        pos = self.context_length
+        assert self.script[pos] == anchor.item(), "draft context length out of sync"
+        vocab = self.config.vocab_size
+        want = []
+        for i in range(1, length):
+            t = self.script[pos + i] if pos + i < len(self.script) else 0
+            if i > self.right(self.calls):
+                t = (t + 1) % vocab
+            want.append(t)
+        self.calls += 1
+        return mx.eye(vocab)[mx.array(want)] * 30.0
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-4bit", "qwen35"])
+def any_target(request, models_dir):
+    return request.param, *load(str(models_dir / request.param))
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8, 16])
+def test_greedy_dflash_equals_target_greedy(any_target, draft, width):
+    name, model, tok = any_target
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        ref = target_greedy(model, ids, 40)
+        out = generate(model, draft, tok, ids, max_tokens=40, block_size=width)
+        assert out.tokens == ref, f"{name} W={width} diverged on {prompt!r}"
+        assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("width", [2, 5, 16])
+def test_partially_right_drafts_rewind_exactly(any_target, draft, width):
+    """Acceptance lengths vary cycle to cycle, so every rewind depth is exercised."""
+    name, model, tok = any_target
+    ids = tok.encode(PROMPTS[0])
+    ref = target_greedy(model, ids, 60)
+    scripted = ScriptedDraft(draft, ids + ref, right=lambda c: (c * 7) % 17)
+    out = generate(model, scripted, tok, ids, max_tokens=60, block_size=width)
+    assert out.tokens == ref, f"{name} W={width}: rewind corrupted the target state"
+    assert 1 < out.mean_acceptance < width, "the script should give partial acceptance"
+
+
+def test_always_right_draft_is_accepted_whole(target, draft):
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    ref = target_greedy(model, ids, 1 + 16 * 4)
+    oracle = ScriptedDraft(draft, ids + ref, right=lambda c: 99)
+    out = generate(model, oracle, tok, ids, max_tokens=1 + 16 * 4, block_size=16)
+    assert out.tokens == ref
+    assert out.cycles == 4 and out.mean_acceptance == 16.0
+    assert out.acceptance_rates == [1.0] * 15
+
+
+def test_always_wrong_draft_still_gives_target_output(target, draft):
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    ref = target_greedy(model, ids, 30)
+    wrong = ScriptedDraft(draft, ids + ref, right=lambda c: 0)
+    out = generate(model, wrong, tok, ids, max_tokens=30, block_size=8)
+    assert out.tokens == ref
+    assert out.mean_acceptance == 1.0 and out.cycles == 29
+    assert out.acceptance_rates == [0.0] * 7
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 10, 23])
+def test_max_tokens_inside_a_block(target, draft, max_tokens):
+    model, tok = target
+    ids = tok.encode(PROMPTS[0])
+    ref = target_greedy(model, ids, max_tokens)
+    oracle = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99)
+    out = generate(model, oracle, tok, ids, max_tokens=max_tokens, block_size=16)
+    assert out.tokens == ref and len(out.tokens) == max_tokens
+    assert out.finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_block_stops_there(target, draft):
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    ref = target_greedy(model, ids, 40)
+    # An EOS that the target emits mid-way (first occurrence at index j >= 3).
+    j = next(i for i in range(3, 40) if ref[i] not in ref[:i])
+    old = set(tok.eos_token_ids)
+    tok.eos_token_ids = {ref[j]}
+    try:
+        oracle = ScriptedDraft(draft, ids + ref, right=lambda c: 99)
+        out = generate(model, oracle, tok, ids, max_tokens=40, block_size=16)
+        expect_text = tok.decode(ref[:j])
+    finally:
+        tok.eos_token_ids = old
+    assert out.tokens == ref[: j + 1], "EOS must end the output inside the accepted block"
+    assert out.finish_reason == "stop"
+    assert out.text == expect_text, "the EOS token itself is not rendered"
+
+
+def test_chat_messages_and_stop_strings(target, draft):
+    model, tok = target
+    msgs = [{"role": "user", "content": "hello"}]
+    full = generate(model, draft, tok, msgs, max_tokens=30, block_size=4)
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert full.tokens == target_greedy(model, list(ids), 30)
+    stop = full.text[5:8]
+    assert stop
+    cut = generate(model, draft, tok, msgs, max_tokens=30, block_size=4, stop=[stop])
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert cut.finish_reason == "stop"
+
+
+def test_stream_text_joins_to_the_decoded_tokens(target, draft):
+    from dflash_mlx import stream_generate
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    chunks = list(stream_generate(model, draft, tok, ids, max_tokens=25, block_size=8))
+    tokens = [t for c in chunks for t in c.tokens]
+    assert "".join(c.text for c in chunks) == tok.decode(tokens)
+    assert chunks[-1].finish_reason == "length" and all(
+        c.finish_reason is None for c in chunks[:-1]
+    )
+    assert chunks[-1].generation_tokens == 25 and chunks[-1].prompt_tokens == len(ids)
+
+
+def test_bad_generation_arguments_name_the_value(target, draft):
+    model, tok = target
+    for kwargs, word in [
+        ({"block_size": 17}, "17"),
+        ({"block_size": 0}, "0"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+    ]:
+        with pytest.raises(ValueError, match=word):
+            generate(model, draft, tok, "hi", **kwargs)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, draft, tok, [], max_tokens=3)
