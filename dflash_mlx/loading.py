@@ -110,7 +110,8 @@ def load_draft(draft: str | Path) -> DFlashDraft:
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise LoadError(f"{folder}: weights do not match {cfg_path.name}: {e}") from e
+        detail = " ".join(str(e).split())
+        raise LoadError(f"{folder}: weights do not match {cfg_path.name}: {detail}") from e
     mx.eval(model.parameters())
     model.eval()
     return model

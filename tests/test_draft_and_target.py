@@ -1,0 +1,107 @@
+"""Draft context feeding (SPEC 2.3) and the target rewind helper (SPEC 5.3)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import load
+from dflash_mlx.config import DraftConfig, default_target_layer_ids
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.loading import bind_draft
+from dflash_mlx.target import TargetAdapter
+
+from .conftest import draft_config
+
+
+def block_logits_after(draft: DFlashDraft, feats: mx.array, chunks: list[int]) -> mx.array:
+    draft.reset()
+    start = 0
+    for n in chunks:
+        draft.add_context(feats[:, start : start + n])
+        start += n
+    assert draft.context_length == feats.shape[1]
+    return draft.block_logits(mx.array([5]), draft.config.block_size)
+
+
+def test_incremental_context_equals_whole_context(target, draft):
+    model, _ = target
+    bind_draft(draft, model)
+    mx.random.seed(0)
+    feats = mx.random.normal((1, 300, 2 * 64))  # crosses the cache's 256-row growth step
+    whole = block_logits_after(draft, feats, [300])
+    pieces = block_logits_after(draft, feats, [1, 7, 250, 3, 39])
+    assert mx.allclose(whole, pieces, atol=1e-4).item(), "context cache drifted"
+
+
+def test_block_sees_context_and_position(target, draft):
+    """Logits must depend on the context (KV injection) and on the block's position."""
+    model, _ = target
+    bind_draft(draft, model)
+    mx.random.seed(1)
+    feats = mx.random.normal((1, 20, 2 * 64))
+    a = block_logits_after(draft, feats, [20])
+    b = block_logits_after(draft, feats * 2.0 + 1.0, [20])
+    c = block_logits_after(draft, feats[:, :19], [19])
+    assert not mx.allclose(a, b, atol=1e-3).item()
+    assert not mx.allclose(a, c, atol=1e-3).item()
+    assert a.shape == (draft.config.block_size - 1, draft.config.vocab_size)
+
+
+def test_causal_sliding_layer_masks_future_block_rows(target):
+    model, _ = target
+    cfg = draft_config(4, [1, 2], block=8, layers=1)
+    cfg.update(layer_types=["sliding_attention"], sliding_window=4)
+    d = DFlashDraft(DraftConfig.from_dict(cfg))
+    bind_draft(d, model)
+    assert d.layers[0].self_attn.causal and d.layers[0].self_attn.window == 4
+    mx.random.seed(2)
+    d.add_context(mx.random.normal((1, 10, 128)))
+    # With a causal block, row 1's output cannot depend on the tokens after it.
+    h1 = d.hidden(mx.array([[5, 1, 1, 1, 1, 1, 1, 1]]))
+    h2 = d.hidden(mx.array([[5, 1, 9, 9, 9, 9, 9, 9]]))
+    assert mx.allclose(h1[:, :2], h2[:, :2], atol=1e-5).item()
+    assert not mx.allclose(h1[:, 2:], h2[:, 2:], atol=1e-3).item()
+
+
+def test_default_target_layer_ids_follow_the_published_rule():
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    cfg = draft_config(36, None, layers=5)
+    assert DraftConfig.from_dict(cfg).target_layer_ids == [1, 9, 17, 25, 33]
+
+
+def test_block_size_read_from_top_level_or_dflash_config():
+    cfg = draft_config(4, [1])
+    cfg["block_size"] = cfg["dflash_config"].pop("block_size")
+    assert DraftConfig.from_dict(cfg).block_size == 16
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("keep", [1, 3, 5])
+def test_rewind_then_regenerate_equals_a_clean_run(models_dir, name, keep):
+    model, _ = load(str(models_dir / name))
+    t = TargetAdapter.of(model)
+    seq = mx.array([[7, 8, 9, 10, 11, 12, 40, 41, 42, 43, 44]])
+    clean = t.make_cache()
+    ref, ref_feats = t.forward(seq, clean, [1, 2])
+
+    cache = t.make_cache()
+    t.forward(seq[:, :5], cache, None)
+    saved = t.snapshot(cache)
+    junk = mx.array([[99, 98, 97, 96, 95, 94]])
+    t.forward(mx.concatenate([seq[:, 5 : 5 + keep], junk[:, : 6 - keep]], axis=1), cache, None)
+    t.rewind(cache, keep=keep, total=6, snapshot=saved)
+    out, feats = t.forward(seq[:, 5 + keep :], cache, [1, 2])
+    assert mx.allclose(out, ref[:, 5 + keep :], atol=1e-4).item(), f"{name}: state after rewind"
+    assert mx.allclose(feats, ref_feats[:, 5 + keep :], atol=1e-4).item()
+
+
+def test_capture_does_not_change_plain_mlx_lm_decoding(models_dir):
+    model, _ = load(str(models_dir / "qwen3"))
+    x = mx.array([[3, 4, 5, 6]])
+    before = model(x)
+    TargetAdapter.of(model)
+    after = model(x)
+    assert mx.array_equal(before, after).item()
+    assert TargetAdapter.of(model) is TargetAdapter.of(model)

@@ -1,0 +1,147 @@
+"""Loading checks (issue: point 7): bad sources are refused with a message naming the problem."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import LoadError, generate, load, load_draft
+from dflash_mlx.loading import bind_draft
+
+from .conftest import build_draft, draft_config
+
+
+def make_draft(tmp_path, name="d", **changes):
+    cfg = draft_config(4, [1, 2])
+    dcfg = changes.pop("dflash_config", {})
+    cfg.update(changes)
+    cfg["dflash_config"].update(dcfg)
+    return build_draft(tmp_path / name, cfg, seed=0)
+
+
+def test_a_local_pair_loads_and_generates(models_dir):
+    model, tok = load(models_dir / "qwen3")
+    d = load_draft(models_dir / "draft")
+    assert d.config.block_size == 16 and d.config.target_layer_ids == [1, 2]
+    out = generate(model, d, tok, "hello", max_tokens=5)
+    assert len(out.tokens) == 5
+
+
+def test_draft_for_another_hidden_size_is_refused(target, tmp_path):
+    model, _ = target
+    cfg = draft_config(4, [1, 2])
+    cfg.update(hidden_size=32, head_dim=8)
+    d = load_draft(build_draft(tmp_path / "d", cfg, seed=0))
+    with pytest.raises(LoadError, match=r"hidden size: draft 32, target 64"):
+        bind_draft(d, model)
+
+
+def test_draft_for_another_vocabulary_is_refused(target, tmp_path):
+    model, _ = target
+    d = load_draft(make_draft(tmp_path, vocab_size=500))
+    with pytest.raises(LoadError, match=r"vocabulary: draft 500, target 320"):
+        generate(model, d, target[1], "hi", max_tokens=2)
+
+
+def test_draft_for_a_deeper_target_is_refused(target, tmp_path):
+    model, _ = target
+    cfg = draft_config(36, [1, 9, 17, 25, 33])
+    d = load_draft(build_draft(tmp_path / "d", cfg, seed=0))
+    with pytest.raises(LoadError) as e:
+        bind_draft(d, model)
+    msg = str(e.value)
+    assert "36-layer target, target has 4" in msg and "[1, 9, 17, 25, 33] out of range" in msg
+
+
+def test_target_layer_ids_outside_num_target_layers_are_refused(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 7]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoadError, match=r"target_layer_ids \[1, 7\] out of range"):
+        load_draft(folder)
+
+
+def test_missing_config_names_the_file(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    (folder / "config.json").unlink()
+    with pytest.raises(LoadError, match=r"config.json: file not found"):
+        load_draft(folder)
+
+
+def test_malformed_config_names_the_file(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(LoadError, match=r"config.json: not valid JSON"):
+        load_draft(folder)
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda c: c.pop("hidden_size"), r"missing field\(s\) hidden_size"),
+        (lambda c: c.pop("dflash_config"), r"missing 'dflash_config'"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), r"no 'mask_token_id'"),
+        (lambda c: c["dflash_config"].pop("block_size"), r"no 'block_size'"),
+        (lambda c: c.update(layer_types=["banana", "full_attention"]), r"unknown layer type"),
+        (lambda c: c.update(layer_types=["sliding_attention"] * 2), r"no sliding_window"),
+    ],
+)
+def test_bad_config_fields_are_named(models_dir, tmp_path, edit, message):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    edit(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoadError, match=message):
+        load_draft(folder)
+
+
+def test_missing_weights_file_names_the_folder(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(LoadError, match=r"no \*.safetensors weights file"):
+        load_draft(folder)
+
+
+def test_weights_that_do_not_match_the_config_are_refused(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    w = mx.load(str(folder / "model.safetensors"))
+    w.pop("fc.weight")
+    mx.save_safetensors(str(folder / "model.safetensors"), w)
+    with pytest.raises(LoadError, match=r"weights do not match config.json.*fc.weight"):
+        load_draft(folder)
+
+
+def test_dflash2_checkpoint_is_refused_until_supported(models_dir, tmp_path):
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["DFlash2DraftModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(LoadError, match=r"DFlash 2"):
+        load_draft(folder)
+
+
+def test_unreachable_hub_id_says_how_to_pass_a_folder(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(LoadError, match=r"Hugging Face Hub.*local folder"):
+        load_draft("dflash-mlx-tests/no-such-draft")
+    with pytest.raises(LoadError, match=r"Hugging Face Hub.*local folder"):
+        load("dflash-mlx-tests/no-such-target")
+
+
+def test_a_path_that_does_not_exist_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(LoadError, match=r"no such folder"):
+        load_draft(tmp_path / "nowhere")
+    with pytest.raises(LoadError, match=r"is a file"):
+        (tmp_path / "f").write_text("x")
+        load(tmp_path / "f")

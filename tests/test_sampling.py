@@ -1,0 +1,213 @@
+"""Sampling is lossless (SPEC 4): DFlash output follows the target's exact distribution.
+
+The chi-square tests draw thousands of seeded samples and compare them with the exact
+distribution computed independently in numpy. Each test is paired with a deliberately
+broken acceptance rule that the same test must reject, to show it has power.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx.decode as decode
+from dflash_mlx.config import DraftConfig
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.loading import bind_draft
+from dflash_mlx.sampling import SamplingParams, probabilities, rejection_accept
+from dflash_mlx.target import TargetAdapter
+
+from .conftest import draft_config, qwen3_config
+
+V = 16
+
+
+def chi_square_rejects(counts: np.ndarray, expected_p: np.ndarray, alpha_z: float = 3.09) -> bool:
+    """True when counts are implausible under expected_p (alpha about 1e-3).
+
+    Cells with expected count < 5 are pooled; the critical value uses the Wilson-Hilferty
+    approximation so the test needs nothing beyond numpy.
+    """
+    n = counts.sum()
+    exp = expected_p * n
+    big = exp >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    if exp[-1] < 5:  # fold a small pooled cell into the smallest big one
+        i = int(np.argmin(exp[:-1]))
+        obs[i] += obs[-1]
+        exp[i] += exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    if (counts[expected_p == 0] > 0).any():
+        return True
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    df = len(obs) - 1
+    crit = df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit
+
+
+def numpy_target_probs(logits: np.ndarray, t: float, top_k: int, top_p: float) -> np.ndarray:
+    """Independent reference: top-p then top-k on the untempered distribution, then T."""
+    logits = logits.astype(np.float64)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p)
+    mass_above = np.concatenate([[0.0], np.cumsum(p[order])[:-1]])
+    keep = np.zeros_like(p, dtype=bool)
+    keep[order[mass_above < top_p]] = True
+    if 0 < top_k < len(p):
+        ranks = np.empty_like(order)
+        ranks[order] = np.arange(len(p))
+        keep &= ranks < top_k
+    out = np.where(keep, np.exp((logits - logits.max()) / t), 0.0)
+    return out / out.sum()
+
+
+def always_accept(drafts, q, p, key):
+    """A broken rule: trusts the draft blindly."""
+    return mx.array(drafts.size), mx.random.categorical(mx.log(p[-1]), key=key)
+
+
+def ratio_inverted(drafts, q, p, key):
+    """A broken rule: accepts with min(1, q/p) instead of min(1, p/q)."""
+    return rejection_accept(drafts, p[:-1], mx.concatenate([q, p[-1:]]), key)
+
+
+# -- the rule on its own --------------------------------------------------------------------
+
+
+def first_token_counts(p, q, rule, draws, seed=0):
+    counts = np.zeros(p.shape[1], dtype=np.int64)
+    key = mx.random.key(seed)
+    for _ in range(draws):
+        key, kd, ka = mx.random.split(key, 3)
+        drafts = mx.random.categorical(mx.log(q), key=kd).astype(mx.int32)
+        n, tok = rule(drafts, q, p, ka)
+        first = drafts[0] if n.item() >= 1 else tok
+        counts[first.item()] += 1
+    return counts
+
+
+def synthetic_pq(seed):
+    rng = np.random.default_rng(seed)
+    p = rng.dirichlet(np.ones(6) * 0.7, size=3)
+    q = rng.dirichlet(np.ones(6) * 0.7, size=2)
+    q[0] = np.array([0.0, 0.6, 0.0, 0.0, 0.4, 0.0])  # q misses most of p's support
+    return mx.array(p, dtype=mx.float32), mx.array(q, dtype=mx.float32)
+
+
+def test_rejection_rule_first_token_follows_p():
+    p, q = synthetic_pq(0)
+    counts = first_token_counts(p, q, rejection_accept, 3000)
+    assert not chi_square_rejects(counts, np.array(p[0])), counts
+
+
+def test_rejection_rule_test_has_power_against_broken_rules():
+    p, q = synthetic_pq(0)
+    for rule in (always_accept, ratio_inverted):
+        counts = first_token_counts(p, q, rule, 3000)
+        assert chi_square_rejects(counts, np.array(p[0])), f"{rule.__name__} not detected"
+
+
+def test_residual_without_mass_falls_back_to_p():
+    p = mx.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    q = mx.array([[0.5, 0.5, 0.0]])  # q == p: the residual is empty, every draft accepted
+    for s in range(50):
+        n, tok = rejection_accept(mx.array([s % 2], dtype=mx.int32), q, p, mx.random.key(s))
+        assert n.item() == 1
+
+
+# -- end to end through the decode engine ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair():
+    from mlx_lm.utils import _get_classes
+
+    cfg = qwen3_config(vocab=V)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(11)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.lm_head.weight = model.lm_head.weight * 6.0
+    mx.random.seed(12)
+    draft = DFlashDraft(DraftConfig.from_dict(draft_config(4, [1, 2], block=4, vocab=V)))
+    mx.eval(model.parameters(), draft.parameters())
+    bind_draft(draft, model)
+    return model, draft
+
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def exact_second_token(model, t, top_k, top_p) -> np.ndarray:
+    """p(x1) = sum over x0 of p(x0 | prompt) p(x1 | prompt, x0), exactly."""
+    rows = mx.array([PROMPT + [x0] for x0 in range(V)])
+    logits = np.array(model(rows).astype(mx.float32))
+    p0 = numpy_target_probs(logits[0, len(PROMPT) - 1], t, top_k, top_p)
+    p1 = np.stack([numpy_target_probs(logits[x0, -1], t, top_k, top_p) for x0 in range(V)])
+    return p0 @ p1
+
+
+def second_token_counts(model, draft, params, draws):
+    target = TargetAdapter.of(model)
+    counts = np.zeros(V, dtype=np.int64)
+    accepted = 0
+    for seed in range(draws):
+        cycles = decode.speculative_decode(
+            target,
+            draft,
+            PROMPT,
+            max_tokens=3,
+            params=params,
+            key=mx.random.key(seed),
+            width=4,
+            draft_block=4,
+        )
+        _, first = next(cycles), next(cycles)
+        counts[first.tokens[0]] += 1
+        accepted += first.accepted
+    return counts, accepted
+
+
+SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
+
+
+@pytest.mark.parametrize("t,top_k,top_p", SETTINGS)
+def test_dflash_sampling_matches_target_distribution(tiny_vocab_pair, t, top_k, top_p):
+    model, draft = tiny_vocab_pair
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+    counts, accepted = second_token_counts(model, draft, params, 2500)
+    assert accepted > 100, "the draft must be accepted sometimes for the test to mean much"
+    assert not chi_square_rejects(counts, exact_second_token(model, t, top_k, top_p)), counts
+
+
+@pytest.mark.parametrize("t,top_k,top_p", SETTINGS)
+def test_dflash_sampling_test_detects_a_broken_rule(tiny_vocab_pair, monkeypatch, t, top_k, top_p):
+    model, draft = tiny_vocab_pair
+    monkeypatch.setattr(decode, "rejection_accept", always_accept)
+    params = SamplingParams(temperature=t, top_k=top_k, top_p=top_p)
+    counts, _ = second_token_counts(model, draft, params, 2500)
+    assert chi_square_rejects(counts, exact_second_token(model, t, top_k, top_p))
+
+
+def test_numpy_reference_agrees_with_engine_probabilities():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 32)).astype(np.float32) * 3
+    for t, k, tp in [(1.0, 0, 1.0), (0.5, 7, 1.0), (1.3, 0, 0.8), (0.8, 4, 0.6)]:
+        got = np.array(probabilities(mx.array(logits), SamplingParams(t, tp, k)))
+        want = np.stack([numpy_target_probs(row, t, k, tp) for row in logits])
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_seeded_sampling_is_reproducible(target, draft):
+    from dflash_mlx import generate
+
+    model, tok = target
+    a = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, block_size=4)
+    b = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, block_size=4)
+    c = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=8, block_size=4)
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens, "a different seed should sample differently"
