@@ -97,41 +97,46 @@ def speculative_decode(
     key, sub = mx.random.split(key)
     last = logits[0, -1:]
     first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
-    anchor = first.astype(mx.int32)
-    tok = anchor.item()
-    yield Cycle([tok], 0, 0)
-    emitted = 1
-    if tok in eos_ids:
-        return
-
+    anchor = first.astype(mx.int32).reshape(1)
     pending: list[mx.array] = []  # features of committed positions the draft has not seen
-    while emitted < max_tokens:
-        w = min(width, max_tokens - emitted)
+
+    def launch(anchor: mx.array, w: int):
+        """Build one cycle's draft + verify graph and start it on the device."""
+        nonlocal key, pending
         key, k_draft, k_accept = mx.random.split(key, 3)
+        drafts = mx.zeros((0,), dtype=mx.int32)
+        q = None
         if w > 1:
             if pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
                 pending = []
-            d_logits = draft.block_logits(anchor, draft_block)[: w - 1]
+            d_logits = draft.block_logits(anchor, draft_block, rows=w - 1)
             if params.greedy:
                 drafts = mx.argmax(d_logits, axis=-1).astype(mx.int32)
             else:
                 q = probabilities(d_logits, params)
                 drafts = sample(q, k_draft).astype(mx.int32)
-            block = mx.concatenate([anchor.reshape(1), drafts])
-        else:
-            drafts = mx.zeros((0,), dtype=mx.int32)
-            block = anchor.reshape(1)
         saved = target.snapshot(cache)
-        logits, feats = target.forward(block[None], cache, ids)
+        logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, ids)
         if params.greedy:
             n, out = greedy_accept(drafts, logits[0])
         else:
-            p = probabilities(logits[0], params)
-            n, final = rejection_accept(drafts, q if w > 1 else None, p, k_accept)
+            n, final = rejection_accept(drafts, q, probabilities(logits[0], params), k_accept)
             out = mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
-        mx.eval(n, out)  # the one host sync of the cycle
-        n = n.item()
+        mx.async_eval(n, out)
+        return n, out, feats, saved, w
+
+    # The next cycle is always launched before the current one is handed to the caller,
+    # so detokenizing and rendering overlap with device work.
+    step = launch(anchor, min(width, max_tokens - 1)) if max_tokens > 1 else None
+    tok = anchor.item()
+    yield Cycle([tok], 0, 0)
+    emitted = 1
+    if tok in eos_ids or step is None:
+        return
+    while True:
+        n, out, feats, saved, w = step
+        n = n.item()  # the one host sync of the cycle
         new = out.tolist()
         new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
         target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
@@ -142,7 +147,9 @@ def speculative_decode(
                 new = new[: j + 1]
                 break
         emitted += len(new)
-        anchor = mx.array(new[-1], dtype=mx.int32)
+        done = new[-1] in eos_ids or emitted >= max_tokens
+        if not done:
+            step = launch(mx.array(new[-1:], dtype=mx.int32), min(width, max_tokens - emitted))
         yield Cycle(new, n, w)
-        if new[-1] in eos_ids:
+        if done:
             return

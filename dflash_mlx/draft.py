@@ -174,12 +174,17 @@ class DFlashDraft(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out
 
-    def block_logits(self, anchor: mx.array, length: int) -> mx.array:
-        """Logits for block indices `1..length-1` given the anchor token, `(length-1, V)`."""
+    def block_logits(self, anchor: mx.array, length: int, rows: int | None = None) -> mx.array:
+        """Logits for block indices `1..rows` (default `length-1`), `(rows, V)`, float32.
+
+        The draft attends over all `length` rows; only the rows the verifier will check
+        go through the LM head, the draft's most expensive matmul on large vocabularies.
+        """
+        rows = length - 1 if rows is None else rows
         mask = mx.full((length - 1,), self.config.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor.reshape(1), mask])[None]
         h = self.hidden(block)
-        return self.logits(h[0, 1:]).astype(mx.float32)
+        return self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
 
 
 def embedding_scale_for(model_type: str, hidden_size: int) -> float:

@@ -43,6 +43,7 @@ class GenerationResponse:
     mean_acceptance: float = 0.0  # tau so far: mean tokens per verify
     time_to_first_token: float = 0.0  # seconds
     width: int = 0  # verify width of this cycle (0: the token sampled right after prefill)
+    block_size: int = 1  # the request's verify width W (a cycle may use less near max_tokens)
 
 
 @dataclass
@@ -256,6 +257,7 @@ def stream_generate(
             mean_acceptance=verified_tokens / cycles if cycles else 0.0,
             time_to_first_token=ttft,
             width=cyc.width,
+            block_size=width,
         )
         if finish is not None:
             cycle_iter.close()
@@ -296,7 +298,7 @@ def generate(
         peak_memory=last.peak_memory,
         cycles=last.cycles,
         mean_acceptance=last.mean_acceptance,
-        verify_width=len(drafted) + 1 if drafted else 1,
+        verify_width=last.block_size,
         accepted_per_position=accepted,
         drafted_per_position=drafted,
         time_to_first_token=last.time_to_first_token,

@@ -18,6 +18,7 @@ from .draft import DFlashDraft
 from .target import TargetAdapter
 
 _DRAFT_FILES = ["*.json", "*.safetensors"]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
 
 
 class LoadError(ValueError):
@@ -65,6 +66,10 @@ def load(target: str | Path):
 
     folder = resolve(target, "target")
     read_json(folder / "config.json")
+    if not any(any(folder.glob(p)) for p in _TOKENIZER_FILES):
+        raise LoadError(
+            f"{folder}: no tokenizer file (expected one of {', '.join(_TOKENIZER_FILES)})"
+        )
     try:
         return mlx_lm_load(str(folder))
     except (ValueError, FileNotFoundError) as e:

@@ -190,8 +190,9 @@ class TargetAdapter:
 def _slice_mask(a: Any, keep: int) -> Any:
     if isinstance(a, mx.array):
         if a.ndim != 2:
-            raise NotImplementedError(
-                f"cannot replay a recurrent layer called with a {a.ndim}-d array argument"
+            raise ValueError(
+                f"cannot replay a recurrent layer called with a {a.ndim}-d array argument "
+                "(expected a (batch, length) mask or none)"
             )
         return a[:, :keep]
     return a

@@ -37,7 +37,7 @@ class ScriptedDraft(DFlashDraft):
         self.right = right
         self.calls = 0
 
-    def block_logits(self, anchor, length):
+    def block_logits(self, anchor, length, rows=None):
         pos = self.context_length
         assert self.script[pos] == anchor.item(), "draft context length out of sync"
         vocab = self.config.vocab_size
@@ -48,7 +48,7 @@ class ScriptedDraft(DFlashDraft):
                 t = (t + 1) % vocab
             want.append(t)
         self.calls += 1
-        return mx.eye(vocab)[mx.array(want)] * 30.0
+        return (mx.eye(vocab)[mx.array(want)] * 30.0)[:rows]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-4bit", "qwen35"])
@@ -110,6 +110,7 @@ def test_max_tokens_inside_a_block(target, draft, max_tokens):
     out = generate(model, oracle, tok, ids, max_tokens=max_tokens, block_size=16)
     assert out.tokens == ref and len(out.tokens) == max_tokens
     assert out.finish_reason == "length"
+    assert out.verify_width == 16, "the request's width, even when the budget capped a cycle"
 
 
 def test_eos_inside_an_accepted_block_stops_there(target, draft):
@@ -171,3 +172,35 @@ def test_bad_generation_arguments_name_the_value(target, draft):
             generate(model, draft, tok, "hi", **kwargs)
     with pytest.raises(ValueError, match="empty"):
         generate(model, draft, tok, [], max_tokens=3)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_chunked_prefill_equals_the_target(models_dir, draft, name):
+    """A prompt longer than the prefill step is processed in chunks, reporting progress."""
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(" ".join(PROMPTS) * 3)
+    assert len(ids) > 40
+    ref = target_greedy(model, ids, 20)
+    seen = []
+    out = generate(
+        model,
+        draft,
+        tok,
+        ids,
+        max_tokens=20,
+        block_size=4,
+        prefill_step=16,
+        prompt_progress=lambda done, total: seen.append((done, total)),
+    )
+    assert out.tokens == ref
+    assert seen[0] == (16, len(ids)) and seen[-1] == (len(ids), len(ids))
+
+
+def test_quantized_targets_default_to_the_capped_verify_width(models_dir, draft):
+    from dflash_mlx.decode import QUANTIZED_VERIFY_CAP, default_verify_width
+
+    q_model, _ = load(str(models_dir / "qwen3-4bit"))
+    f_model, _ = load(str(models_dir / "qwen3"))
+    assert default_verify_width(q_model, draft) == QUANTIZED_VERIFY_CAP == 5
+    assert default_verify_width(f_model, draft) == draft.config.block_size
+    assert default_verify_width(f_model, None) == 1

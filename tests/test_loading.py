@@ -145,3 +145,11 @@ def test_a_path_that_does_not_exist_is_not_sent_to_the_hub(tmp_path):
     with pytest.raises(LoadError, match=r"is a file"):
         (tmp_path / "f").write_text("x")
         load(tmp_path / "f")
+
+
+def test_a_target_folder_without_tokenizer_is_refused(models_dir, tmp_path):
+    folder = tmp_path / "t"
+    shutil.copytree(models_dir / "qwen3", folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(LoadError, match=r"no tokenizer file"):
+        load(folder)

@@ -1,0 +1,142 @@
+"""The `dflash-mlx` command: typer wiring only.
+
+Each command parses its options, calls the public `dflash_mlx` API and hands what comes back
+to `ui.py`. The library (and so mlx) is imported inside the commands, so `dflash-mlx --help`
+answers without loading MLX.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated
+
+import typer
+
+from . import ui
+
+app = typer.Typer(
+    name="dflash-mlx",
+    help="Lossless DFlash speculative decoding for mlx-lm models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+EXIT_ERROR = 2  # bad input: a model that cannot load, options that do not fit
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"dflash-mlx {version('dflash-mlx-engine')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Lossless DFlash speculative decoding for mlx-lm models."""
+
+
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """ValueError (LoadError included) -> one red line and exit 2; Ctrl-C -> exit 130."""
+    try:
+        yield
+    except ValueError as e:
+        ui.error(str(e))
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:
+        ui.interrupted()
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(help="Target: Hub id or local mlx-lm folder.")],
+    prompt: Annotated[str, typer.Option(help="The prompt text.")],
+    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
+    no_draft: Annotated[
+        bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
+    ] = False,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
+    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p × the top prob.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
+    ] = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat/--raw",
+            help="Wrap the prompt in the chat template (default: if the tokenizer has one).",
+            show_default=False,
+        ),
+    ] = None,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object with text, tokens and stats.")
+    ] = False,
+) -> None:
+    """Stream a completion of --prompt, then one line of statistics."""
+    with _user_errors():
+        import dflash_mlx
+
+        target, tokenizer, drafter = _load(model, draft, no_draft)
+        request = _prompt_form(tokenizer, prompt, chat)
+        kwargs = dict(
+            max_tokens=max_tokens,
+            temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            seed=seed,
+            block_size=block_size,
+        )
+        if json_out:
+            ui.result_json(dflash_mlx.generate(target, drafter, tokenizer, request, **kwargs))
+            return
+        progress = ui.PromptProgress()
+        try:
+            responses = dflash_mlx.stream_generate(
+                target, drafter, tokenizer, request, prompt_progress=progress, **kwargs
+            )
+            last = ui.stream(responses)
+        finally:
+            progress.close()
+        ui.stats(last)
+
+
+def _load(model: str, draft: str | None, no_draft: bool):
+    """Target `(model, tokenizer)` and the draft (None with --no-draft), behind spinners."""
+    import dflash_mlx
+
+    if draft is None and not no_draft:
+        raise ValueError("--draft is required (or pass --no-draft to decode with the target alone)")
+    if draft is not None and no_draft:
+        raise ValueError("pass either --draft or --no-draft, not both")
+    with ui.loading("target", model):
+        target, tokenizer = dflash_mlx.load(model)
+    if no_draft:
+        ui.note("no draft: decoding with the target alone, without speculation")
+        return target, tokenizer, None
+    with ui.loading("draft", draft):
+        return target, tokenizer, dflash_mlx.load_draft(draft)
+
+
+def _prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:
+    """The prompt as chat messages (template applied by the library) or as raw text."""
+    has_template = bool(getattr(tokenizer, "has_chat_template", False))
+    if chat is None:
+        chat = has_template
+    if chat and not has_template:
+        raise ValueError("--chat: this tokenizer has no chat template; pass --raw")
+    return [{"role": "user", "content": prompt}] if chat else prompt

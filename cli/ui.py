@@ -1,0 +1,138 @@
+"""Everything the command line shows: spinners, progress, streamed text, stats and errors.
+
+Streamed text and `--json` output go to stdout; everything else (spinners, notes, the stats
+line, errors) goes to stderr, so `dflash-mlx generate ... > out.txt` captures only the
+completion. Knows nothing about models: it renders what the library returns.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Generator, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+if TYPE_CHECKING:  # the library imports mlx: only for type checkers, never at run time
+    from dflash_mlx import GenerationResponse, GenerationResult
+
+# Prompts longer than one prefill chunk (mlx-lm's and our default step) get a progress bar.
+PROGRESS_MIN_TOKENS = 512
+
+
+def _err() -> Console:
+    # Built per call: sys.stderr may be swapped (test runners, redirection) after import.
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def loading(what: str, source: str) -> Iterator[None]:
+    """A spinner on stderr while `source` loads."""
+    with _err().status(f"Loading {what} [bold]{escape(source)}[/bold]…"):
+        yield
+
+
+class PromptProgress:
+    """`prompt_progress` callback: a bar for long prompts, nothing for short ones."""
+
+    def __init__(self, min_tokens: int = PROGRESS_MIN_TOKENS):
+        self.min_tokens = min_tokens
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if total <= self.min_tokens:
+            return
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("prompt"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tokens"),
+                TimeElapsedColumn(),
+                console=_err(),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("prompt", total=total)
+        self._bar.update(self._task, completed=done)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def note(message: str) -> None:
+    _err().print(Text(message, style="yellow"))
+
+
+def error(message: str) -> None:
+    """One red line on stderr: `error: <message>`."""
+    _err().print(Text("error: ", style="bold red") + Text(" ".join(message.split())))
+
+
+def stream(
+    responses: Generator[GenerationResponse, None, None],
+) -> GenerationResponse | None:
+    """Write each response's text to stdout as it arrives; return the last response."""
+    last = None
+    ends_with_newline = True
+    try:
+        for last in responses:
+            if last.text:
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+                ends_with_newline = last.text.endswith("\n")
+    finally:
+        responses.close()  # on Ctrl-C too: stops the decode loop, frees its caches
+        if not ends_with_newline:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+    return last
+
+
+def interrupted() -> None:
+    _err().print(Text("interrupted", style="yellow"))
+
+
+def stats(r: GenerationResponse) -> None:
+    """The one stats line after a streamed completion, from the last GenerationResponse."""
+    parts = [
+        f"{r.generation_tokens} tokens",
+        f"{r.generation_tps:.1f} tok/s",
+        f"τ {r.mean_acceptance:.2f}",
+        f"prompt {r.prompt_tokens} tokens @ {r.prompt_tps:.1f} tok/s",
+        f"TTFT {r.time_to_first_token * 1000:.0f} ms",
+        f"peak {r.peak_memory:.2f} GB",
+        f"finish: {r.finish_reason}",
+    ]
+    _err().print(Text(" · ".join(parts), style="dim"))
+
+
+def result_json(result: GenerationResult) -> None:
+    """Exactly one JSON object on stdout for a `GenerationResult`."""
+    payload = {
+        "text": result.text,
+        "tokens": result.tokens,
+        "finish_reason": result.finish_reason,
+        "prompt_tokens": result.prompt_tokens,
+        "generation_tokens": result.generation_tokens,
+        "generation_tps": result.generation_tps,
+        "prompt_tps": result.prompt_tps,
+        "mean_acceptance": result.mean_acceptance,
+        "cycles": result.cycles,
+        "verify_width": result.verify_width,
+        "acceptance_rates": result.acceptance_rates,
+        "peak_memory_gb": result.peak_memory,
+        "time_to_first_token": result.time_to_first_token,
+    }
+    sys.stdout.write(json.dumps(payload) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,187 @@
+"""The `dflash-mlx` command line on the tiny session models: output, exit codes, streams."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+
+import pytest
+from typer.testing import CliRunner
+
+import dflash_mlx
+from cli.main import app
+
+PROMPT = "def add(a, b):"
+MAX_TOKENS = 24
+JSON_KEYS = {
+    "text",
+    "tokens",
+    "finish_reason",
+    "prompt_tokens",
+    "generation_tokens",
+    "generation_tps",
+    "prompt_tps",
+    "mean_acceptance",
+    "cycles",
+    "verify_width",
+    "acceptance_rates",
+    "peak_memory_gb",
+    "time_to_first_token",
+}
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def pair(models_dir) -> list[str]:
+    return ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
+
+
+def generate_args(pair: list[str], *extra: str) -> list[str]:
+    return ["generate", *pair, "--prompt", PROMPT, "--max-tokens", str(MAX_TOKENS), *extra]
+
+
+def test_json_tokens_equal_library_generate(pair, target, draft):
+    result = run(*generate_args(pair, "--raw", "--json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)  # stdout holds exactly one JSON object
+    assert set(data) == JSON_KEYS
+    model, tokenizer = target
+    expected = dflash_mlx.generate(
+        model, draft, tokenizer, PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert data["tokens"] == expected.tokens, "CLI and library disagree on greedy tokens"
+    assert data["text"] == expected.text
+    assert data["generation_tokens"] == MAX_TOKENS
+    assert data["finish_reason"] == "length"
+    assert data["verify_width"] == draft.config.block_size
+    assert len(data["acceptance_rates"]) == draft.config.block_size - 1
+
+
+def test_chat_template_is_applied_by_default(pair, target, draft):
+    result = run(*generate_args(pair, "--json"))
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    model, tokenizer = target
+    messages = [{"role": "user", "content": PROMPT}]
+    expected = dflash_mlx.generate(
+        model, draft, tokenizer, messages, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert data["prompt_tokens"] == expected.prompt_tokens
+    assert data["prompt_tokens"] > len(tokenizer.encode(PROMPT)), "no chat template applied"
+    assert data["tokens"] == expected.tokens
+
+
+def test_streaming_prints_the_text_then_a_stats_line_with_tau(pair, target, draft):
+    result = run(*generate_args(pair, "--raw"))
+    assert result.exit_code == 0, result.output
+    model, tokenizer = target
+    text = dflash_mlx.generate(
+        model, draft, tokenizer, PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    ).text
+    assert result.stdout == (text if text.endswith("\n") else text + "\n"), (
+        "stdout must hold the completion only; notes and stats belong on stderr"
+    )
+    stats = result.stderr.strip().splitlines()[-1]
+    assert "τ" in stats
+    assert f"{MAX_TOKENS} tokens" in stats
+    assert "tok/s" in stats and "TTFT" in stats and "peak" in stats
+    assert "finish: length" in stats
+
+
+def test_long_prompt_streams_with_prompt_progress(pair, target):
+    long_prompt = "The quick brown fox jumps over the lazy dog. " * 20
+    assert len(target[1].encode(long_prompt)) > 512, "prompt too short to show progress"
+    result = run("generate", *pair, "--prompt", long_prompt, "--max-tokens", "4", "--raw")
+    assert result.exit_code == 0, result.output
+    assert "τ" in result.stderr
+
+
+def test_missing_model_folder_is_a_one_line_error_with_exit_code_2(models_dir, pair):
+    missing = str(models_dir / "no-such-model")
+    result = run("generate", "--model", missing, "--draft", pair[3], "--prompt", PROMPT)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ")
+    assert "no-such-model" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+
+
+def test_library_value_error_during_generation_exits_2(pair):
+    result = run(*generate_args(pair, "--block-size", "99"))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: block_size 99")
+    assert "Traceback" not in result.output
+
+
+def test_draft_is_required_unless_no_draft(models_dir):
+    result = run("generate", "--model", str(models_dir / "qwen3"), "--prompt", PROMPT)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: ") and "--no-draft" in result.stderr
+
+
+def test_no_draft_decodes_with_the_target_alone_and_says_so(models_dir, target):
+    args = ["generate", "--model", str(models_dir / "qwen3"), "--no-draft", "--prompt", PROMPT]
+    result = run(*args, "--max-tokens", str(MAX_TOKENS), "--raw", "--json")
+    assert result.exit_code == 0, result.output
+    assert "without speculation" in result.stderr
+    model, tokenizer = target
+    expected = dflash_mlx.generate(
+        model, None, tokenizer, PROMPT, max_tokens=MAX_TOKENS, temperature=0
+    )
+    data = json.loads(result.stdout)
+    assert data["tokens"] == expected.tokens
+    assert data["verify_width"] == 1 and data["mean_acceptance"] == 1.0
+
+    streamed = run(*args, "--max-tokens", "8")
+    assert streamed.exit_code == 0, streamed.output
+    assert "without speculation" in streamed.stderr and "τ" in streamed.stderr
+
+
+def test_ctrl_c_while_streaming_stops_with_exit_code_130(pair, monkeypatch):
+    real = dflash_mlx.stream_generate
+
+    def interrupted_after_first_chunk(*args, **kwargs):
+        stream = real(*args, **kwargs)
+        yield next(stream)
+        stream.close()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", interrupted_after_first_chunk)
+    result = run(*generate_args(pair))
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_help_and_version():
+    result = run("--help")
+    assert result.exit_code == 0 and "generate" in result.output
+    result = run("generate", "--help")
+    assert result.exit_code == 0
+    for option in ["--model", "--draft", "--no-draft", "--block-size", "--raw", "--json"]:
+        assert option in result.output
+    result = run("--version")
+    assert (
+        result.exit_code == 0
+        and result.stdout.strip() == f"dflash-mlx {version('dflash-mlx-engine')}"
+    )
+
+
+def test_help_does_not_import_mlx():
+    code = (
+        "import sys\n"
+        "from cli.main import app\n"
+        "assert not any(m.split('.')[0] in ('mlx', 'mlx_lm', 'dflash_mlx') for m in sys.modules)\n"
+        "app()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "generate" in done.stdout
