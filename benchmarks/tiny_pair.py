@@ -5,7 +5,8 @@
 Builds a random Qwen3-style target and a random DFlash draft (`dflash_mlx.tiny`), then
 alternates, after a warm-up, between:
   * plain   - mlx-lm's own greedy decoding (`mlx_lm.generate.generate_step`);
-  * dflash  - `dflash_mlx.generate` with the random draft at each verify width;
+  * dflash  - `dflash_mlx.generate` with the random draft at each verify width W, the
+              draft running its full block (L=16) or only W rows (L=W);
   * bound   - the same engine with a draft whose proposals are read from the target's own
               greedy output (a perfect draft): the ceiling the engine allows, not a result
               a real draft gives.
@@ -79,23 +80,27 @@ def main() -> None:
     perfect = PerfectDraft(draft, prompt + ref)
     widths = [int(w) for w in args.widths.split(",")]
 
-    runs = {"plain": []}
+    configs = []  # (name, draft, verify width W, draft block L)
     for w in widths:
-        runs[f"dflash W={w}"] = []
-        runs[f"bound W={w}"] = []
+        for label, d in (("dflash", draft), ("bound", perfect)):
+            configs.append((f"{label} W={w} L=16", d, w, 16))
+            if w < 16:
+                configs.append((f"{label} W={w} L={w}", d, w, w))
+    runs = {"plain": []} | {c[0]: [] for c in configs}
     taus: dict[str, float] = {}
     for rep in range(args.repeats + 1):  # repeat 0 is the warm-up
         toks, tps, _ = plain_greedy(model, prompt, args.tokens)
         assert toks == ref
         if rep:
             runs["plain"].append(tps)
-        for w in widths:
-            for name, d in ((f"dflash W={w}", draft), (f"bound W={w}", perfect)):
-                out = generate(model, d, tok, prompt, max_tokens=args.tokens, block_size=w)
-                assert out.tokens == ref, f"{name}: output differs from the target's greedy"
-                if rep:
-                    runs[name].append(out.generation_tps)
-                    taus[name] = out.mean_acceptance
+        for name, d, w, rows in configs:
+            out = generate(
+                model, d, tok, prompt, max_tokens=args.tokens, block_size=w, draft_block=rows
+            )
+            assert out.tokens == ref, f"{name}: output differs from the target's greedy"
+            if rep:
+                runs[name].append(out.generation_tps)
+                taus[name] = out.mean_acceptance
 
     base = statistics.median(runs["plain"])
     print(
@@ -103,12 +108,12 @@ def main() -> None:
         f"draft: 2 layers, block 16; {args.tokens} tokens; median of {args.repeats} "
         f"after 1 warm-up; device {mx.default_device()}"
     )
-    print(f"{'run':<14}{'tok/s':>10}{'spread':>10}{'tau':>7}{'vs plain':>10}")
+    print(f"{'run':<20}{'tok/s':>10}{'spread':>10}{'tau':>7}{'vs plain':>10}")
     for name, vals in runs.items():
         med = statistics.median(vals)
         spread = max(vals) - min(vals)
         tau = taus.get(name, 1.0)
-        print(f"{name:<14}{med:>10.1f}{spread:>10.1f}{tau:>7.2f}{med / base:>9.2f}x")
+        print(f"{name:<20}{med:>10.1f}{spread:>10.1f}{tau:>7.2f}{med / base:>9.2f}x")
     print("all runs produced the target's greedy tokens exactly")
 
 

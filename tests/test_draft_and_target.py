@@ -105,3 +105,17 @@ def test_capture_does_not_change_plain_mlx_lm_decoding(models_dir):
     after = model(x)
     assert mx.array_equal(before, after).item()
     assert TargetAdapter.of(model) is TargetAdapter.of(model)
+
+
+def test_a_cache_that_can_be_neither_trimmed_nor_replayed_is_refused(models_dir, monkeypatch):
+    from mlx_lm.models.cache import KVCache, _BaseCache
+
+    class SealedCache(_BaseCache):
+        """Stands for any cache without trim() or replayable state."""
+
+    model, tok = load(str(models_dir / "qwen3"))
+    monkeypatch.setattr(
+        model, "make_cache", lambda: [KVCache(), SealedCache(), KVCache(), KVCache()], raising=False
+    )
+    with pytest.raises(ValueError, match=r"layer 1 uses SealedCache, which can be neither"):
+        TargetAdapter.of(model).make_cache()
