@@ -22,6 +22,17 @@ def make_draft(tmp_path, name="d", **changes):
     return build_draft(tmp_path / name, cfg, seed=0)
 
 
+def copied_draft(models_dir, tmp_path, edit=None):
+    """A copy of the session's draft folder, its config.json optionally edited in place."""
+    folder = tmp_path / "d"
+    shutil.copytree(models_dir / "draft", folder)
+    if edit is not None:
+        cfg = json.loads((folder / "config.json").read_text())
+        edit(cfg)
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
 def test_a_local_pair_loads_and_generates(models_dir):
     model, tok = load(models_dir / "qwen3")
     d = load_draft(models_dir / "draft")
@@ -57,26 +68,22 @@ def test_draft_for_a_deeper_target_is_refused(target, tmp_path):
 
 
 def test_target_layer_ids_outside_num_target_layers_are_refused(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["dflash_config"]["target_layer_ids"] = [1, 7]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copied_draft(
+        models_dir, tmp_path, lambda c: c["dflash_config"].update(target_layer_ids=[1, 7])
+    )
     with pytest.raises(LoadError, match=r"target_layer_ids \[1, 7\] out of range"):
         load_draft(folder)
 
 
 def test_missing_config_names_the_file(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
+    folder = copied_draft(models_dir, tmp_path)
     (folder / "config.json").unlink()
     with pytest.raises(LoadError, match=r"config.json: file not found"):
         load_draft(folder)
 
 
 def test_malformed_config_names_the_file(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
+    folder = copied_draft(models_dir, tmp_path)
     (folder / "config.json").write_text("{not json")
     with pytest.raises(LoadError, match=r"config.json: not valid JSON"):
         load_draft(folder)
@@ -94,26 +101,20 @@ def test_malformed_config_names_the_file(models_dir, tmp_path):
     ],
 )
 def test_bad_config_fields_are_named(models_dir, tmp_path, edit, message):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    edit(cfg)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copied_draft(models_dir, tmp_path, edit)
     with pytest.raises(LoadError, match=message):
         load_draft(folder)
 
 
 def test_missing_weights_file_names_the_folder(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
+    folder = copied_draft(models_dir, tmp_path)
     (folder / "model.safetensors").unlink()
     with pytest.raises(LoadError, match=r"no \*.safetensors weights file"):
         load_draft(folder)
 
 
 def test_weights_that_do_not_match_the_config_are_refused(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
+    folder = copied_draft(models_dir, tmp_path)
     w = mx.load(str(folder / "model.safetensors"))
     w.pop("fc.weight")
     mx.save_safetensors(str(folder / "model.safetensors"), w)
@@ -122,11 +123,9 @@ def test_weights_that_do_not_match_the_config_are_refused(models_dir, tmp_path):
 
 
 def test_dflash2_checkpoint_is_refused_until_supported(models_dir, tmp_path):
-    folder = tmp_path / "d"
-    shutil.copytree(models_dir / "draft", folder)
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["DFlash2DraftModel"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = copied_draft(
+        models_dir, tmp_path, lambda c: c.update(architectures=["DFlash2DraftModel"])
+    )
     with pytest.raises(LoadError, match=r"DFlash 2"):
         load_draft(folder)
 
