@@ -54,6 +54,16 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     architectures: list[str] = field(default_factory=list)
     quantization: dict | None = None
+    # DFlash 2 (SPEC 3); None on DFlash 1 drafts.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    conv_cross_block_state: bool = False
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.conv_kernel_size is not None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -90,6 +100,18 @@ class DraftConfig:
                     f"target_layer_ids {self.target_layer_ids} out of range for "
                     f"num_target_layers {self.num_target_layers}"
                 )
+        if self.is_dflash2:
+            for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(
+                        f"DFlash 2 field {name} is {value!r}; expected an integer >= 1"
+                    )
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(
+                    f"conv_group_size {self.conv_group_size} does not divide "
+                    f"hidden_size {self.hidden_size}"
+                )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} outside the vocabulary of {self.vocab_size}"
@@ -125,6 +147,16 @@ class DraftConfig:
             ids = default_target_layer_ids(int(n_target), n_draft)
         if n_target is None:
             n_target = max(ids) + 1
+        dflash2 = {}
+        if any("DFlash2" in a for a in cfg.get("architectures") or []):
+            names = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+            missing = [n for n in names if dcfg.get(n) is None]
+            if missing:
+                raise ValueError(
+                    f"{source}: DFlash 2 draft without dflash_config.{', '.join(missing)}"
+                )
+            dflash2 = {n: dcfg[n] for n in names}
+            dflash2["conv_cross_block_state"] = bool(dcfg.get("conv_cross_block_state", False))
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_scaling = cfg.get("rope_scaling")
@@ -155,6 +187,7 @@ class DraftConfig:
                 input_embedding_scale=float(dcfg.get("input_embedding_scale", 1.0)),
                 architectures=list(cfg.get("architectures") or []),
                 quantization=cfg.get("quantization"),
+                **dflash2,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from e

@@ -110,12 +110,8 @@ def speculative_decode(
             if pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
                 pending = []
-            d_logits = draft.block_logits(anchor, draft_block, rows=w - 1)
-            if params.greedy:
-                drafts = mx.argmax(d_logits, axis=-1).astype(mx.int32)
-            else:
-                q = probabilities(d_logits, params)
-                drafts = sample(q, k_draft).astype(mx.int32)
+            drafts, q = draft.propose(anchor, draft_block, w - 1, params, k_draft)
+            drafts = drafts.astype(mx.int32)
         saved = target.snapshot(cache)
         logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, ids)
         if params.greedy:
@@ -142,6 +138,7 @@ def speculative_decode(
         target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
         if draft is not None:
             pending.append(feats[:, : n + 1])
+            draft.commit(n if w > 1 else None)
         for j, t in enumerate(new):
             if t in eos_ids:
                 new = new[: j + 1]

@@ -18,6 +18,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
+from .conv import DynamicConv
+from .sampling import SamplingParams, probabilities, sample
+from .selector import CandidateSelector
 
 
 class DraftAttention(nn.Module):
@@ -93,20 +96,41 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """DFlash 1 layer; DFlash 2 wraps both sublayers in a dynamic conv (SPEC 3.1)."""
+
     def __init__(self, cfg: DraftConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DraftAttention(cfg, layer_idx)
         self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.is_dflash2:
+            taps, g = cfg.conv_kernel_size, cfg.conv_group_size
+            self.attention_conv = DynamicConv(cfg.hidden_size, taps, g)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, taps, g)
+
+    def convs(self) -> list[DynamicConv]:
+        return [self.attention_conv, self.mlp_conv] if "attention_conv" in self else []
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if "attention_conv" not in self:
+            h = x + self.self_attn(self.input_layernorm(x), cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        ac, mc = self.attention_conv, self.mlp_conv
+        u = self.input_layernorm(x)
+        d = ac.deltas(u)
+        h = x + ac.finish(self.self_attn(ac.prepare(u, d), cache), d)
+        v = self.post_attention_layernorm(h)
+        d = mc.deltas(v)
+        return h + mc.finish(self.mlp(mc.prepare(v, d)), d)
 
 
 class DFlashDraft(nn.Module):
-    """A DFlash (v1) draft. Call `bind` with the target's embedding and head before use."""
+    """A DFlash draft (v1, or v2 when the config has the DFlash 2 fields).
+
+    Call `bind` with the target's embedding and head before use (`dflash_mlx.generate`
+    does). Per cycle the engine calls `add_context`, `propose`, then `commit`.
+    """
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -116,12 +140,18 @@ class DFlashDraft(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = [DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                cfg.vocab_size, cfg.selector_rank, cfg.hidden_size, cfg.selector_top_k
+            )
         # Plain attributes (not modules): the target's frozen embedding and head are
         # borrowed, never part of the draft's parameters or checkpoint.
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._lm_head: Callable[[mx.array], mx.array] | None = None
         self._caches: list[KVCache] = []
         self.reset()
+        if cfg.is_dflash2:
+            self.conv_state = "carry" if cfg.conv_cross_block_state else "zero"
 
     def bind(
         self,
@@ -140,6 +170,31 @@ class DFlashDraft(nn.Module):
     def reset(self) -> None:
         """Forget all context (a new prompt)."""
         self._caches = [KVCache() for _ in self.layers]
+        self.commit(None)
+
+    def _convs(self) -> list[DynamicConv]:
+        return [c for layer in self.layers for c in layer.convs()]
+
+    @property
+    def conv_state(self) -> str:
+        """DFlash 2 cross-block state: "carry" feeds the last accepted row as `x_{-1}`,
+        "zero" keeps the training-time zero. Default: what the checkpoint declares."""
+        convs = self._convs()
+        return "carry" if convs and convs[0].carry_state else "zero"
+
+    @conv_state.setter
+    def conv_state(self, mode: str) -> None:
+        if mode not in ("carry", "zero"):
+            raise ValueError(f"conv_state {mode!r}: expected 'carry' or 'zero'")
+        if not self.config.is_dflash2:
+            raise ValueError("conv_state applies to DFlash 2 drafts only")
+        for c in self._convs():
+            c.carry_state = mode == "carry"
+
+    def commit(self, accepted: int | None) -> None:
+        """After a verify: `accepted` drafts were kept (None: no draft pass this cycle)."""
+        for c in self._convs():
+            c.commit(accepted)
 
     @property
     def state(self) -> list[mx.array]:
@@ -174,6 +229,12 @@ class DFlashDraft(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out
 
+    def _block_rows(self, anchor: mx.array, length: int, rows: int) -> mx.array:
+        """Final normed hidden states of block indices `1..rows`, `(rows, D)`."""
+        mask = mx.full((length - 1,), self.config.mask_token_id, dtype=anchor.dtype)
+        block = mx.concatenate([anchor.reshape(1), mask])[None]
+        return self.hidden(block)[0, 1 : rows + 1]
+
     def block_logits(self, anchor: mx.array, length: int, rows: int | None = None) -> mx.array:
         """Logits for block indices `1..rows` (default `length-1`), `(rows, V)`, float32.
 
@@ -181,10 +242,22 @@ class DFlashDraft(nn.Module):
         go through the LM head, the draft's most expensive matmul on large vocabularies.
         """
         rows = length - 1 if rows is None else rows
-        mask = mx.full((length - 1,), self.config.mask_token_id, dtype=anchor.dtype)
-        block = mx.concatenate([anchor.reshape(1), mask])[None]
-        h = self.hidden(block)
-        return self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
+        return self.logits(self._block_rows(anchor, length, rows)).astype(mx.float32)
+
+    def propose(
+        self, anchor: mx.array, length: int, rows: int, params: SamplingParams, key: mx.array
+    ) -> tuple[mx.array, mx.array | None]:
+        """Draft tokens for block indices `1..rows` and, when sampling, the distributions
+        `q` `(rows, V)` they were drawn from (SPEC 4)."""
+        if "candidate_selector" in self:
+            h = self._block_rows(anchor, length, rows)
+            logits = self.logits(h).astype(mx.float32)
+            return self.candidate_selector.walk(logits, h, anchor, params.temperature, key)
+        logits = self.block_logits(anchor, length, rows)
+        if params.greedy:
+            return mx.argmax(logits, axis=-1), None
+        q = probabilities(logits, params)
+        return sample(q, key), q
 
 
 def embedding_scale_for(model_type: str, hidden_size: int) -> float:

@@ -177,6 +177,11 @@ def stream_generate(
     rows = width
     if draft is not None:
         rows = draft.config.block_size if draft_block is None else draft_block
+        if draft.config.is_dflash2 and rows != draft.config.block_size:
+            raise ValueError(
+                f"draft_block {rows}: a DFlash 2 draft always drafts its trained block of "
+                f"{draft.config.block_size} (its conv and selector see the whole block)"
+            )
         if not width <= rows <= draft.config.block_size:
             raise ValueError(
                 f"draft_block {rows} must be between the verify width {width} and the "

@@ -81,12 +81,6 @@ def load_draft(draft: str | Path) -> DFlashDraft:
     folder = resolve(draft, "draft", _DRAFT_FILES)
     cfg_path = folder / "config.json"
     raw = read_json(cfg_path)
-    arch = raw.get("architectures") or []
-    if any("DFlash2" in a for a in arch):
-        raise LoadError(
-            f"{cfg_path}: architectures {arch} is a DFlash 2 draft, which this version "
-            "does not load yet (its conv and selector weights would be ignored)"
-        )
     try:
         cfg = DraftConfig.from_dict(raw, source=str(cfg_path))
     except ValueError as e:
@@ -110,7 +104,10 @@ def load_draft(draft: str | Path) -> DFlashDraft:
             group_size=q.get("group_size", 64),
             bits=q.get("bits", 4),
             mode=q.get("mode", "affine"),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
+            # DFlash 2's conv projections and selector stay in floating point.
+            class_predicate=lambda p, m: (
+                f"{p}.scales" in weights and "conv" not in p and "candidate_selector" not in p
+            ),
         )
     try:
         model.load_weights(list(weights.items()), strict=True)

@@ -146,12 +146,15 @@ def draft_config(
     vocab: int = VOCAB,
     layers: int = 2,
     hidden: int = 64,
+    dflash2: bool = False,
 ) -> dict:
     dcfg = {"mask_token_id": 1, "block_size": block}
     if layer_ids is not None:
         dcfg["target_layer_ids"] = layer_ids
+    if dflash2:
+        dcfg.update(conv_kernel_size=2, conv_group_size=16, selector_rank=16, selector_top_k=8)
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": _heads(hidden),
@@ -170,5 +173,9 @@ def draft_config(
 def build_draft(folder: Path, config: dict, seed: int) -> Path:
     mx.random.seed(seed)
     model = DFlashDraft(DraftConfig.from_dict(config))
+    if "candidate_selector" in model:  # random codebooks, so the pair term matters
+        sel = model.candidate_selector
+        sel.predecessor_codebook = mx.random.normal(sel.predecessor_codebook.shape) * 0.5
+        sel.successor_codebook = mx.random.normal(sel.successor_codebook.shape) * 0.5
     mx.eval(model.parameters())
     return save_model(folder, model, config)

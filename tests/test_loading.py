@@ -122,11 +122,11 @@ def test_weights_that_do_not_match_the_config_are_refused(models_dir, tmp_path):
         load_draft(folder)
 
 
-def test_dflash2_checkpoint_is_refused_until_supported(models_dir, tmp_path):
+def test_dflash2_config_without_conv_and_selector_fields_is_refused(models_dir, tmp_path):
     folder = copied_draft(
         models_dir, tmp_path, lambda c: c.update(architectures=["DFlash2DraftModel"])
     )
-    with pytest.raises(LoadError, match=r"DFlash 2"):
+    with pytest.raises(LoadError, match=r"DFlash 2 draft without dflash_config.conv_kernel_size"):
         load_draft(folder)
 
 
