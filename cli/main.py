@@ -7,10 +7,12 @@ answers without loading MLX.
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from . import bench as bench_command
 from . import ui
 
 app = typer.Typer(
@@ -113,6 +115,64 @@ def generate(
         finally:
             progress.close()
         ui.stats(last)
+
+
+@app.command()
+def bench(
+    model: Annotated[
+        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
+    ] = None,
+    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
+    demo: Annotated[
+        bool,
+        typer.Option("--demo", help="Use a tiny random pair (built once, cached): no downloads."),
+    ] = False,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.'),
+    ] = None,
+    suite: Annotated[
+        str | None,
+        typer.Option(help="Built-in prompts: math, code, chat or all.", show_default="all"),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens per generation.")] = 128,
+    temp: Annotated[
+        float, typer.Option(help="Sampling temperature; 0 also checks losslessness.")
+    ] = 0.0,
+    repeats: Annotated[int, typer.Option(help="Measured passes over the prompts.")] = 3,
+    verify_widths: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated verify widths W to compare, e.g. 1,2,3,4,5,8,16 "
+            "(default: the engine's default width).",
+            show_default=False,
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for sampling at temperature > 0.")] = 0,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the full results to this file.")
+    ] = None,
+) -> None:
+    """Measure DFlash against the target alone, side by side, on the same prompts.
+
+    Exits with code 1 when a DFlash run at temperature 0 differs from the target's tokens.
+    """
+    with _user_errors():
+        code = bench_command.run(
+            model=model,
+            draft=draft,
+            demo=demo,
+            prompts=prompts,
+            suite=suite,
+            max_tokens=max_tokens,
+            temp=temp,
+            repeats=repeats,
+            verify_widths=verify_widths,
+            seed=seed,
+            json_out=json_out,
+        )
+    if code:
+        raise typer.Exit(code)
 
 
 def _load(model: str, draft: str | None, no_draft: bool):

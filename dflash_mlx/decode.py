@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .adaptive import WidthChooser
 from .draft import DFlashDraft
 from .sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from .target import TargetAdapter
@@ -61,13 +62,15 @@ def speculative_decode(
     width: int,
     draft_block: int,
     eos_ids: frozenset[int] = frozenset(),
+    chooser: WidthChooser | None = None,
     prefill_step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
 ) -> Iterator[Cycle]:
     """Decode up to `max_tokens` tokens after `prompt`, yielding each committed cycle.
 
     `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
-    number of rows L >= W the draft runs. Stops after an EOS token or `max_tokens`.
+    number of rows L >= W the draft runs. With a `chooser`, (W, L) are chosen each cycle
+    instead and the chooser learns from every verify. Stops after EOS or `max_tokens`.
     """
     assert 1 <= width <= max(draft_block, 1)
     cache = target.make_cache()
@@ -100,9 +103,12 @@ def speculative_decode(
     anchor = first.astype(mx.int32).reshape(1)
     pending: list[mx.array] = []  # features of committed positions the draft has not seen
 
-    def launch(anchor: mx.array, w: int):
+    def launch(anchor: mx.array, budget: int):
         """Build one cycle's draft + verify graph and start it on the device."""
         nonlocal key, pending
+        w, rows = min(width, budget), draft_block
+        if chooser is not None:
+            w, rows = chooser.choose(limit=budget)
         key, k_draft, k_accept = mx.random.split(key, 3)
         drafts = mx.zeros((0,), dtype=mx.int32)
         q = None
@@ -110,7 +116,7 @@ def speculative_decode(
             if pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
                 pending = []
-            drafts, q = draft.propose(anchor, draft_block, w - 1, params, k_draft)
+            drafts, q = draft.propose(anchor, rows, w - 1, params, k_draft)
             drafts = drafts.astype(mx.int32)
         saved = target.snapshot(cache)
         logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, ids)
@@ -124,7 +130,7 @@ def speculative_decode(
 
     # The next cycle is always launched before the current one is handed to the caller,
     # so detokenizing and rendering overlap with device work.
-    step = launch(anchor, min(width, max_tokens - 1)) if max_tokens > 1 else None
+    step = launch(anchor, max_tokens - 1) if max_tokens > 1 else None
     tok = anchor.item()
     yield Cycle([tok], 0, 0)
     emitted = 1
@@ -139,6 +145,8 @@ def speculative_decode(
         if draft is not None:
             pending.append(feats[:, : n + 1])
             draft.commit(n if w > 1 else None)
+        if chooser is not None:
+            chooser.update(w, n)
         for j, t in enumerate(new):
             if t in eos_ids:
                 new = new[: j + 1]
@@ -146,7 +154,7 @@ def speculative_decode(
         emitted += len(new)
         done = new[-1] in eos_ids or emitted >= max_tokens
         if not done:
-            step = launch(mx.array(new[-1:], dtype=mx.int32), min(width, max_tokens - emitted))
+            step = launch(mx.array(new[-1:], dtype=mx.int32), max_tokens - emitted)
         yield Cycle(new, n, w)
         if done:
             return

@@ -160,8 +160,10 @@ class DFlashDraft(nn.Module):
         embed_scale: float = 1.0,
     ) -> None:
         scale = embed_scale * self.config.input_embedding_scale
-        self._embed = embed if scale == 1.0 else (lambda ids: embed(ids) * scale)
-        self._lm_head = lm_head
+        # object.__setattr__: an nn.Module assigned normally would become a child module,
+        # and the target's weights would join the draft's parameters.
+        object.__setattr__(self, "_embed", embed if scale == 1.0 else lambda i: embed(i) * scale)
+        object.__setattr__(self, "_lm_head", lm_head)
 
     @property
     def is_bound(self) -> bool:

@@ -17,6 +17,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .adaptive import WidthChooser
+from .calibrate import load_or_measure
 from .decode import default_verify_width, speculative_decode
 from .draft import DFlashDraft
 from .loading import bind_draft
@@ -43,7 +45,9 @@ class GenerationResponse:
     mean_acceptance: float = 0.0  # tau so far: mean tokens per verify
     time_to_first_token: float = 0.0  # seconds
     width: int = 0  # verify width of this cycle (0: the token sampled right after prefill)
-    block_size: int = 1  # the request's verify width W (a cycle may use less near max_tokens)
+    # The request's verify width W (a cycle may use less near max_tokens); None: chosen per
+    # cycle from measured costs and the acceptance seen so far.
+    block_size: int | None = 1
 
 
 @dataclass
@@ -60,7 +64,7 @@ class GenerationResult:
     peak_memory: float
     cycles: int
     mean_acceptance: float
-    verify_width: int
+    verify_width: int | None  # None: chosen per cycle
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     time_to_first_token: float = 0.0
@@ -130,18 +134,39 @@ class _StopMatcher:
         return out
 
 
-def _check_width(block_size: int | None, draft: DFlashDraft | None, model) -> int:
+def _plan_widths(
+    model, draft: DFlashDraft | None, block_size: int | None, draft_block: int | None
+) -> tuple[int, int, WidthChooser | None]:
+    """Verify width W, draft block L, and the chooser that picks them per cycle (auto)."""
+    if draft is None:
+        if block_size not in (None, 1):
+            raise ValueError(f"block_size {block_size} exceeds 1 (no draft given)")
+        return 1, 1, None
+    block = draft.config.block_size
+    if draft_block is not None:
+        if not isinstance(draft_block, int) or not 2 <= draft_block <= block:
+            raise ValueError(f"draft_block {draft_block!r} must be an integer in 2..{block}")
+        if draft.config.is_dflash2 and draft_block != block:
+            raise ValueError(
+                f"draft_block {draft_block}: a DFlash 2 draft always drafts its trained block "
+                f"of {block} (its conv and selector see the whole block)"
+            )
+    rows = draft_block or block
     if block_size is None:
-        return default_verify_width(model, draft)
+        try:
+            curves = load_or_measure(model, draft)
+        except OSError:  # no writable cache: fall back to the fixed default
+            width = min(default_verify_width(model, draft), rows)
+            return width, rows, None
+        fixed = block if draft.config.is_dflash2 else draft_block
+        return rows, rows, WidthChooser(curves, block, draft_block=fixed)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size {block_size!r} must be an integer >= 1")
-    limit = draft.config.block_size if draft is not None else 1
-    if block_size > limit:
-        raise ValueError(
-            f"block_size {block_size} exceeds "
-            + (f"the draft's trained block size {limit}" if draft else "1 (no draft given)")
-        )
-    return block_size
+    if block_size > block:
+        raise ValueError(f"block_size {block_size} exceeds the draft's trained block size {block}")
+    if block_size > rows:
+        raise ValueError(f"block_size {block_size} exceeds draft_block {rows}")
+    return block_size, rows, None
 
 
 def stream_generate(
@@ -165,28 +190,17 @@ def stream_generate(
     """Stream a completion of `prompt`, one `GenerationResponse` per decode cycle.
 
     `block_size` is the verify width W (tokens the target checks per cycle, at most the
-    draft's trained block size; default: the block size, capped for quantized targets).
-    `draft_block` is the number of rows the draft runs (default: its trained block size).
+    draft's trained block size). By default (None) W and the draft block are chosen each
+    cycle to maximise expected tokens per second from cost curves measured once per device
+    and model pair (`calibrate.py`, cached) and the acceptance seen so far; W = 1 (plain
+    decoding) is chosen when speculation does not pay. `draft_block` fixes the number of
+    rows the draft runs (default: its trained block size, or chosen when W is automatic).
     `draft=None` or `block_size=1` decodes with the target alone. Output equals the
     target's own decoding: token for token at temperature 0, in distribution otherwise.
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens {max_tokens!r} must be an integer >= 1")
     params = SamplingParams(float(temperature), float(top_p), int(top_k), float(min_p))
-    width = _check_width(block_size, draft, model)
-    rows = width
-    if draft is not None:
-        rows = draft.config.block_size if draft_block is None else draft_block
-        if draft.config.is_dflash2 and rows != draft.config.block_size:
-            raise ValueError(
-                f"draft_block {rows}: a DFlash 2 draft always drafts its trained block of "
-                f"{draft.config.block_size} (its conv and selector see the whole block)"
-            )
-        if not width <= rows <= draft.config.block_size:
-            raise ValueError(
-                f"draft_block {rows} must be between the verify width {width} and the "
-                f"draft's block size {draft.config.block_size}"
-            )
     if stop is None:
         stop = []
     elif isinstance(stop, str):
@@ -195,7 +209,8 @@ def stream_generate(
     target = TargetAdapter.of(model)
     if draft is not None:
         bind_draft(draft, model)
-    if width == 1:
+    width, rows, chooser = _plan_widths(model, draft, block_size, draft_block)
+    if width == 1 and chooser is None:
         draft = None  # plain decoding: no draft pass, no features kept
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
@@ -218,6 +233,7 @@ def stream_generate(
         width=width,
         draft_block=rows,
         eos_ids=eos,
+        chooser=chooser,
         prefill_step=prefill_step,
         progress=prompt_progress,
     )
@@ -262,7 +278,7 @@ def stream_generate(
             mean_acceptance=verified_tokens / cycles if cycles else 0.0,
             time_to_first_token=ttft,
             width=cyc.width,
-            block_size=width,
+            block_size=None if chooser is not None else width,
         )
         if finish is not None:
             cycle_iter.close()

@@ -180,6 +180,8 @@ class TargetAdapter:
             c.trim(drop)
         for i, saved in snapshot.items():
             cache[i].state = (list(saved[0]), *saved[1:])
+            if keep == 0:
+                continue
             x, args, kwargs = self._rec.calls[i]
             args = tuple(_slice_mask(a, keep) for a in args)
             kwargs = {k: _slice_mask(v, keep) for k, v in kwargs.items()}

@@ -5,6 +5,7 @@ The builders live in `dflash_mlx.tiny` (shared with demos and benchmarks).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,18 @@ from dflash_mlx.tiny import (  # noqa: F401  (re-exported for the test modules)
     qwen35_config,
     write_tokenizer,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Calibration curves go to a session folder, never the user's cache."""
+    old = os.environ.get("DFLASH_MLX_CACHE")
+    os.environ["DFLASH_MLX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("DFLASH_MLX_CACHE", None)
+    else:
+        os.environ["DFLASH_MLX_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,8 @@ def test_json_tokens_equal_library_generate(pair, target, draft):
     assert data["text"] == expected.text
     assert data["generation_tokens"] == MAX_TOKENS
     assert data["finish_reason"] == "length"
-    assert data["verify_width"] == draft.config.block_size
-    assert len(data["acceptance_rates"]) == draft.config.block_size - 1
+    assert data["verify_width"] is None  # chosen per cycle
+    assert len(data["acceptance_rates"]) <= draft.config.block_size - 1
 
 
 def test_chat_template_is_applied_by_default(pair, target, draft):

@@ -204,3 +204,24 @@ def test_quantized_targets_default_to_the_capped_verify_width(models_dir, draft)
     assert default_verify_width(q_model, draft) == QUANTIZED_VERIFY_CAP == 5
     assert default_verify_width(f_model, draft) == draft.config.block_size
     assert default_verify_width(f_model, None) == 1
+
+
+def test_automatic_width_is_lossless(any_target, draft):
+    """W and L chosen per cycle (measured costs + acceptance) still give the target's output."""
+    name, model, tok = any_target
+    ids = tok.encode(PROMPTS[0])
+    ref = target_greedy(model, ids, 60)
+    for d in (draft, ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: (c * 5) % 17)):
+        out = generate(model, d, tok, ids, max_tokens=60)
+        assert out.tokens == ref, f"{name}: automatic width diverged"
+        assert out.verify_width is None
+
+
+def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(target, draft):
+    from dflash_mlx import stream_generate
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    widths = [r.width for r in stream_generate(model, draft, tok, ids, max_tokens=120)][1:]
+    plain = sum(w == 1 for w in widths)
+    assert plain >= 0.8 * len(widths), f"a never-right draft kept being verified: {widths}"

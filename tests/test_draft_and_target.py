@@ -119,3 +119,13 @@ def test_a_cache_that_can_be_neither_trimmed_nor_replayed_is_refused(models_dir,
     )
     with pytest.raises(ValueError, match=r"layer 1 uses SealedCache, which can be neither"):
         TargetAdapter.of(model).make_cache()
+
+
+def test_binding_does_not_adopt_the_targets_weights(target, draft):
+    from mlx.utils import tree_flatten
+
+    model, _ = target
+    before = {k for k, _ in tree_flatten(draft.parameters())}
+    bind_draft(draft, model)
+    after = {k for k, _ in tree_flatten(draft.parameters())}
+    assert before == after and not any("embed" in k or "lm_head" in k for k in after)

@@ -1,0 +1,101 @@
+"""`dflash-mlx bench`: options -> `dflash_mlx.benchmark.run_benchmark` -> `bench_ui`.
+
+The library (and so mlx) is imported inside `run`, so the command line starts instantly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import bench_ui, ui
+
+EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
+
+
+def parse_widths(text: str | None) -> list[int] | None:
+    """`--verify-widths`: "2,3,4" -> [2, 3, 4]; None -> the engine's default width."""
+    if text is None:
+        return None
+    if text.strip().lower() == "auto":
+        raise ValueError(
+            "--verify-widths auto is not available yet: the adaptive verify-width chooser "
+            "is not built; pass explicit widths, e.g. --verify-widths 1,2,3,4,5"
+        )
+    widths = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(
+                f"--verify-widths {text!r}: {part!r} is not a width (use integers >= 1, "
+                "e.g. 2,3,4,5,8,16)"
+            )
+        widths.append(int(part))
+    return list(dict.fromkeys(widths))
+
+
+def run(
+    *,
+    model: str | None,
+    draft: str | None,
+    demo: bool,
+    prompts: Path | None,
+    suite: str | None,
+    max_tokens: int,
+    temp: float,
+    repeats: int,
+    verify_widths: str | None,
+    seed: int,
+    json_out: Path | None,
+) -> int:
+    """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
+    widths = parse_widths(verify_widths)  # before anything loads
+    if prompts is not None and suite is not None:
+        raise ValueError("pass either --prompts or --suite, not both")
+    if demo and (model is not None or draft is not None):
+        raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+    if not demo and (model is None or draft is None):
+        raise ValueError(
+            "--model and --draft are required (or --demo for a random demonstration pair)"
+        )
+
+    import dflash_mlx
+    from dflash_mlx.bench_prompts import load_suite, read_prompts
+    from dflash_mlx.benchmark import run_benchmark
+
+    bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
+    if demo:
+        from dflash_mlx.demo import DESCRIPTION, demo_pair
+
+        with ui.loading("demo pair", "tiny random models"):
+            target_dir, draft_dir = demo_pair()
+        bench_ui.demo_note(DESCRIPTION, target_dir.parent)
+        model, draft = str(target_dir), str(draft_dir)
+    with ui.loading("target", model):
+        target, tokenizer = dflash_mlx.load(model)
+    with ui.loading("draft", draft):
+        drafter = dflash_mlx.load_draft(draft)
+
+    progress = bench_ui.BenchProgress()
+    try:
+        result = run_benchmark(
+            target,
+            drafter,
+            tokenizer,
+            bench_prompts,
+            widths=widths,
+            max_tokens=max_tokens,
+            temperature=temp,
+            repeats=repeats,
+            seed=seed,
+            model_id="random demo target" if demo else model,
+            draft_id="random demo draft" if demo else draft,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    if json_out is not None:
+        result.write_json(json_out)
+    bench_ui.report(result)
+    if json_out is not None:
+        bench_ui.json_written(json_out)
+    return EXIT_NOT_LOSSLESS if result.lossless is False else 0

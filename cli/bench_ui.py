@@ -1,0 +1,235 @@
+"""What `dflash-mlx bench` shows: progress, the results table, the per-position acceptance
+chart and the losslessness verdict.
+
+The report goes to stdout; progress and notes go to stderr. Renders a `BenchResult` (read
+through its fields only); knows nothing about models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.panel import Panel
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:  # the library imports mlx: only for type checkers, never at run time
+    from dflash_mlx.bench_results import BenchResult, RunSummary, SuiteSummary
+
+BAR = 32  # characters of a full acceptance bar
+LISTED_MISMATCHES = 20
+
+
+def _out() -> Console:
+    # Built per call: sys.stdout may be swapped (test runners, redirection) after import.
+    return Console(highlight=False)
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def demo_note(description: str, folder: Path) -> None:
+    _err().print(
+        Text.assemble(
+            ("demo: ", "bold yellow"),
+            (
+                f"a tiny RANDOM demonstration pair ({description}), not a useful model. "
+                "Its text is gibberish and its draft is never right, so τ will be ~1 and "
+                "DFlash slower than the target alone: this only shows the bench working. "
+                f"Cached in {folder}.",
+                "yellow",
+            ),
+        )
+    )
+
+
+class BenchProgress:
+    """The benchmark's `progress(done, total, what)` callback: one bar on stderr."""
+
+    def __init__(self) -> None:
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("bench"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("runs"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                TextColumn("[dim]{task.description}"),
+                console=_err(),
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(what, total=total)
+        self._bar.update(self._task, completed=done, description=escape(what))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def _quant(q: dict | None) -> str:
+    if not q:
+        return "unquantized"
+    if "mixed" in q:
+        return "mixed quantization"
+    return f"{q['bits']}-bit, group {q['group_size']}"
+
+
+def _header(result: BenchResult) -> Text:
+    env, models, s = result.environment, result.models, result.settings
+    device = ", ".join(str(x) for x in (env["device_info"].get("device_name"), env["machine"]) if x)
+    per_suite = ", ".join(f"{x.suite} {x.prompts}" for x in result.suites)
+    lines = [
+        f"{env['device_type']} ({device}) · mlx {env['mlx']} · mlx-lm {env['mlx_lm']}",
+        f"target {models['target']} ({_quant(models['target_quantization'])})",
+        f"draft  {models['draft']} (block {models['draft_block_size']})",
+        f"{result.overall.prompts} prompts ({per_suite}) · ≤ {s['max_tokens']} tokens · "
+        f"temp {s['temperature']:g} · median of {s['repeats']} after a warm-up",
+    ]
+    return Text("\n".join(lines), style="dim")
+
+
+def _run_label(r: RunSummary) -> str:
+    if r.width is None:
+        return "mlx-lm"
+    return f"W={r.width}" + (" (no draft)" if r.width == 1 else "")
+
+
+def _speedup(x: float) -> Text:
+    return Text(f"{x:.2f}×", style="bold green" if x >= 1.0 else "red")
+
+
+def _tps(x: float) -> str:
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def _memory(gb: float) -> str:
+    return f"{gb:.2f} GB" if gb >= 1 else f"{gb * 1000:.0f} MB"
+
+
+def _table(suite: SuiteSummary) -> Table:
+    """One suite: the target alone (mlx-lm) first, then DFlash at each verify width."""
+    table = Table(
+        title=f"{suite.suite} ({suite.prompts} prompts)",
+        title_justify="left",
+        title_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for name in ["run", "tok/s", "min–max", "speedup", "τ", "prefill", "TTFT", "peak"]:
+        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
+    for r in suite.runs:
+        t = r.generation_tps
+        table.add_row(
+            _run_label(r),
+            _tps(t.median),
+            f"{_tps(t.min)}–{_tps(t.max)}",
+            _speedup(r.speedup.median) if r.width is not None else Text("1.00×", "dim"),
+            f"{r.tau:.2f}",
+            _tps(r.prompt_tps.median),
+            f"{r.time_to_first_token.median * 1000:.0f} ms",
+            _memory(r.peak_memory),
+        )
+    return table
+
+
+def _tables(result: BenchResult) -> list[Table]:
+    suites = list(result.suites)
+    return [_table(s) for s in suites + ([result.overall] if len(suites) > 1 else [])]
+
+
+def _acceptance_chart(result: BenchResult) -> Text | None:
+    """Bars of acceptance per block position, at the widest verify width, all prompts."""
+    runs = [r for r in result.overall.runs if r.acceptance_rates]
+    if not runs:
+        return None
+    widest = max(runs, key=lambda r: r.width)
+    out = Text(
+        f"acceptance per block position (W={widest.width}, all prompts, τ {widest.tau:.2f})\n",
+        style="bold",
+    )
+    for i, rate in enumerate(widest.acceptance_rates, start=1):
+        full = round(rate * BAR)
+        out.append(f"{i:>4} ")
+        out.append("█" * full, style="green")
+        out.append("░" * (BAR - full), style="dim")
+        out.append(f" {rate:6.1%}\n")
+    return out
+
+
+def _verdict(result: BenchResult) -> Text | Panel:
+    dflash_runs = sum(r.width is not None for r in result.records)
+    if result.lossless is None:
+        return Text(
+            "temperature > 0: outputs are sampled, so tokens are not compared "
+            "(losslessness is checked at temperature 0)",
+            style="dim",
+        )
+    if result.lossless:
+        return Text(
+            f"✓ lossless: all {dflash_runs} DFlash runs reproduced the target's greedy "
+            "tokens exactly",
+            style="green",
+        )
+    bad = result.mismatches
+    lines = Text(
+        f"{len(bad)} of {dflash_runs} DFlash runs differ from the target's own greedy "
+        "decoding (mlx-lm, same prompt, same process):\n",
+        style="bold red",
+    )
+    for m in bad[:LISTED_MISMATCHES]:
+        prompt = " ".join(m.prompt.split())
+        prompt = prompt if len(prompt) <= 70 else prompt[:69] + "…"
+        lines.append(
+            f"• {m.suite} #{m.prompt_index + 1} · W={m.width} · repeat {m.repeat + 1} · "
+            f"first difference at generated token {m.position}: expected {m.expected} "
+            f"{m.expected_text!r}, got {m.got} {m.got_text!r} "
+            f"({m.expected_tokens} vs {m.got_tokens} tokens)\n",
+            style="red",
+        )
+        lines.append(f"    prompt: {prompt}\n", style="dim")
+    if len(bad) > LISTED_MISMATCHES:
+        lines.append(f"… and {len(bad) - LISTED_MISMATCHES} more (all in --json)\n", style="red")
+    return Panel(
+        lines,
+        title="LOSSLESSNESS FAILURE",
+        title_align="left",
+        border_style="bold red",
+    )
+
+
+def report(result: BenchResult) -> None:
+    """The whole report on stdout: header, tables, acceptance chart, losslessness verdict.
+
+    tok/s is generation speed (tokens after the first over their time), median over repeats;
+    speedup is against mlx-lm in the same repeat; prefill is prompt tokens/s.
+    """
+    parts = [_header(result), Text(""), *_tables(result)]
+    chart = _acceptance_chart(result)
+    if chart is not None:
+        parts.append(chart)
+    parts.append(_verdict(result))
+    _out().print(Group(*parts))
+
+
+def json_written(path: Path) -> None:
+    _err().print(Text(f"wrote {path}", style="dim"))

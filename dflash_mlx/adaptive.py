@@ -1,0 +1,141 @@
+"""Choosing the verify width W and draft block L each cycle (SPEC 5.4).
+
+The expected speed of a cycle is `E[accepted + 1 | W] / (t_draft(L) + t_verify(W))`, with
+`W = 1` (plain decoding, no draft pass) always a candidate, so speculation is only used when
+it is expected to pay. Costs come from measured curves (`calibrate.py`); acceptance comes
+from running, exponentially decayed per-position statistics of this generation. When plain
+decoding wins, a speculative cycle is re-tried now and then, with the interval doubling
+after each probe that confirms the loss. Pure Python on a few floats per cycle: no device
+work and no host syncs. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    """Seconds per pass, measured on the running device.
+
+    `verify[w - 1]`: the target on `w` tokens (w = 1 is a plain decoding step).
+    `draft[l - 1]`: the draft on a block of `l` rows (l = 1 unused).
+    """
+
+    verify: tuple[float, ...]
+    draft: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.verify or len(self.verify) != len(self.draft):
+            raise ValueError(
+                f"cost curves need equal, non-empty verify ({len(self.verify)}) and draft "
+                f"({len(self.draft)}) lengths"
+            )
+        if any(t <= 0 for t in self.verify) or any(t < 0 for t in self.draft):
+            raise ValueError("cost curves must hold positive times")
+
+
+class WidthChooser:
+    """Picks `(W, L)` for the next cycle and learns from each cycle's acceptance."""
+
+    def __init__(
+        self,
+        costs: CostCurves,
+        block: int,
+        *,
+        draft_block: int | None = None,
+        decay: float = 0.95,
+        prior: float = 0.5,
+        prior_strength: float = 2.0,
+        probe_interval: int = 8,
+        max_probe_interval: int = 512,
+    ):
+        if len(costs.verify) < block:
+            raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
+        if draft_block is not None and not 2 <= draft_block <= block:
+            raise ValueError(f"draft_block {draft_block} must be in 2..{block}")
+        self.costs = costs
+        self.block = block
+        self.draft_block = draft_block  # fixed L (DFlash 2 always drafts its whole block)
+        self.decay = decay
+        self.prior = prior
+        self.prior_strength = prior_strength
+        self.trials = [0.0] * block  # index j: drafted position j (1..block-1)
+        self.hits = [0.0] * block
+        self.base_probe = probe_interval
+        self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.since_probe = 0
+        self.probing = False
+
+    # -- model -----------------------------------------------------------------------------
+
+    def acceptance(self) -> list[float]:
+        """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.
+
+        Each position is smoothed towards the estimate of the position before it, so widths
+        never tried borrow the latest evidence instead of a fixed guess.
+        """
+        alphas, prev = [], self.prior
+        for j in range(1, self.block):
+            a = (self.hits[j] + self.prior_strength * prev) / (self.trials[j] + self.prior_strength)
+            alphas.append(a)
+            prev = a
+        return alphas
+
+    def expected_tokens(self) -> list[float]:
+        """`E[accepted + 1 | W]` for W = 1..block."""
+        out, reach, total = [1.0], 1.0, 1.0
+        for a in self.acceptance():
+            reach *= a
+            total += reach
+            out.append(total)
+        return out
+
+    def _draft_block(self, w: int) -> int:
+        if self.draft_block is not None:
+            return self.draft_block
+        return min(range(w, self.block + 1), key=lambda n: self.costs.draft[n - 1])
+
+    def rates(self) -> dict[int, tuple[float, int]]:
+        """Expected tokens per second and draft block for every width."""
+        exp = self.expected_tokens()
+        out = {1: (1.0 / self.costs.verify[0], 0)}
+        for w in range(2, (self.draft_block or self.block) + 1):
+            n = self._draft_block(w)
+            out[w] = (exp[w - 1] / (self.costs.verify[w - 1] + self.costs.draft[n - 1]), n)
+        return out
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def choose(self, limit: int | None = None) -> tuple[int, int]:
+        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the budget)."""
+        rates = self.rates()
+        widths = [w for w in rates if limit is None or w <= limit]
+        best = max(widths, key=lambda w: rates[w][0])
+        self.probing = False
+        if best == 1 and len(widths) > 1:
+            self.since_probe += 1
+            if self.since_probe >= self.probe_interval:
+                self.probing = True
+                self.since_probe = 0
+                best = max((w for w in widths if w > 1), key=lambda w: rates[w][0])
+        return best, rates[best][1]
+
+    def update(self, width: int, accepted: int) -> None:
+        """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
+        if width <= 1:
+            return
+        d = self.decay
+        self.trials = [t * d for t in self.trials]
+        self.hits = [h * d for h in self.hits]
+        for j in range(1, min(accepted + 1, width - 1) + 1):
+            self.trials[j] += 1.0
+            if j <= accepted:
+                self.hits[j] += 1.0
+        if self.probing:
+            rates = self.rates()
+            if max(rates, key=lambda w: rates[w][0]) == 1:
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+            else:
+                self.probe_interval = self.base_probe

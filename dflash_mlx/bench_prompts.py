@@ -1,0 +1,91 @@
+"""Benchmark prompts: the built-in suites (math, code, chat) and JSONL prompt files.
+
+A prompt file holds one JSON object per line, either `{"prompt": "text"}` or
+`{"messages": [{"role": ..., "content": ...}, ...]}`; blank lines are skipped. Knows nothing
+about models or tokenizers: a prompt stays text or chat messages until the benchmark
+encodes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib.resources import files
+from pathlib import Path
+
+SUITES = ("math", "code", "chat")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One benchmark prompt: plain text or chat messages, and where it came from."""
+
+    suite: str
+    index: int  # position in its suite, from 0
+    text: str | None = None
+    messages: list[dict[str, str]] | None = field(default=None, hash=False)
+
+    @property
+    def summary(self) -> str:
+        """The prompt text, or the last message's content: what a report shows."""
+        if self.text is not None:
+            return self.text
+        return self.messages[-1]["content"] if self.messages else ""
+
+    def to_dict(self) -> dict:
+        body = {"prompt": self.text} if self.text is not None else {"messages": self.messages}
+        return {"suite": self.suite, "index": self.index, **body}
+
+
+def _parse_line(line: str, where: str) -> tuple[str | None, list[dict[str, str]] | None]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
+        raise ValueError(f'{where}: expected an object with either "prompt" or "messages"')
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        return obj["prompt"], None
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f'{where}: "messages" must be a non-empty list')
+    for i, m in enumerate(messages):
+        ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        if not ok:
+            raise ValueError(f'{where}: message {i} needs string "role" and "content"')
+    return None, [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def parse_prompts(text: str, source: str, suite: str) -> list[BenchPrompt]:
+    """Prompts from JSONL `text`; errors name `source` and the line number."""
+    prompts = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        prompt, messages = _parse_line(line, f"{source}:{lineno}")
+        prompts.append(BenchPrompt(suite, len(prompts), prompt, messages))
+    if not prompts:
+        raise ValueError(f"{source}: no prompts (expected JSON lines with a prompt or messages)")
+    return prompts
+
+
+def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt]:
+    """Prompts from a JSONL file; the suite name defaults to the file's stem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read prompts ({e.strerror or e})") from None
+    return parse_prompts(text, str(path), suite or path.stem)
+
+
+def load_suite(name: str) -> list[BenchPrompt]:
+    """A built-in suite (`math`, `code`, `chat`), or all of them with `all`."""
+    if name == "all":
+        return [p for s in SUITES for p in load_suite(s)]
+    if name not in SUITES:
+        raise ValueError(f"unknown suite {name!r}: choose one of {', '.join(SUITES)} or all")
+    resource = files("dflash_mlx") / "prompts" / f"{name}.jsonl"
+    return parse_prompts(resource.read_text(encoding="utf-8"), f"{name}.jsonl", name)

@@ -1,0 +1,173 @@
+"""What a bench run produced: per-run records, mismatches, summaries and their JSON form.
+
+Pure Python over the numbers `benchmark.run_benchmark` measured: no mlx, no models. Each
+figure of a summary is computed over all prompts of one repeat (tokens and times pooled),
+then given as median and range over the repeats.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BASELINE = "mlx-lm"  # the name of the plain-decoding run in results
+
+
+@dataclass
+class RunRecord:
+    """One generation: one prompt, one repeat, the baseline or one verify width."""
+
+    suite: str
+    prompt_index: int
+    repeat: int
+    run: str  # BASELINE or "W=<width>"
+    width: int | None  # verify width; None for the baseline
+    prompt_tokens: int
+    prompt_time: float  # seconds from the start to the first token (TTFT)
+    generation_tokens: int
+    generation_time: float  # seconds from the first token to the last
+    peak_memory: float  # GB
+    cycles: int  # verify passes (the baseline: one per token after the first)
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class Mismatch:
+    """A DFlash run at temperature 0 whose tokens differ from the baseline's."""
+
+    suite: str
+    prompt_index: int
+    prompt: str
+    width: int
+    repeat: int
+    position: int  # first differing generated token, from 0
+    expected: int | None  # the baseline's token there (None: the baseline had ended)
+    got: int | None  # DFlash's token there (None: DFlash had ended)
+    expected_text: str
+    got_text: str
+    expected_tokens: int
+    got_tokens: int
+
+
+@dataclass
+class Spread:
+    """Median and range of one figure over repeats."""
+
+    median: float
+    min: float
+    max: float
+    values: list[float]
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        return cls(statistics.median(values), min(values), max(values), list(values))
+
+
+@dataclass
+class RunSummary:
+    """One run (baseline or width) over a set of prompts; tok/s figures are per repeat."""
+
+    run: str
+    width: int | None
+    generation_tps: Spread  # generated tokens after the first / their time, all prompts
+    speedup: Spread  # generation_tps / the baseline's, paired within each repeat
+    tau: float  # mean tokens committed per verify pass
+    acceptance_rates: list[float]  # per block position 1..W-1: accepted / drafted
+    prompt_tps: Spread  # prompt tokens / prefill time, all prompts
+    time_to_first_token: Spread  # mean over prompts, seconds
+    peak_memory: float  # GB, the largest of any run
+    generation_tokens: int  # over all prompts and repeats
+    cycles: int
+
+
+@dataclass
+class SuiteSummary:
+    suite: str  # a suite name, or "overall"
+    prompts: int
+    runs: list[RunSummary]
+
+
+@dataclass
+class BenchResult:
+    environment: dict[str, Any]
+    models: dict[str, Any]
+    settings: dict[str, Any]
+    prompts: list[dict[str, Any]]
+    suites: list[SuiteSummary]
+    overall: SuiteSummary
+    mismatches: list[Mismatch]
+    records: list[RunRecord]
+
+    @property
+    def lossless(self) -> bool | None:
+        """Whether every DFlash run matched the baseline; None when sampling (temp > 0)."""
+        if self.settings["temperature"] > 0:
+            return None
+        return not self.mismatches
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lossless": self.lossless}
+
+    def write_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def _generation_tps(recs: list[RunRecord]) -> float:
+    # Tokens after the first over the time after the first, as GenerationResult counts them.
+    n = sum(max(r.generation_tokens - 1, 0) for r in recs)
+    return _ratio(n, sum(r.generation_time for r in recs))
+
+
+def _prefill_tps(recs: list[RunRecord]) -> float:
+    return _ratio(sum(r.prompt_tokens for r in recs), sum(r.prompt_time for r in recs))
+
+
+def _pooled(lists: list[list[int]]) -> list[int]:
+    """Element-wise sums of lists of different lengths."""
+    n = max(map(len, lists), default=0)
+    return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
+
+
+def summarise(name: str, runs: list[str], records: list[RunRecord], n_prompts: int) -> SuiteSummary:
+    """Per run: each figure computed over all prompts of one repeat, then spread over repeats."""
+    repeats = sorted({r.repeat for r in records})
+    by_run = {
+        run: [[r for r in records if r.run == run and r.repeat == k] for k in repeats]
+        for run in runs
+    }
+    base = [_generation_tps(g) for g in by_run[BASELINE]]
+    out = []
+    for run, groups in by_run.items():
+        mine = [r for g in groups for r in g]
+        tps = [_generation_tps(g) for g in groups]
+        accepted = _pooled([r.accepted_per_position for r in mine])
+        drafted = _pooled([r.drafted_per_position for r in mine])
+        cycles = sum(r.cycles for r in mine)
+        out.append(
+            RunSummary(
+                run=run,
+                width=mine[0].width,
+                generation_tps=Spread.of(tps),
+                speedup=Spread.of([_ratio(t, b) for t, b in zip(tps, base)]),
+                tau=_ratio(cycles + sum(accepted), cycles),
+                acceptance_rates=[_ratio(a, d) for a, d in zip(accepted, drafted)],
+                prompt_tps=Spread.of([_prefill_tps(g) for g in groups]),
+                time_to_first_token=Spread.of(
+                    [statistics.mean(r.prompt_time for r in g) for g in groups]
+                ),
+                peak_memory=max(r.peak_memory for r in mine),
+                generation_tokens=sum(r.generation_tokens for r in mine),
+                cycles=cycles,
+            )
+        )
+    return SuiteSummary(name, n_prompts, out)

@@ -1,0 +1,300 @@
+"""DFlash against the target alone, measured side by side in one process.
+
+Runs plain mlx-lm decoding (the baseline: `mlx_lm.generate.generate_step` with mlx-lm's own
+sampler) and DFlash through the public `dflash_mlx.generate` at each verify width, on the
+same encoded prompts, after a warm-up. The order of the runs rotates with every prompt and
+repeat, so slow drift (heat, other processes) spreads over all of them. At temperature 0
+every DFlash run must reproduce the baseline's tokens; a difference is recorded with the
+prompt and the first differing position. Returns dataclasses that serialise to JSON; never
+prints: progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
+
+import dflash_mlx
+
+from .bench_prompts import BenchPrompt
+from .bench_results import BASELINE, BenchResult, Mismatch, RunRecord, summarise
+from .decode import PREFILL_STEP, default_verify_width
+from .draft import DFlashDraft
+from .generate import encode_prompt
+
+WARMUP_TOKENS = 32
+
+Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what just ran)
+
+
+def environment() -> dict[str, Any]:
+    """Device, platform and library versions the figures were measured with."""
+
+    def pkg(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    info = mx.device_info()
+    device = mx.default_device()
+    return {
+        "device": str(device),
+        "device_type": device.type.name,  # "cpu" or "gpu"
+        "device_info": {k: v for k, v in info.items() if isinstance(v, str | int | float)},
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": pkg("mlx-lm"),
+        "dflash_mlx": pkg("dflash-mlx-engine"),
+    }
+
+
+def quantization(module: nn.Module) -> dict[str, Any] | None:
+    """Bits, group size and mode of a module's quantized layers; None when it has none."""
+    kinds = {
+        (m.bits, m.group_size, getattr(m, "mode", "affine"))
+        for _, m in module.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }
+    found = [{"bits": b, "group_size": g, "mode": m} for b, g, m in sorted(kinds)]
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else {"mixed": found}
+
+
+def _check(
+    widths: list[int], draft: DFlashDraft | None, max_tokens: int, temperature: float, repeats: int
+) -> None:
+    limit = draft.config.block_size if draft is not None else 1
+    for w in widths:
+        if not isinstance(w, int) or w < 1:
+            raise ValueError(f"verify width {w!r} must be an integer >= 1")
+        if w > limit:
+            raise ValueError(
+                f"verify width {w} exceeds "
+                + (f"the draft's block size {limit}" if draft is not None else "1 (no draft)")
+            )
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens {max_tokens!r} must be an integer >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature {temperature} must be >= 0")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats {repeats!r} must be an integer >= 1")
+
+
+def _baseline(model, ids: list[int], max_tokens: int, sampler, eos: frozenset[int]):
+    """Plain mlx-lm decoding: (tokens, prompt time, generation time, peak memory GB)."""
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    # The same prefill chunk as our engine, so prefill figures compare like with like.
+    steps = generate_step(
+        mx.array(ids), model, max_tokens=max_tokens, sampler=sampler, prefill_step_size=PREFILL_STEP
+    )
+    tokens: list[int] = []
+    first = tic
+    for token, _ in steps:
+        tokens.append(int(token))
+        if len(tokens) == 1:
+            first = time.perf_counter()
+        if tokens[-1] in eos:
+            break  # kept, as dflash_mlx keeps the EOS id among its tokens
+    end = time.perf_counter()
+    steps.close()
+    return tokens, first - tic, end - first, mx.get_peak_memory() / 1e9
+
+
+def _first_difference(expected: list[int], got: list[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def run_benchmark(
+    model: nn.Module,
+    draft: DFlashDraft | None,
+    tokenizer,
+    prompts: Sequence[BenchPrompt],
+    *,
+    widths: Sequence[int] | None = None,
+    max_tokens: int = 128,
+    temperature: float = 0.0,
+    repeats: int = 3,
+    seed: int = 0,
+    chat: bool | None = None,
+    warmup_tokens: int = WARMUP_TOKENS,
+    model_id: str | None = None,
+    draft_id: str | None = None,
+    progress: Progress | None = None,
+) -> BenchResult:
+    """Measure the baseline and DFlash at each verify width on `prompts`, side by side.
+
+    `widths` are verify widths W (1 is the target alone through dflash_mlx's engine);
+    default: the engine's own default width. `chat` sends text prompts through the chat
+    template (default: when the tokenizer has one); message prompts always use it. Each
+    run generates up to `max_tokens` tokens; every figure is reported over `repeats`.
+    """
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    widths = list(dict.fromkeys(widths)) if widths else [default_verify_width(model, draft)]
+    _check(widths, draft, max_tokens, temperature, repeats)
+    if chat is None:
+        chat = bool(getattr(tokenizer, "has_chat_template", False))
+    encoded = [
+        encode_prompt(
+            tokenizer,
+            p.messages or ([{"role": "user", "content": p.text}] if chat else p.text),
+        )
+        for p in prompts
+    ]
+    eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+    runs: list[tuple[str, int | None]] = [(BASELINE, None)] + [(f"W={w}", w) for w in widths]
+    total = len(runs) * (1 + repeats * len(prompts))
+    done = 0
+
+    def one(name: str, width: int | None, ids: list[int], n: int, run_seed: int):
+        """(tokens, RunRecord fields) for one generation."""
+        if width is None:
+            mx.random.seed(run_seed)
+            tokens, t_prompt, t_gen, peak = _baseline(
+                model, ids, n, make_sampler(temp=temperature), eos
+            )
+            return tokens, dict(
+                prompt_time=t_prompt,
+                generation_time=t_gen,
+                peak_memory=peak,
+                cycles=max(len(tokens) - 1, 0),
+                accepted_per_position=[],
+                drafted_per_position=[],
+                finish_reason="stop" if tokens and tokens[-1] in eos else "length",
+            )
+        # Looked up at call time: the public API, exactly as users call it.
+        r = dflash_mlx.generate(
+            model,
+            draft,
+            tokenizer,
+            ids,
+            max_tokens=n,
+            temperature=temperature,
+            seed=run_seed,
+            block_size=width,
+        )
+        t_gen = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps > 0 else 0.0
+        return r.tokens, dict(
+            prompt_time=r.time_to_first_token,
+            generation_time=t_gen,
+            peak_memory=r.peak_memory,
+            cycles=r.cycles,
+            accepted_per_position=list(r.accepted_per_position),
+            drafted_per_position=list(r.drafted_per_position),
+            finish_reason=r.finish_reason,
+        )
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total, what)
+
+    for name, width in runs:  # warm-up: compile, allocate, fill caches; not measured
+        one(name, width, encoded[0], min(max_tokens, warmup_tokens), seed)
+        tick(f"warm-up {name}")
+
+    records: list[RunRecord] = []
+    mismatches: list[Mismatch] = []
+    for rep in range(repeats):
+        for i, (p, ids) in enumerate(zip(prompts, encoded)):
+            shift = (rep * len(prompts) + i) % len(runs)
+            outputs: dict[str, list[int]] = {}
+            for name, width in runs[shift:] + runs[:shift]:
+                run_seed = seed + rep * len(prompts) + i
+                tokens, fields = one(name, width, ids, max_tokens, run_seed)
+                outputs[name] = tokens
+                records.append(
+                    RunRecord(
+                        suite=p.suite,
+                        prompt_index=p.index,
+                        repeat=rep,
+                        run=name,
+                        width=width,
+                        prompt_tokens=len(ids),
+                        generation_tokens=len(tokens),
+                        **fields,
+                    )
+                )
+                tick(f"{p.suite} #{p.index + 1} {name}")
+            if temperature == 0:
+                mismatches += _compare(p, rep, outputs, runs, tokenizer)
+
+    suites = list(dict.fromkeys(p.suite for p in prompts))
+    names = [name for name, _ in runs]
+    return BenchResult(
+        environment=environment(),
+        models={
+            "target": model_id,
+            "draft": draft_id,
+            "target_type": getattr(getattr(model, "args", None), "model_type", None),
+            "target_quantization": quantization(model),
+            "draft_quantization": quantization(draft) if draft is not None else None,
+            "draft_block_size": draft.config.block_size if draft is not None else None,
+        },
+        settings={
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "repeats": repeats,
+            "verify_widths": widths,
+            "seed": seed,
+            "chat_template": chat,
+            "warmup_tokens": min(max_tokens, warmup_tokens),
+            "prefill_step": PREFILL_STEP,
+            "suites": suites,
+        },
+        prompts=[{**p.to_dict(), "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
+        suites=[
+            summarise(
+                s, names, [r for r in records if r.suite == s], sum(p.suite == s for p in prompts)
+            )
+            for s in suites
+        ],
+        overall=summarise("overall", names, records, len(prompts)),
+        mismatches=mismatches,
+        records=records,
+    )
+
+
+def _compare(p: BenchPrompt, rep: int, outputs: dict[str, list[int]], runs, tokenizer):
+    """Mismatches of each DFlash run against the baseline's tokens for one prompt."""
+    expected = outputs[BASELINE]
+    found = []
+    for name, width in runs[1:]:
+        got = outputs[name]
+        pos = _first_difference(expected, got)
+        if pos is None:
+            continue
+        found.append(
+            Mismatch(
+                suite=p.suite,
+                prompt_index=p.index,
+                prompt=p.summary,
+                width=width,
+                repeat=rep,
+                position=pos,
+                expected=expected[pos] if pos < len(expected) else None,
+                got=got[pos] if pos < len(got) else None,
+                expected_text=tokenizer.decode(expected[pos : pos + 8]),
+                got_text=tokenizer.decode(got[pos : pos + 8]),
+                expected_tokens=len(expected),
+                got_tokens=len(got),
+            )
+        )
+    return found

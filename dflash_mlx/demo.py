@@ -1,0 +1,59 @@
+"""The random demonstration pair behind `dflash-mlx bench --demo`: built once, then cached.
+
+A tiny random Qwen3-style target and a random DFlash draft, built with `dflash_mlx.tiny`,
+so the bench can run end to end without downloads. Their text is gibberish and the draft
+is never right (tau ~ 1): not a useful model, and no measure of what DFlash gains with a
+trained draft. Knows nothing about the bench itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_NAME = "demo-pair-v1"  # bump when the pair's recipe changes
+LAYERS = 4
+HIDDEN = 64
+DESCRIPTION = (
+    f"random qwen3 target ({LAYERS} layers, hidden {HIDDEN}) "
+    f"+ random 2-layer DFlash draft (block 16)"
+)
+
+
+def cache_root() -> Path:
+    """`$XDG_CACHE_HOME/dflash-mlx` (default `~/.cache/dflash-mlx`)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dflash-mlx"
+
+
+def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
+    """(target folder, draft folder) of the demo pair under `root`, built on first use."""
+    from .tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
+
+    folder = (root or cache_root()) / DEMO_NAME
+    target, draft = folder / "target", folder / "draft"
+    if (folder / "complete").exists():
+        return target, draft
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the final place, then move it there: a crash leaves no half pair.
+        work = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=folder.parent))
+    except OSError as e:
+        raise ValueError(f"cannot create the demo pair under {folder.parent}: {e}") from None
+    try:
+        (work / "target").mkdir()
+        write_tokenizer(work / "target")
+        build_target(work / "target", qwen3_config(layers=LAYERS, hidden=HIDDEN), seed=1)
+        build_draft(work / "draft", draft_config(LAYERS, [1, 2], hidden=HIDDEN), seed=2)
+        (work / "complete").write_text(DESCRIPTION + "\n")
+        shutil.rmtree(folder, ignore_errors=True)
+        try:
+            work.rename(folder)
+        except OSError:
+            if not (folder / "complete").exists():  # else: another process just built it
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target, draft

@@ -1,0 +1,169 @@
+"""The width chooser (SPEC 5.4) on synthetic costs, and the calibration cache."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import mlx.core as mx
+import pytest
+
+import dflash_mlx.calibrate as calibrate
+from dflash_mlx.adaptive import CostCurves, WidthChooser
+
+BLOCK = 16
+
+
+def curves(verify, draft) -> CostCurves:
+    return CostCurves(
+        tuple(verify(w) for w in range(1, BLOCK + 1)), tuple(draft(n) for n in range(1, BLOCK + 1))
+    )
+
+
+FLAT = curves(lambda w: 1.0 + 0.02 * w, lambda n: 0.1)  # a memory-bound GPU
+STEEP = curves(lambda w: 1.0 * w, lambda n: 0.25 * n)  # a compute-bound CPU
+
+
+def teach(chooser: WidthChooser, alpha: float, cycles: int = 400, width: int = BLOCK) -> None:
+    """Feed cycles whose drafted tokens are each accepted with conditional rate alpha
+    (deterministically: the expected acceptance pattern, not random draws)."""
+    for _ in range(cycles):
+        n = 0
+        reach = 1.0
+        for _j in range(1, width):
+            reach *= alpha
+            if reach >= 0.5:
+                n += 1
+        chooser.update(width, n)
+
+
+def analytic_best(costs: CostCurves, alphas: list[float]) -> int:
+    """argmax over W of E[tokens | W] / (t_draft + t_verify), written out independently."""
+    best, best_rate = 1, 1.0 / costs.verify[0]
+    for w in range(2, BLOCK + 1):
+        expected = 1.0 + sum(math.prod(alphas[:i]) for i in range(1, w))
+        draft = min(costs.draft[w - 1 : BLOCK])
+        rate = expected / (costs.verify[w - 1] + draft)
+        if rate > best_rate:
+            best, best_rate = w, rate
+    return best
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat", "steep"])
+@pytest.mark.parametrize("alpha", [0.2, 0.6, 0.9, 0.99])
+def test_chooser_picks_the_analytically_best_width(costs, alpha):
+    ch = WidthChooser(costs, BLOCK)
+    # Set the statistics to a known profile directly: many trials at each position.
+    ch.trials = [0.0] + [1e6] * (BLOCK - 1)
+    ch.hits = [0.0] + [alpha * 1e6] * (BLOCK - 1)
+    w, n = ch.choose()
+    assert w == analytic_best(costs, [alpha] * (BLOCK - 1)), (w, alpha)
+    assert w == 1 or n >= w
+
+
+def test_flat_costs_go_wide_and_steep_costs_go_narrow():
+    flat = WidthChooser(FLAT, BLOCK)
+    teach(flat, 0.95)
+    steep = WidthChooser(STEEP, BLOCK)
+    teach(steep, 0.3)
+    assert flat.choose()[0] >= 12
+    assert steep.choose()[0] == 1
+
+
+def test_chooser_adapts_when_acceptance_changes():
+    ch = WidthChooser(FLAT, BLOCK)
+    teach(ch, 0.97)
+    wide = ch.choose()[0]
+    teach(ch, 0.0, cycles=100, width=wide)
+    narrow = ch.choose()[0]
+    assert wide >= 12 and narrow <= 2, (wide, narrow)
+    teach(ch, 0.97, cycles=60, width=max(narrow, 2))
+    assert ch.choose()[0] >= 8, "good drafts again: the width grows back"
+
+
+def test_draft_block_is_the_cheapest_block_that_covers_w():
+    costs = curves(lambda w: 1.0, lambda n: 0.5 if n == 16 else 0.1 * n)
+    ch = WidthChooser(costs, BLOCK)
+    ch.trials, ch.hits = [0.0] + [1e6] * 15, [0.0] + [0.9e6] * 15
+    w, n = ch.choose()
+    assert n == (16 if 0.1 * w > 0.5 else w)
+    fixed = WidthChooser(costs, BLOCK, draft_block=16)
+    fixed.trials, fixed.hits = ch.trials, ch.hits
+    assert fixed.choose()[1] == 16
+    short = WidthChooser(costs, BLOCK, draft_block=4)
+    short.trials, short.hits = ch.trials, ch.hits
+    assert short.choose() == (4, 4), "W never exceeds a fixed draft block"
+
+
+def test_plain_decoding_is_probed_rarely_with_backoff():
+    ch = WidthChooser(STEEP, BLOCK)
+    probes = 0
+    for _ in range(2000):
+        w, _ = ch.choose()
+        if w > 1:
+            probes += 1
+            ch.update(w, 0)  # the draft is never right: every probe confirms the loss
+    assert 3 <= probes <= 14, probes
+    assert ch.probe_interval == ch.max_probe_interval
+
+
+def test_a_probe_that_finds_good_drafts_switches_back_to_speculation():
+    costs = curves(lambda w: 1.0 + 0.1 * w, lambda n: 0.3)
+    ch = WidthChooser(costs, BLOCK, prior=0.05)
+    assert ch.choose()[0] == 1
+    for _ in range(200):
+        w, _ = ch.choose()
+        if w > 1:
+            ch.update(w, w - 1)  # every probe finds all drafts accepted
+    assert ch.choose()[0] > 1
+
+
+def test_budget_limit_caps_the_width():
+    ch = WidthChooser(FLAT, BLOCK)
+    teach(ch, 0.95)
+    assert ch.choose(limit=3)[0] <= 3
+
+
+def test_bad_cost_curves_are_refused():
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        CostCurves((1.0, 2.0), (0.1,))
+    with pytest.raises(ValueError, match="positive"):
+        CostCurves((0.0, 1.0), (0.0, 0.1))
+    with pytest.raises(ValueError, match="need 16"):
+        WidthChooser(CostCurves((1.0,) * 4, (0.1,) * 4), 16)
+
+
+# -- calibration ----------------------------------------------------------------------------
+
+
+def test_calibration_measures_increasing_verify_cost_and_is_cached(
+    target, draft, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    model, _ = target
+    curves1 = calibrate.load_or_measure(model, draft)
+    assert len(curves1.verify) == len(curves1.draft) == draft.config.block_size
+    assert all(t > 0 for t in curves1.verify)
+    files = list((tmp_path / "calibration").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["key"]["mlx"] == mx.__version__
+
+    def no_measure(*a, **k):
+        raise AssertionError("cached curves must be reused")
+
+    monkeypatch.setattr(calibrate, "measure", no_measure)
+    assert calibrate.load_or_measure(model, draft) == curves1
+
+
+def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    model, _ = target
+    calls = []
+    fake = CostCurves((1.0,) * 16, (0.1,) * 16)
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
+    calibrate.load_or_measure(model, draft)
+    calibrate.load_or_measure(model, draft)
+    assert len(calls) == 1
+    monkeypatch.setattr(mx, "__version__", "0.0.0-other")
+    calibrate.load_or_measure(model, draft)
+    assert len(calls) == 2
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 2

@@ -1,0 +1,254 @@
+"""`dflash-mlx bench`: side-by-side measurement, losslessness check, prompt files, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import dflash_mlx
+from cli.main import app
+from dflash_mlx.bench_prompts import SUITES, BenchPrompt, load_suite, read_prompts
+from dflash_mlx.benchmark import BASELINE, quantization, run_benchmark
+from dflash_mlx.generate import encode_prompt
+
+MAX_TOKENS = 8
+PROMPTS = [
+    BenchPrompt("math", 0, text="What is 12 times 7?"),
+    BenchPrompt(
+        "chat",
+        0,
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name three colors."},
+        ],
+    ),
+]
+SUMMARY_KEYS = {
+    "run",
+    "width",
+    "generation_tps",
+    "speedup",
+    "tau",
+    "acceptance_rates",
+    "prompt_tps",
+    "time_to_first_token",
+    "peak_memory",
+    "generation_tokens",
+    "cycles",
+}
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def bench(target, draft, prompts=PROMPTS, **kwargs):
+    model, tokenizer = target
+    kwargs = {"widths": [1, 4], "max_tokens": MAX_TOKENS, "repeats": 1, **kwargs}
+    return run_benchmark(model, draft, tokenizer, prompts, **kwargs)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "few.jsonl"
+    lines = [json.dumps(p.to_dict()) for p in PROMPTS]
+    path.write_text(lines[0] + "\n\n" + lines[1] + "\n")  # a blank line is skipped
+    return path
+
+
+def test_bench_measures_both_ways_and_serialises_everything(target, draft, tmp_path):
+    calls = []
+    result = bench(target, draft, progress=lambda *a: calls.append(a), model_id="tiny")
+    runs = [BASELINE, "W=1", "W=4"]
+    assert calls[-1][:2] == (len(runs) * (1 + len(PROMPTS)),) * 2, "progress must reach 100%"
+    assert result.lossless is True and result.mismatches == []
+    assert len(result.records) == len(runs) * len(PROMPTS)
+
+    out = tmp_path / "bench.json"
+    result.write_json(out)
+    data = json.loads(out.read_text())
+    assert data["lossless"] is True
+    env = data["environment"]
+    for key in ["device", "platform", "machine", "mlx", "mlx_lm"]:
+        assert env[key], f"environment lacks {key}"
+    assert data["models"]["target"] == "tiny"
+    assert data["models"]["target_quantization"] is None
+    assert data["models"]["draft_block_size"] == draft.config.block_size
+    assert data["settings"]["verify_widths"] == [1, 4]
+    assert data["settings"]["temperature"] == 0
+    assert [s["suite"] for s in data["suites"]] == ["math", "chat"]
+    assert [p["prompt_tokens"] > 0 for p in data["prompts"]] == [True, True]
+    for summary in data["suites"] + [data["overall"]]:
+        assert [r["run"] for r in summary["runs"]] == runs
+        for r in summary["runs"]:
+            assert set(r) == SUMMARY_KEYS
+            assert r["generation_tps"]["median"] > 0 and r["prompt_tps"]["median"] > 0
+            assert r["time_to_first_token"]["median"] > 0
+            assert r["tau"] >= 1.0
+    base, w1, w4 = data["overall"]["runs"]
+    assert base["speedup"]["median"] == 1.0
+    assert w4["speedup"]["median"] == pytest.approx(
+        w4["generation_tps"]["median"] / base["generation_tps"]["median"]
+    )
+    assert w1["acceptance_rates"] == [] and len(w4["acceptance_rates"]) == 3
+    assert w4["cycles"] > 0
+
+
+def test_losslessness_check_flags_a_corrupted_dflash_token(target, draft, monkeypatch):
+    model, tokenizer = target
+    victim = encode_prompt(tokenizer, PROMPTS[1].messages)
+    real = dflash_mlx.generate
+
+    def corrupted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if args[3] == victim and kwargs["block_size"] == 4:
+            tokens = list(result.tokens)
+            tokens[3] = (tokens[3] + 1) % 7
+            return dataclasses.replace(result, tokens=tokens)
+        return result
+
+    monkeypatch.setattr(dflash_mlx, "generate", corrupted)
+    result = bench(target, draft, repeats=2)
+    assert result.lossless is False
+    assert len(result.mismatches) == 2, "one mismatch per repeat, W=4 on prompt 1 only"
+    for rep, m in enumerate(result.mismatches):
+        assert (m.suite, m.prompt_index, m.width, m.position, m.repeat) == ("chat", 0, 4, 3, rep)
+        assert m.prompt == "Name three colors."
+        assert m.got == (m.expected + 1) % 7
+    assert result.to_dict()["mismatches"][0]["position"] == 3
+
+
+def test_sampling_runs_report_no_losslessness_verdict(target, draft):
+    result = bench(target, draft, prompts=PROMPTS[:1], widths=[2], temperature=0.8, seed=3)
+    assert result.lossless is None and result.mismatches == []
+    assert result.to_dict()["lossless"] is None
+
+
+def test_bad_widths_are_refused_naming_the_width(target, draft):
+    with pytest.raises(ValueError, match="verify width 17 exceeds the draft's block size 16"):
+        bench(target, draft, widths=[17])
+    with pytest.raises(ValueError, match="verify width 0"):
+        bench(target, draft, widths=[0])
+
+
+def test_quantization_is_read_from_the_target_layers(models_dir, target):
+    q_model, _ = dflash_mlx.load(str(models_dir / "qwen3-4bit"))
+    assert quantization(q_model) == {"bits": 4, "group_size": 32, "mode": "affine"}
+    assert quantization(target[0]) is None
+
+
+def test_prompt_file_accepts_prompt_and_messages_lines(prompt_file):
+    prompts = read_prompts(prompt_file)
+    assert [p.suite for p in prompts] == ["few", "few"]
+    assert [p.index for p in prompts] == [0, 1]
+    assert prompts[0].text == PROMPTS[0].text and prompts[0].messages is None
+    assert prompts[1].messages == PROMPTS[1].messages and prompts[1].text is None
+
+
+@pytest.mark.parametrize(
+    "bad, reason",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', '"prompt" or "messages"'),
+        ('{"text": "hi"}', '"prompt" or "messages"'),
+        ('{"prompt": "hi", "messages": []}', '"prompt" or "messages"'),
+        ('{"prompt": "  "}', "non-empty string"),
+        ('{"messages": [{"role": "user"}]}', 'message 0 needs string "role" and "content"'),
+    ],
+)
+def test_prompt_file_rejects_a_bad_line_naming_file_and_line(tmp_path, bad, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "fine"}\n\n' + bad + "\n")
+    with pytest.raises(ValueError, match=reason) as info:
+        read_prompts(path)
+    assert str(info.value).startswith(f"{path}:3: "), str(info.value)
+
+
+def test_builtin_suites_ship_real_prompts():
+    for name in SUITES:
+        prompts = load_suite(name)
+        assert len(prompts) >= 10, f"suite {name} has only {len(prompts)} prompts"
+        assert all(p.suite == name and len(p.summary) > 20 for p in prompts)
+    assert len(load_suite("all")) == sum(len(load_suite(s)) for s in SUITES)
+    with pytest.raises(ValueError, match="unknown suite 'poetry'"):
+        load_suite("poetry")
+
+
+def test_cli_bench_prints_tables_and_writes_json(models_dir, prompt_file, tmp_path):
+    out = tmp_path / "out.json"
+    pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
+    args = ["--prompts", str(prompt_file), "--max-tokens", "6", "--repeats", "1"]
+    result = run("bench", *pair, *args, "--verify-widths", "1,3", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    for shown in ["mlx-lm", "W=1", "W=3", "speedup", "τ", "acceptance per block position"]:
+        assert shown in result.stdout, f"report lacks {shown!r}"
+    assert "lossless" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["lossless"] is True
+    assert [r["run"] for r in data["overall"]["runs"]] == [BASELINE, "W=1", "W=3"]
+    assert data["models"]["target"] == str(models_dir / "qwen3")
+
+
+def test_cli_shouts_losslessness_failure_and_exits_1(models_dir, prompt_file, monkeypatch):
+    real = dflash_mlx.generate
+
+    def off_by_one(*args, **kwargs):
+        result = real(*args, **kwargs)
+        return dataclasses.replace(result, tokens=[(result.tokens[0] + 1) % 7, *result.tokens[1:]])
+
+    monkeypatch.setattr(dflash_mlx, "generate", off_by_one)
+    pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
+    args = ["--prompts", str(prompt_file), "--max-tokens", "4", "--repeats", "1"]
+    result = run("bench", *pair, *args, "--verify-widths", "2")
+    assert result.exit_code == 1, result.output
+    assert "LOSSLESSNESS FAILURE" in result.stdout
+    assert "first difference at generated token 0" in result.stdout
+    assert "What is 12 times 7?" in result.stdout
+
+
+def test_cli_demo_builds_a_cached_random_pair_and_says_so(prompt_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    args = ["--prompts", str(prompt_file), "--max-tokens", "4", "--repeats", "1"]
+    for _ in range(2):  # the second run reuses the cached pair
+        result = run("bench", "--demo", *args, "--verify-widths", "2")
+        assert result.exit_code == 0, result.output
+        assert (
+            "RANDOM demonstration pair" in result.stderr and "not a useful model" in result.stderr
+        )
+        assert "W=2" in result.stdout
+    assert (tmp_path / "cache" / "dflash-mlx" / "demo-pair-v1" / "complete").exists()
+
+
+def test_verify_widths_auto_is_not_available_yet():
+    result = run("bench", "--demo", "--verify-widths", "auto")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: --verify-widths auto is not available yet")
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--verify-widths", "2,x"], "'x' is not a width"),
+        (["--model", "m"], "--model and --draft are required"),
+        (["--demo", "--model", "m"], "without --model and --draft"),
+        (["--demo", "--suite", "math", "--prompts", "p.jsonl"], "either --prompts or --suite"),
+        (["--demo", "--suite", "poetry"], "unknown suite 'poetry'"),
+    ],
+)
+def test_cli_bench_option_errors_exit_2(args, message):
+    result = run("bench", *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+
+
+def test_bench_help_lists_its_options():
+    result = run("bench", "--help")
+    assert result.exit_code == 0
+    for option in ["--model", "--draft", "--demo", "--prompts", "--suite", "--max-tokens"]:
+        assert option in result.output
+    for option in ["--temp", "--repeats", "--verify-widths", "--json"]:
+        assert option in result.output
