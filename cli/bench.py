@@ -12,22 +12,20 @@ from . import bench_ui, ui
 EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
 
 
-def parse_widths(text: str | None) -> list[int] | None:
-    """`--verify-widths`: "2,3,4" -> [2, 3, 4]; None -> the engine's default width."""
+def parse_widths(text: str | None) -> list[int | str] | None:
+    """`--verify-widths`: "2,3,auto" -> [2, 3, "auto"]; None -> the engine's default (auto)."""
     if text is None:
         return None
-    if text.strip().lower() == "auto":
-        raise ValueError(
-            "--verify-widths auto is not available yet: the adaptive verify-width chooser "
-            "is not built; pass explicit widths, e.g. --verify-widths 1,2,3,4,5"
-        )
-    widths = []
+    widths: list[int | str] = []
     for part in text.split(","):
-        part = part.strip()
+        part = part.strip().lower()
+        if part == "auto":
+            widths.append("auto")
+            continue
         if not part.isdigit() or int(part) < 1:
             raise ValueError(
-                f"--verify-widths {text!r}: {part!r} is not a width (use integers >= 1, "
-                "e.g. 2,3,4,5,8,16)"
+                f"--verify-widths {text!r}: {part!r} is not a width (use integers >= 1 "
+                "or auto, e.g. 1,2,3,4,5,8,16,auto)"
             )
         widths.append(int(part))
     return list(dict.fromkeys(widths))
@@ -46,6 +44,7 @@ def run(
     verify_widths: str | None,
     seed: int,
     json_out: Path | None,
+    calibrate: bool = False,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
@@ -74,6 +73,18 @@ def run(
         target, tokenizer = dflash_mlx.load(model)
     with ui.loading("draft", draft):
         drafter = dflash_mlx.load_draft(draft)
+    if calibrate:
+        from dflash_mlx.calibrate import cache_path, load_or_measure
+
+        progress = bench_ui.BenchProgress()
+        try:
+            curves = load_or_measure(
+                target, drafter, refresh=True, progress=lambda d, t: progress(d, t, "calibrating")
+            )
+        finally:
+            progress.close()
+        bench_ui.calibration(curves, cache_path(target, drafter))
+        return 0
 
     progress = bench_ui.BenchProgress()
     try:

@@ -111,6 +111,8 @@ def _header(result: BenchResult) -> Text:
 def _run_label(r: RunSummary) -> str:
     if r.width is None:
         return "mlx-lm"
+    if r.width == "auto":
+        return "W=auto"
     return f"W={r.width}" + (" (no draft)" if r.width == 1 else "")
 
 
@@ -162,9 +164,9 @@ def _acceptance_chart(result: BenchResult) -> Text | None:
     runs = [r for r in result.overall.runs if r.acceptance_rates]
     if not runs:
         return None
-    widest = max(runs, key=lambda r: r.width)
+    widest = max(runs, key=lambda r: len(r.acceptance_rates))
     out = Text(
-        f"acceptance per block position (W={widest.width}, all prompts, τ {widest.tau:.2f})\n",
+        f"acceptance per block position ({_run_label(widest)}, all prompts, τ {widest.tau:.2f})\n",
         style="bold",
     )
     for i, rate in enumerate(widest.acceptance_rates, start=1):
@@ -233,3 +235,19 @@ def report(result: BenchResult) -> None:
 
 def json_written(path: Path) -> None:
     _err().print(Text(f"wrote {path}", style="dim"))
+
+
+def calibration(curves, path: Path) -> None:
+    """The measured cost curves: what the automatic verify width decides from."""
+    table = Table(title="cost curves on this device (median of 3 after a warm-up)")
+    table.add_column("width / block", justify="right")
+    table.add_column("verify (ms)", justify="right")
+    table.add_column("draft (ms)", justify="right")
+    table.add_column("verify ÷ plain step", justify="right")
+    plain = curves.verify[0]
+    for i, (v, d) in enumerate(zip(curves.verify, curves.draft), start=1):
+        table.add_row(
+            str(i), f"{v * 1e3:.2f}", "–" if i == 1 else f"{d * 1e3:.2f}", f"{v / plain:.2f}×"
+        )
+    _out().print(table)
+    _err().print(Text(f"cached in {path}", style="dim"))

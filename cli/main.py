@@ -152,6 +152,14 @@ def bench(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the full results to this file.")
     ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="Measure the pair's verify/draft cost curves on this device, cache and "
+            "show them (what the automatic verify width uses), then stop.",
+        ),
+    ] = False,
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
@@ -170,6 +178,7 @@ def bench(
             verify_widths=verify_widths,
             seed=seed,
             json_out=json_out,
+            calibrate=calibrate,
         )
     if code:
         raise typer.Exit(code)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "mlx-lm"  # the name of the plain-decoding run in results
+AUTO = "auto"  # a verify width chosen per cycle by the engine
 
 
 @dataclass
@@ -24,8 +25,8 @@ class RunRecord:
     suite: str
     prompt_index: int
     repeat: int
-    run: str  # BASELINE or "W=<width>"
-    width: int | None  # verify width; None for the baseline
+    run: str  # BASELINE, "W=<width>" or AUTO
+    width: int | str | None  # verify width, AUTO, or None for the baseline
     prompt_tokens: int
     prompt_time: float  # seconds from the start to the first token (TTFT)
     generation_tokens: int
@@ -44,7 +45,7 @@ class Mismatch:
     suite: str
     prompt_index: int
     prompt: str
-    width: int
+    width: int | str
     repeat: int
     position: int  # first differing generated token, from 0
     expected: int | None  # the baseline's token there (None: the baseline had ended)
@@ -74,7 +75,7 @@ class RunSummary:
     """One run (baseline or width) over a set of prompts; tok/s figures are per repeat."""
 
     run: str
-    width: int | None
+    width: int | str | None
     generation_tps: Spread  # generated tokens after the first / their time, all prompts
     speedup: Spread  # generation_tps / the baseline's, paired within each repeat
     tau: float  # mean tokens committed per verify pass

@@ -25,8 +25,8 @@ from mlx_lm.sample_utils import make_sampler
 import dflash_mlx
 
 from .bench_prompts import BenchPrompt
-from .bench_results import BASELINE, BenchResult, Mismatch, RunRecord, summarise
-from .decode import PREFILL_STEP, default_verify_width
+from .bench_results import AUTO, BASELINE, BenchResult, Mismatch, RunRecord, summarise
+from .decode import PREFILL_STEP
 from .draft import DFlashDraft
 from .generate import encode_prompt
 
@@ -73,12 +73,18 @@ def quantization(module: nn.Module) -> dict[str, Any] | None:
 
 
 def _check(
-    widths: list[int], draft: DFlashDraft | None, max_tokens: int, temperature: float, repeats: int
+    widths: list[int | str],
+    draft: DFlashDraft | None,
+    max_tokens: int,
+    temperature: float,
+    repeats: int,
 ) -> None:
     limit = draft.config.block_size if draft is not None else 1
     for w in widths:
+        if w == AUTO:
+            continue
         if not isinstance(w, int) or w < 1:
-            raise ValueError(f"verify width {w!r} must be an integer >= 1")
+            raise ValueError(f"verify width {w!r} must be an integer >= 1 or {AUTO!r}")
         if w > limit:
             raise ValueError(
                 f"verify width {w} exceeds "
@@ -126,7 +132,7 @@ def run_benchmark(
     tokenizer,
     prompts: Sequence[BenchPrompt],
     *,
-    widths: Sequence[int] | None = None,
+    widths: Sequence[int | str] | None = None,
     max_tokens: int = 128,
     temperature: float = 0.0,
     repeats: int = 3,
@@ -139,14 +145,15 @@ def run_benchmark(
 ) -> BenchResult:
     """Measure the baseline and DFlash at each verify width on `prompts`, side by side.
 
-    `widths` are verify widths W (1 is the target alone through dflash_mlx's engine);
-    default: the engine's own default width. `chat` sends text prompts through the chat
+    `widths` are verify widths W (1 is the target alone through dflash_mlx's engine) or
+    "auto" (W chosen per cycle from measured costs); default: ["auto"], the engine's own
+    default. `chat` sends text prompts through the chat
     template (default: when the tokenizer has one); message prompts always use it. Each
     run generates up to `max_tokens` tokens; every figure is reported over `repeats`.
     """
     if not prompts:
         raise ValueError("no prompts to benchmark")
-    widths = list(dict.fromkeys(widths)) if widths else [default_verify_width(model, draft)]
+    widths = list(dict.fromkeys(widths)) if widths else [AUTO]
     _check(widths, draft, max_tokens, temperature, repeats)
     if chat is None:
         chat = bool(getattr(tokenizer, "has_chat_template", False))
@@ -158,7 +165,9 @@ def run_benchmark(
         for p in prompts
     ]
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
-    runs: list[tuple[str, int | None]] = [(BASELINE, None)] + [(f"W={w}", w) for w in widths]
+    runs: list[tuple[str, int | str | None]] = [(BASELINE, None)] + [
+        (AUTO if w == AUTO else f"W={w}", w) for w in widths
+    ]
     total = len(runs) * (1 + repeats * len(prompts))
     done = 0
 
@@ -187,7 +196,7 @@ def run_benchmark(
             max_tokens=n,
             temperature=temperature,
             seed=run_seed,
-            block_size=width,
+            block_size=None if width == AUTO else width,
         )
         t_gen = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps > 0 else 0.0
         return r.tokens, dict(

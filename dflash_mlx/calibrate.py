@@ -25,18 +25,11 @@ from mlx.utils import tree_flatten
 from .adaptive import CostCurves
 from .draft import DFlashDraft
 from .loading import bind_draft
+from .paths import cache_dir
 from .sampling import SamplingParams
 from .target import TargetAdapter
 
 CONTEXT = 128  # tokens of context the passes are timed at
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("DFLASH_MLX_CACHE")
-    if root:
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "dflash-mlx"
 
 
 def device_description() -> str:
@@ -70,6 +63,11 @@ def calibration_key(model: nn.Module, draft: DFlashDraft) -> dict:
         ),
         "draft": _fingerprint(draft, {"config": repr(draft.config)}),
     }
+
+
+def cache_path(model: nn.Module, draft: DFlashDraft) -> Path:
+    """Where this pair's curves for this device and mlx version are cached."""
+    return _cache_path(calibration_key(model, draft))
 
 
 def _cache_path(key: dict) -> Path:

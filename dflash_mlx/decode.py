@@ -109,7 +109,9 @@ def speculative_decode(
         w, rows = min(width, budget), draft_block
         if chooser is not None:
             w, rows = chooser.choose(limit=budget)
-        key, k_draft, k_accept = mx.random.split(key, 3)
+        k_draft = k_accept = None
+        if not params.greedy:
+            key, k_draft, k_accept = mx.random.split(key, 3)
         drafts = mx.zeros((0,), dtype=mx.int32)
         q = None
         if w > 1:
@@ -138,23 +140,37 @@ def speculative_decode(
         return
     while True:
         n, out, feats, saved, w = step
-        n = n.item()  # the one host sync of the cycle
-        new = out.tolist()
-        new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
-        target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
-        if draft is not None:
-            pending.append(feats[:, : n + 1])
-            draft.commit(n if w > 1 else None)
-        if chooser is not None:
-            chooser.update(w, n)
+        nxt = None
+        if w == 1:
+            # A plain step accepts nothing, so its bookkeeping needs no host decision and
+            # the next step can be chained on the device token before waiting, as mlx-lm's
+            # own decoding loop does.
+            n = 0
+            if draft is not None:
+                pending.append(feats)
+                draft.commit(None)
+            if emitted + 1 < max_tokens:
+                nxt = launch(out[:1], max_tokens - emitted - 1)
+            new = out.tolist()
+        else:
+            n = n.item()  # the one host sync of the cycle
+            new = out.tolist()
+            new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
+            target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
+            if draft is not None:
+                pending.append(feats[:, : n + 1])
+                draft.commit(n)
+            if chooser is not None:
+                chooser.update(w, n)
         for j, t in enumerate(new):
             if t in eos_ids:
                 new = new[: j + 1]
                 break
         emitted += len(new)
         done = new[-1] in eos_ids or emitted >= max_tokens
-        if not done:
-            step = launch(mx.array(new[-1:], dtype=mx.int32), max_tokens - emitted)
+        if not done and nxt is None:
+            nxt = launch(mx.array(new[-1:], dtype=mx.int32), max_tokens - emitted)
         yield Cycle(new, n, w)
         if done:
             return
+        step = nxt

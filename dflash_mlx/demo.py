@@ -8,10 +8,11 @@ trained draft. Knows nothing about the bench itself.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from .paths import cache_dir
 
 DEMO_NAME = "demo-pair-v1"  # bump when the pair's recipe changes
 LAYERS = 4
@@ -22,17 +23,11 @@ DESCRIPTION = (
 )
 
 
-def cache_root() -> Path:
-    """`$XDG_CACHE_HOME/dflash-mlx` (default `~/.cache/dflash-mlx`)."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dflash-mlx"
-
-
 def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
     """(target folder, draft folder) of the demo pair under `root`, built on first use."""
     from .tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
 
-    folder = (root or cache_root()) / DEMO_NAME
+    folder = (root or cache_dir()) / DEMO_NAME
     target, draft = folder / "target", folder / "draft"
     if (folder / "complete").exists():
         return target, draft

@@ -210,7 +210,7 @@ def test_cli_shouts_losslessness_failure_and_exits_1(models_dir, prompt_file, mo
 
 
 def test_cli_demo_builds_a_cached_random_pair_and_says_so(prompt_file, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
     args = ["--prompts", str(prompt_file), "--max-tokens", "4", "--repeats", "1"]
     for _ in range(2):  # the second run reuses the cached pair
         result = run("bench", "--demo", *args, "--verify-widths", "2")
@@ -219,14 +219,24 @@ def test_cli_demo_builds_a_cached_random_pair_and_says_so(prompt_file, tmp_path,
             "RANDOM demonstration pair" in result.stderr and "not a useful model" in result.stderr
         )
         assert "W=2" in result.stdout
-    assert (tmp_path / "cache" / "dflash-mlx" / "demo-pair-v1" / "complete").exists()
+    assert (tmp_path / "cache" / "demo-pair-v1" / "complete").exists()
+    calibrated = run("bench", "--demo", "--calibrate")
+    assert calibrated.exit_code == 0, calibrated.output
+    assert "verify (ms)" in calibrated.stdout and "cached in" in calibrated.stderr
+    assert list((tmp_path / "cache" / "calibration").glob("*.json"))
 
 
-def test_verify_widths_auto_is_not_available_yet():
-    result = run("bench", "--demo", "--verify-widths", "auto")
-    assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: --verify-widths auto is not available yet")
-    assert "Traceback" not in result.output
+def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
+    from dflash_mlx.bench_prompts import BenchPrompt
+    from dflash_mlx.benchmark import run_benchmark
+
+    model, tok = target
+    prompts = [BenchPrompt(suite="code", index=0, text="def add(a, b):", messages=None)]
+    result = run_benchmark(model, draft, tok, prompts, widths=[2, "auto"], max_tokens=12, repeats=1)
+    names = [r.run for r in result.overall.runs]
+    assert names == ["mlx-lm", "W=2", "auto"]
+    assert result.lossless is True
+    assert json.loads(json.dumps(result.to_dict()))["settings"]["verify_widths"] == [2, "auto"]
 
 
 @pytest.mark.parametrize(
