@@ -67,6 +67,9 @@ class WidthChooser:
         self.max_probe_interval = max_probe_interval
         self.since_probe = 0
         self.probing = False
+        # Costs never change: the cheapest draft block for each width is fixed.
+        self._blocks = {w: self._draft_block(w) for w in range(2, block + 1)}
+        self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
 
     # -- model -----------------------------------------------------------------------------
 
@@ -99,11 +102,14 @@ class WidthChooser:
 
     def rates(self) -> dict[int, tuple[float, int]]:
         """Expected tokens per second and draft block for every width."""
+        if self._rates is not None:
+            return self._rates
         exp = self.expected_tokens()
         out = {1: (1.0 / self.costs.verify[0], 0)}
         for w in range(2, (self.draft_block or self.block) + 1):
-            n = self._draft_block(w)
+            n = self._blocks[w]
             out[w] = (exp[w - 1] / (self.costs.verify[w - 1] + self.costs.draft[n - 1]), n)
+        self._rates = out
         return out
 
     # -- decisions -------------------------------------------------------------------------
@@ -126,6 +132,7 @@ class WidthChooser:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
         if width <= 1:
             return
+        self._rates = None
         d = self.decay
         self.trials = [t * d for t in self.trials]
         self.hits = [h * d for h in self.hits]

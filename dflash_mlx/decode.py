@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from .adaptive import WidthChooser
 from .draft import DFlashDraft
+from .prompt_cache import PromptCache, common_prefix
 from .sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
 from .target import TargetAdapter
 
@@ -31,6 +32,7 @@ class Cycle:
     tokens: list[int]  # emitted tokens, in order (drafts accepted, then the target's own)
     accepted: int  # drafted tokens accepted (n); tau of this cycle = accepted + 1
     width: int  # verify width W of this cycle (0 for the token sampled after prefill)
+    reused: int = 0  # prompt tokens taken from a PromptCache instead of prefilled (first only)
 
 
 def is_quantized(model) -> bool:
@@ -65,47 +67,135 @@ def speculative_decode(
     chooser: WidthChooser | None = None,
     prefill_step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[Cycle]:
     """Decode up to `max_tokens` tokens after `prompt`, yielding each committed cycle.
 
     `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
     number of rows L >= W the draft runs. With a `chooser`, (W, L) are chosen each cycle
     instead and the chooser learns from every verify. Stops after EOS or `max_tokens`.
+    With a `prompt_cache`, the state of its previous request is reused from the longest
+    common prefix on, and this request's state is left in it.
     """
     assert 1 <= width <= max(draft_block, 1)
-    cache = target.make_cache()
     ids = draft.config.target_layer_ids if draft is not None else None
-    if draft is not None:
-        draft.reset()
-
-    # Prefill in chunks; the draft's context grows chunk by chunk so features never pile up.
+    cache, start = _reuse(prompt_cache, target, draft, prompt)
     tokens = mx.array(prompt, dtype=mx.int32)[None]
     total = len(prompt)
-    done = 0
-    while True:
-        n = min(prefill_step, total - done)
-        logits, feats = target.forward(tokens[:, done : done + n], cache, ids)
-        if draft is not None:
-            draft.add_context(feats)
-        done += n
-        if done == total:
-            break
-        mx.eval([c.state for c in cache] + (draft.state if draft is not None else []))
-        mx.clear_cache()
-        if progress is not None:
-            progress(done, total)
+
+    def prefill(lo: int, hi: int):
+        """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk."""
+        logits = None
+        while lo < hi:
+            n = min(prefill_step, hi - lo)
+            logits, feats = target.forward(tokens[:, lo : lo + n], cache, ids)
+            if draft is not None:
+                draft.add_context(feats)
+            lo += n
+            if lo < total:
+                mx.eval([c.state for c in cache] + (draft.state if draft is not None else []))
+                mx.clear_cache()
+                if progress is not None:
+                    progress(lo, total)
+        return logits
+
+    if prompt_cache is not None and target.recurrent:
+        # Recurrent state cannot be trimmed later: keep it as it is before the last token.
+        prefill(start, total - 1)
+        prompt_cache.snapshot, prompt_cache.snapshot_len = target.snapshot(cache), total - 1
+        logits = prefill(total - 1, total)
+    else:
+        logits = prefill(start, total)
     if progress is not None:
         progress(total, total)
+    generated: list[int] = []
+    pending: list[mx.array] = []  # features of committed positions the draft has not seen
+    try:
+        yield from _generate(
+            target,
+            draft,
+            cache,
+            logits,
+            ids,
+            generated,
+            pending,
+            start,
+            max_tokens=max_tokens,
+            params=params,
+            key=key,
+            width=width,
+            draft_block=draft_block,
+            eos_ids=eos_ids,
+            chooser=chooser,
+        )
+    finally:
+        if prompt_cache is not None:
+            if draft is not None and pending:
+                draft.add_context(mx.concatenate(pending, axis=1))
+            prompt_cache.owner = (target.model, draft)
+            prompt_cache.tokens = prompt + generated
+            prompt_cache.target_cache = cache
+            prompt_cache.draft_caches = draft._caches if draft is not None else None
 
+
+def _reuse(
+    pc: PromptCache | None, target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int]
+) -> tuple[list, int]:
+    """A cache holding the first `start` prompt positions, and `start` (0: a fresh cache)."""
+    fresh = target.make_cache()
+    if draft is not None:
+        draft.reset()
+    if pc is None or pc.target_cache is None or pc.owner != (target.model, draft):
+        return fresh, 0
+    # Positions of all but the last known token are committed; one prompt token must be
+    # left to prefill, for the logits of the first new token.
+    start = min(common_prefix(pc.tokens[: len(pc.tokens) - 1], prompt), len(prompt) - 1)
+    if draft is not None:
+        start = min(start, pc.draft_caches[0].offset)
+    cache = pc.target_cache
+    if target.recurrent:
+        if pc.snapshot is None or start < pc.snapshot_len:
+            return fresh, 0
+        start = pc.snapshot_len
+        target.restore(cache, pc.snapshot)
+    for i, c in enumerate(cache):
+        if i not in target.replay_ids:
+            c.trim(c.offset - start)
+    if draft is not None:
+        for c in pc.draft_caches:
+            c.trim(c.offset - start)
+        draft.reset(pc.draft_caches)
+    return cache, start
+
+
+def _generate(
+    target: TargetAdapter,
+    draft: DFlashDraft | None,
+    cache: list,
+    logits: mx.array,
+    ids: list[int] | None,
+    generated: list[int],
+    pending: list[mx.array],
+    reused: int,
+    *,
+    max_tokens: int,
+    params: SamplingParams,
+    key: mx.array,
+    width: int,
+    draft_block: int,
+    eos_ids: frozenset[int],
+    chooser: WidthChooser | None,
+) -> Iterator[Cycle]:
+    """The cycles after prefill; every emitted token is appended to `generated`, the
+    features the draft has not consumed yet stay in `pending`."""
     key, sub = mx.random.split(key)
     last = logits[0, -1:]
     first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
     anchor = first.astype(mx.int32).reshape(1)
-    pending: list[mx.array] = []  # features of committed positions the draft has not seen
 
     def launch(anchor: mx.array, budget: int):
         """Build one cycle's draft + verify graph and start it on the device."""
-        nonlocal key, pending
+        nonlocal key
         w, rows = min(width, budget), draft_block
         if chooser is not None:
             w, rows = chooser.choose(limit=budget)
@@ -117,7 +207,7 @@ def speculative_decode(
         if w > 1:
             if pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
-                pending = []
+                pending.clear()
             drafts, q = draft.propose(anchor, rows, w - 1, params, k_draft)
             drafts = drafts.astype(mx.int32)
         saved = target.snapshot(cache)
@@ -134,7 +224,8 @@ def speculative_decode(
     # so detokenizing and rendering overlap with device work.
     step = launch(anchor, max_tokens - 1) if max_tokens > 1 else None
     tok = anchor.item()
-    yield Cycle([tok], 0, 0)
+    generated.append(tok)
+    yield Cycle([tok], 0, 0, reused)
     emitted = 1
     if tok in eos_ids or step is None:
         return
@@ -167,6 +258,7 @@ def speculative_decode(
                 new = new[: j + 1]
                 break
         emitted += len(new)
+        generated.extend(new)
         done = new[-1] in eos_ids or emitted >= max_tokens
         if not done and nxt is None:
             nxt = launch(mx.array(new[-1:], dtype=mx.int32), max_tokens - emitted)

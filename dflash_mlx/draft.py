@@ -169,9 +169,9 @@ class DFlashDraft(nn.Module):
     def is_bound(self) -> bool:
         return self._embed is not None
 
-    def reset(self) -> None:
-        """Forget all context (a new prompt)."""
-        self._caches = [KVCache() for _ in self.layers]
+    def reset(self, caches: list[KVCache] | None = None) -> None:
+        """Start a new prompt: empty context, or `caches` kept from an earlier request."""
+        self._caches = caches if caches is not None else [KVCache() for _ in self.layers]
         self.commit(None)
 
     def _convs(self) -> list[DynamicConv]:

@@ -22,6 +22,7 @@ from .calibrate import load_or_measure
 from .decode import default_verify_width, speculative_decode
 from .draft import DFlashDraft
 from .loading import bind_draft
+from .prompt_cache import PromptCache
 from .sampling import SamplingParams
 from .target import TargetAdapter
 
@@ -48,6 +49,7 @@ class GenerationResponse:
     # The request's verify width W (a cycle may use less near max_tokens); None: chosen per
     # cycle from measured costs and the acceptance seen so far.
     block_size: int | None = 1
+    cached_tokens: int = 0  # prompt tokens reused from the PromptCache, not prefilled
 
 
 @dataclass
@@ -186,6 +188,7 @@ def stream_generate(
     stop: str | Sequence[str] | None = None,
     prefill_step: int = 512,
     prompt_progress: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of `prompt`, one `GenerationResponse` per decode cycle.
 
@@ -195,6 +198,8 @@ def stream_generate(
     and model pair (`calibrate.py`, cached) and the acceptance seen so far; W = 1 (plain
     decoding) is chosen when speculation does not pay. `draft_block` fixes the number of
     rows the draft runs (default: its trained block size, or chosen when W is automatic).
+    `prompt_cache` (a `PromptCache` kept across the requests of one conversation) makes a
+    request prefill only from the longest common prefix with the previous one.
     `draft=None` or `block_size=1` decodes with the target alone. Output equals the
     target's own decoding: token for token at temperature 0, in distribution otherwise.
     """
@@ -221,6 +226,7 @@ def stream_generate(
     mx.reset_peak_memory()
     tic = time.perf_counter()
     prompt_tps = gen_tps = ttft = 0.0
+    cached = 0
     n_gen = cycles = verified_tokens = 0
     finish = None
     cycle_iter = speculative_decode(
@@ -236,13 +242,15 @@ def stream_generate(
         chooser=chooser,
         prefill_step=prefill_step,
         progress=prompt_progress,
+        prompt_cache=prompt_cache,
     )
     gen_start = tic
     for cyc in cycle_iter:
         now = time.perf_counter()
         if cyc.width == 0:
             ttft = now - tic
-            prompt_tps = len(ids) / max(ttft, 1e-9)
+            cached = cyc.reused
+            prompt_tps = (len(ids) - cached) / max(ttft, 1e-9)
             gen_start = now
         else:
             cycles += 1
@@ -279,6 +287,7 @@ def stream_generate(
             time_to_first_token=ttft,
             width=cyc.width,
             block_size=None if chooser is not None else width,
+            cached_tokens=cached,
         )
         if finish is not None:
             cycle_iter.close()

@@ -161,6 +161,21 @@ class TargetAdapter:
             feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)
         return logits, feats
 
+    @property
+    def replay_ids(self) -> frozenset[int]:
+        """Layers whose cache is replayed rather than trimmed (known after make_cache)."""
+        return self._rec.replay_ids
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layer's cache is replayed rather than trimmed (known after make_cache)."""
+        return bool(self._rec.replay_ids)
+
+    def restore(self, cache: list[Any], snapshot: dict[int, tuple]) -> None:
+        """Put recurrent states back as `snapshot` saved them."""
+        for i, saved in snapshot.items():
+            cache[i].state = (list(saved[0]), *saved[1:])
+
     def snapshot(self, cache: list[Any]) -> dict[int, tuple]:
         """Recurrent states before a verify pass (array references: MLX arrays are values)."""
         return {i: (list(cache[i].cache), *cache[i].state[1:]) for i in self._rec.replay_ids}
@@ -178,10 +193,8 @@ class TargetAdapter:
             if i in snapshot:
                 continue
             c.trim(drop)
-        for i, saved in snapshot.items():
-            cache[i].state = (list(saved[0]), *saved[1:])
-            if keep == 0:
-                continue
+        self.restore(cache, snapshot)
+        for i in snapshot if keep > 0 else ():
             x, args, kwargs = self._rec.calls[i]
             args = tuple(_slice_mask(a, keep) for a in args)
             kwargs = {k: _slice_mask(v, keep) for k, v in kwargs.items()}

@@ -140,6 +140,7 @@ def test_calibration_measures_increasing_verify_cost_and_is_cached(
     target, draft, monkeypatch, tmp_path
 ):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)  # process memo
     model, _ = target
     curves1 = calibrate.load_or_measure(model, draft)
     assert len(curves1.verify) == len(curves1.draft) == draft.config.block_size
@@ -152,15 +153,19 @@ def test_calibration_measures_increasing_verify_cost_and_is_cached(
 
     monkeypatch.setattr(calibrate, "measure", no_measure)
     assert calibrate.load_or_measure(model, draft) == curves1
+    draft.__dict__.pop("_dflash_cost_curves")  # a new process: read back from the file
+    assert calibrate.load_or_measure(model, draft) == curves1
 
 
 def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
     model, _ = target
     calls = []
     fake = CostCurves((1.0,) * 16, (0.1,) * 16)
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
     calibrate.load_or_measure(model, draft)
+    draft.__dict__.pop("_dflash_cost_curves")
     calibrate.load_or_measure(model, draft)
     assert len(calls) == 1
     monkeypatch.setattr(mx, "__version__", "0.0.0-other")

@@ -1,0 +1,92 @@
+"""PromptCache: a request prefills only what differs from the previous one, losslessly."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_mlx import PromptCache, generate, load, stream_generate
+
+from .test_decode import target_greedy
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def pair(request, models_dir, draft):
+    model, tok = load(str(models_dir / request.param))
+    return request.param, model, tok, draft
+
+
+def greedy(model, tok, ids, n=12):
+    """The target's greedy tokens, ending at its first EOS as generation does."""
+    ref = target_greedy(model, ids, n)
+    ends = [i for i, t in enumerate(ref) if t in tok.eos_token_ids]
+    return ref[: ends[0] + 1] if ends else ref
+
+
+def run(model, draft, tok, ids, pc, **kw):
+    width = 4 if draft is not None else 1
+    chunks = list(
+        stream_generate(
+            model, draft, tok, ids, max_tokens=12, block_size=width, prompt_cache=pc, **kw
+        )
+    )
+    return [t for c in chunks for t in c.tokens], chunks[0].cached_tokens
+
+
+def test_second_turn_prefills_only_the_new_tokens(pair):
+    name, model, tok, draft = pair
+    pc = PromptCache()
+    turn1 = tok.encode("def add(a, b):")
+    out1, cached1 = run(model, draft, tok, turn1, pc)
+    assert cached1 == 0
+    turn2 = turn1 + out1 + tok.encode(" and the quick brown fox")
+    out2, cached2 = run(model, draft, tok, turn2, pc)
+    assert out2 == greedy(model, tok, turn2), f"{name}: reused state changed the output"
+    if name == "qwen35":  # recurrent: reused up to the snapshot before turn 1's last token
+        assert cached2 == len(turn1) - 1
+    else:  # everything but the last generated token (never fed to the target)
+        assert cached2 == len(turn1) + len(out1) - 1
+    turn3 = turn2 + out2 + tok.encode(" print")
+    out3, cached3 = run(model, draft, tok, turn3, pc)
+    assert out3 == greedy(model, tok, turn3)
+    assert cached3 >= len(turn1) - 1
+
+
+def test_retry_and_divergent_prompts_reuse_their_common_prefix(pair):
+    name, model, tok, draft = pair
+    pc = PromptCache()
+    ids = tok.encode("for i in range(10):\n    print(i * i)")
+    out, _ = run(model, draft, tok, ids, pc)
+    again, cached = run(model, draft, tok, ids, pc)
+    assert again == out and cached == len(ids) - 1
+    other = ids[:5] + tok.encode(" the lazy dog")
+    diverged, cached = run(model, draft, tok, other, pc)
+    assert diverged == greedy(model, tok, other)
+    assert cached == (0 if name == "qwen35" else 5)
+
+
+def test_a_reply_cut_by_a_stop_string_leaves_a_usable_cache(target, draft):
+    model, tok = target
+    pc = PromptCache()
+    ids = tok.encode("The quick brown fox")
+    full = generate(model, draft, tok, ids, max_tokens=20, block_size=8)
+    stop = full.text[6:9]
+    cut = generate(model, draft, tok, ids, max_tokens=20, block_size=8, stop=stop, prompt_cache=pc)
+    assert cut.finish_reason == "stop"
+    nxt = ids + cut.tokens + tok.encode(" jumps")
+    out, cached = run(model, draft, tok, nxt, pc)
+    assert out == greedy(model, tok, nxt)
+    assert cached > len(ids)
+
+
+def test_a_cache_from_another_pair_is_not_reused(models_dir, target, draft):
+    model, tok = target
+    other, _ = load(str(models_dir / "qwen3-4bit"))
+    pc = PromptCache()
+    ids = tok.encode("import os")
+    run(model, draft, tok, ids, pc)
+    out, cached = run(other, draft, tok, ids, pc)
+    assert cached == 0 and out == greedy(other, tok, ids)
+    _, cached = run(other, None, tok, ids, pc)
+    assert cached == 0, "a cache built with a draft is not reused without it"
+    pc.clear()
+    assert len(pc) == 0 and pc.target_cache is None
