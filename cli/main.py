@@ -14,6 +14,7 @@ import typer
 
 from . import bench as bench_command
 from . import ui
+from .quantize import app as quantize_app
 
 app = typer.Typer(
     name="dflash-mlx",
@@ -22,6 +23,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(quantize_app, name="quantize")
 
 EXIT_ERROR = 2  # bad input: a model that cannot load, options that do not fit
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C

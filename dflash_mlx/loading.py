@@ -116,6 +116,7 @@ def load_draft(draft: str | Path) -> DFlashDraft:
         raise LoadError(f"{folder}: weights do not match {cfg_path.name}: {detail}") from e
     mx.eval(model.parameters())
     model.eval()
+    model.__dict__["source_config"] = raw  # kept for tools that rewrite the checkpoint
     return model
 
 

@@ -1,0 +1,120 @@
+"""`dflash-mlx quantize draft|target`: options -> `quantize` package -> rich output.
+
+Nothing heavy is imported until a command runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import ui
+
+app = typer.Typer(
+    help="Quantize a DFlash draft or a target (one tool for both halves of a pair).",
+    no_args_is_help=True,
+)
+
+Bits = Annotated[int, typer.Option(help="Bits per weight: 2, 3, 4, 5, 6 or 8 (by mode).")]
+Group = Annotated[int, typer.Option(help="Weights per quantization group: 32, 64 or 128.")]
+Mode = Annotated[str, typer.Option(help="MLX quantization mode: affine, mxfp4, mxfp8, nvfp4.")]
+Out = Annotated[Path, typer.Option("-o", "--out", help="Output folder (must not exist).")]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing output folder.")]
+
+
+def _render_check(result, bits: int) -> None:
+    """τ and size of both drafts, and what changed, as a table on stdout."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"τ check: {result.prompts} built-in prompts, ≤ {result.max_tokens} tokens, "
+        "greedy, full block"
+    )
+    for col in ("draft", "τ", "size"):
+        table.add_column(col, justify="right" if col != "draft" else "left")
+    table.add_row("original", f"{result.tau_original:.3f}", f"{result.bytes_original / 1e6:.2f} MB")
+    table.add_row(
+        f"{bits}-bit", f"{result.tau_quantized:.3f}", f"{result.bytes_quantized / 1e6:.2f} MB"
+    )
+    table.add_row(
+        "change",
+        f"{result.tau_change:+.3f}",
+        f"-{result.bytes_saved / 1e6:.2f} MB ({result.bytes_saved / result.bytes_original:.0%})",
+    )
+    Console().print(table)
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists():
+        if not force:
+            raise ValueError(f"output folder {out} exists; pass --force to replace it")
+        shutil.rmtree(out)
+
+
+@app.command("draft")
+def draft_command(
+    source: Annotated[str, typer.Argument(help="DFlash draft: Hub id or local folder.")],
+    out: Out,
+    bits: Bits = 4,
+    group_size: Group = 64,
+    mode: Mode = "affine",
+    force: Force = False,
+    check: Annotated[
+        bool, typer.Option("--check", help="Compare τ of the original and quantized drafts.")
+    ] = False,
+    target: Annotated[
+        str | None, typer.Option(help="Target for --check: Hub id or local folder.")
+    ] = None,
+) -> None:
+    """Quantize a draft's linear layers; norms, DFlash 2 conv and selector stay float."""
+    from .main import _user_errors
+
+    with _user_errors():
+        if check and target is None:
+            raise ValueError("--check needs --target (the model the draft was built for)")
+        import dflash_mlx
+        from dflash_mlx.loading import resolve
+        from quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
+        from quantize.draft import check_settings
+
+        check_settings(bits, group_size, mode)
+        _prepare_out(out, force)
+        with ui.loading("draft", source):
+            original = dflash_mlx.load_draft(source)
+        model, config = quantize_draft(original, bits=bits, group_size=group_size, mode=mode)
+        save_draft(model, config, out, resolve(source, "draft"))
+        ui.note(
+            f"saved {out}: {parameter_bytes(original) / 1e6:.1f} MB → "
+            f"{parameter_bytes(model) / 1e6:.1f} MB ({bits}-bit {mode}, group {group_size})"
+        )
+        if check:
+            with ui.loading("target", target):
+                t_model, tokenizer = dflash_mlx.load(target)
+            with ui.loading("τ check", "original vs quantized draft"):
+                result = compare_drafts(t_model, tokenizer, original, dflash_mlx.load_draft(out))
+            _render_check(result, bits)
+
+
+@app.command("target")
+def target_command(
+    source: Annotated[str, typer.Argument(help="Target: Hub id or local folder.")],
+    out: Out,
+    bits: Bits = 4,
+    group_size: Group = 64,
+    mode: Mode = "affine",
+    force: Force = False,
+) -> None:
+    """Quantize a target with mlx-lm's converter, into a folder `dflash_mlx.load` reads."""
+    from .main import _user_errors
+
+    with _user_errors():
+        from quantize import quantize_target
+
+        _prepare_out(out, force)
+        with ui.loading("target", source):
+            quantize_target(source, out, bits=bits, group_size=group_size, mode=mode)
+        ui.note(f"saved {out} ({bits}-bit {mode}, group {group_size})")
