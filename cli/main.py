@@ -211,3 +211,65 @@ def _prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[s
     if chat and not has_template:
         raise ValueError("--chat: this tokenizer has no chat template; pass --raw")
     return [{"role": "user", "content": prompt}] if chat else prompt
+
+
+@app.command()
+def train(
+    target: Annotated[str, typer.Option(help="Target: Hub id or local mlx-lm folder.")],
+    data: Annotated[
+        Path,
+        typer.Option(help='JSONL file or folder: {"text"}, {"prompt"} or {"messages"} per line.'),
+    ],
+    out: Annotated[Path, typer.Option(help="Output folder for the draft.")],
+    layers: Annotated[int, typer.Option(help="Draft layers.")] = 1,
+    block_size: Annotated[int, typer.Option(help="Draft block size.")] = 16,
+    target_layer_ids: Annotated[
+        str | None, typer.Option(help="Comma-separated target layers to read (default: spread).")
+    ] = None,
+    mask_token_id: Annotated[int | None, typer.Option(help="MASK token id.")] = None,
+    steps: Annotated[int, typer.Option(help="Optimiser steps.")] = 1000,
+    batch: Annotated[int, typer.Option(help="Sequences per step.")] = 4,
+    seq_len: Annotated[int, typer.Option(help="Longest sequence, in tokens.")] = 512,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 6e-4,
+    warmup: Annotated[float, typer.Option(help="Warm-up fraction of the steps.")] = 0.04,
+    anchors_per_seq: Annotated[int, typer.Option(help="Random anchors per sequence.")] = 16,
+    loss_gamma: Annotated[float, typer.Option(help="Loss decay: w_k = exp(-(k-1)/γ).")] = 7.0,
+    seed: Annotated[int, typer.Option(help="Seed for data order, anchors and init.")] = 0,
+    eval_every: Annotated[int, typer.Option(help="Steps between held-out τ checks.")] = 100,
+    save_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = 100,
+    regenerate: Annotated[
+        bool, typer.Option("--regenerate", help="Let the target write the responses first.")
+    ] = False,
+    regen_tokens: Annotated[int, typer.Option(help="Most tokens per regenerated reply.")] = 128,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from --out's state.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Train into a non-empty --out.")] = False,
+) -> None:
+    """Distil a DFlash draft for a target (target frozen; its embedding and head shared)."""
+    from . import train as train_command
+
+    with _user_errors():
+        train_command.run(
+            target=target,
+            data=data,
+            out=out,
+            layers=layers,
+            block_size=block_size,
+            target_layer_ids=target_layer_ids,
+            mask_token_id=mask_token_id,
+            regenerate=regenerate,
+            regen_tokens=regen_tokens,
+            resume=resume,
+            force=force,
+            settings=dict(
+                steps=steps,
+                batch=batch,
+                seq_len=seq_len,
+                lr=lr,
+                warmup=warmup,
+                anchors_per_seq=anchors_per_seq,
+                loss_gamma=loss_gamma,
+                seed=seed,
+                eval_every=eval_every,
+                save_every=save_every,
+            ),
+        )

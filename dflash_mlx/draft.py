@@ -23,6 +23,24 @@ from .sampling import SamplingParams, probabilities, sample
 from .selector import CandidateSelector
 
 
+class BlockContext:
+    """One layer's view of the context for many training blocks at once.
+
+    `keys`/`values` (n, Hkv, S, Dh): projected context rows of each block's sequence;
+    `offset` (n,): each block's anchor position; `lengths`: rows 0..anchor-1 are visible.
+    """
+
+    def __init__(self, keys: mx.array, values: mx.array, anchors: mx.array):
+        self.keys, self.values, self.offset = keys, values, anchors
+
+    def visible(self, window: int | None) -> mx.array:
+        cols = mx.arange(self.keys.shape[2])[None]
+        seen = cols < self.offset[:, None]
+        if window is not None:
+            seen = seen & (cols >= self.offset[:, None] - (window - 1))
+        return seen
+
+
 class DraftAttention(nn.Module):
     """Queries from block rows; keys/values from `[context ; block]` with shared projections."""
 
@@ -61,25 +79,40 @@ class DraftAttention(nn.Module):
         k, v = self._kv(ctx, cache.offset)
         cache.update_and_fetch(k, v)
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
+        """Block rows `x` (B, L, D) attend to the committed context and to each other.
+
+        At inference `cache` holds the context of one sequence and the block starts right
+        after it. In training it is a `BlockContext`: many blocks, each at its own anchor,
+        each seeing only the context before its anchor (SPEC 2.3, the same view).
+        """
         B, L, _ = x.shape
-        offset = cache.offset  # the block starts right after the committed context
+        offset = cache.offset  # the block's first RoPE position (an array in training)
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)  # (B, H, L, Dh)
         k, v = self._kv(x, offset)
+        visible = None  # (B, S) context columns each block may see; None: all
         n_ctx = 0
-        if cache.offset > 0:
+        if isinstance(cache, BlockContext):
+            ck, cv = cache.keys, cache.values
+            visible = cache.visible(self.window)
+        elif cache.offset > 0:
             ck, cv = cache.keys_and_values()
             if self.window is not None:
                 ck, cv = ck[..., -(self.window - 1) :, :], cv[..., -(self.window - 1) :, :]
+        if isinstance(cache, BlockContext) or cache.offset > 0:
             n_ctx = ck.shape[2]
             k = mx.concatenate([ck, k], axis=2)
             v = mx.concatenate([cv, v], axis=2)
         mask = None
-        if self.causal:
+        if self.causal or visible is not None:
             rows = mx.arange(L)[:, None]
-            cols = mx.arange(n_ctx + L)[None] - n_ctx
-            mask = cols <= rows  # context always visible, causal inside the block
+            inner = (mx.arange(L)[None] <= rows) if self.causal else mx.ones((L, L), mx.bool_)
+            ctx = mx.ones((1, 1, L, n_ctx), mx.bool_)
+            if visible is not None:
+                ctx = mx.broadcast_to(visible[:, None, None, :], (B, 1, L, n_ctx))
+            inner = mx.broadcast_to(inner, (ctx.shape[0], 1, L, L))
+            mask = mx.concatenate([ctx, inner], axis=-1)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -230,6 +263,29 @@ class DFlashDraft(nn.Module):
         if cap:
             out = mx.tanh(out / cap) * cap
         return out
+
+    def training_logits(
+        self,
+        features: mx.array,
+        seq_index: mx.array,
+        anchors: mx.array,
+        block_ids: mx.array,
+    ) -> mx.array:
+        """Many blocks in one pass, each seeing exactly what inference would show it.
+
+        features (Bs, S, K*D): target features of whole sequences; block b holds
+        `block_ids[b]` (L,) = [token at its anchor, MASK, ...], anchored at position
+        `anchors[b]` of sequence `seq_index[b]`. Blocks never see each other, and a block
+        sees only the context rows before its anchor. Returns logits (n, L-1, V), float32.
+        """
+        if self._embed is None:
+            raise RuntimeError("the draft is not bound to a target; call bind() first")
+        c = self.hidden_norm(self.fc(features))
+        x = self._embed(block_ids)
+        for layer in self.layers:
+            k, v = layer.self_attn._kv(c, 0)  # (Bs, Hkv, S, Dh)
+            x = layer(x, BlockContext(k[seq_index], v[seq_index], anchors))
+        return self.logits(self.norm(x)[:, 1:]).astype(mx.float32)
 
     def _block_rows(self, anchor: mx.array, length: int, rows: int) -> mx.array:
         """Final normed hidden states of block indices `1..rows`, `(rows, D)`."""

@@ -1,0 +1,161 @@
+"""`dflash-mlx train`: options -> `dflash_mlx.train` -> a rich progress bar and summary.
+
+Nothing heavy is imported until the command runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from . import ui
+
+MASK_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]")
+
+
+def default_mask_token(tokenizer) -> int:
+    """A token the draft uses as MASK: a mask token if the vocabulary has one, else pad/eos."""
+    vocab = tokenizer.get_vocab()
+    for name in MASK_NAMES:
+        if name in vocab:
+            return vocab[name]
+    for attr in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError("no mask token found in the tokenizer; pass --mask-token-id")
+
+
+def run(
+    *,
+    target: str,
+    data: Path,
+    out: Path,
+    layers: int,
+    block_size: int,
+    target_layer_ids: str | None,
+    mask_token_id: int | None,
+    regenerate: bool,
+    regen_tokens: int,
+    resume: bool,
+    force: bool,
+    settings: dict,
+) -> None:
+    import dflash_mlx
+    from dflash_mlx.config import DraftConfig
+    from dflash_mlx.draft import DFlashDraft
+    from dflash_mlx.loading import bind_draft
+    from dflash_mlx.train import (
+        TrainSettings,
+        draft_config_for,
+        init_draft,
+        read_examples,
+        train,
+    )
+
+    st = TrainSettings(**settings)
+    if out.exists() and any(out.iterdir()) and not (resume or force):
+        raise ValueError(f"output folder {out} is not empty; pass --resume or --force")
+    with ui.loading("target", target):
+        model, tokenizer = dflash_mlx.load(target)
+    regen = None
+    if regenerate:
+        regen = _regenerator(model, tokenizer, regen_tokens)
+    with ui.loading("training data", str(data)):
+        examples, skipped = read_examples(data, tokenizer, seq_len=st.seq_len, regenerate=regen)
+    for line in skipped[:20]:
+        ui.note(line)
+    if len(skipped) > 20:
+        ui.note(f"… and {len(skipped) - 20} more skipped lines")
+    n_held = min(st.eval_prompts, max(1, len(examples) // 20)) if len(examples) > 1 else 0
+    held = [e.tokens[: e.start or 16] for e in examples[len(examples) - n_held :]]
+    examples = examples[: len(examples) - n_held] or examples
+
+    if resume:
+        config = json.loads((out / "config.json").read_text())
+        draft = DFlashDraft(DraftConfig.from_dict(config))
+        bind_draft(draft, model)
+    else:
+        ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+        mask = default_mask_token(tokenizer) if mask_token_id is None else mask_token_id
+        config = draft_config_for(
+            model, layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask
+        )
+        draft = init_draft(model, config, seed=st.seed)
+    console = Console(stderr=True)
+    console.print(
+        f"training a {layers}-layer draft (block {config['dflash_config']['block_size']}, "
+        f"target layers {config['dflash_config']['target_layer_ids']}) on "
+        f"{len(examples)} sequences; {len(held)} held out for τ",
+        style="dim",
+    )
+    bar = Progress(
+        TextColumn("train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "loss {task.fields[loss]:.3f} · {task.fields[tps]:.0f} tok/s · τ {task.fields[tau]}"
+        ),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    with bar:
+        task = bar.add_task("train", total=st.steps, loss=float("nan"), tps=0.0, tau="–")
+        tau = "–"
+
+        def progress(entry: dict) -> None:
+            nonlocal tau
+            if "tau" in entry:
+                tau = f"{entry['tau']:.2f}"
+                console.print(f"step {entry['step']}: held-out τ {tau}", style="cyan")
+            bar.update(
+                task,
+                completed=entry["step"],
+                loss=entry["loss"],
+                tps=entry["tokens_per_s"],
+                tau=tau,
+            )
+
+        log = train(
+            model,
+            tokenizer,
+            draft,
+            config,
+            examples,
+            st,
+            out,
+            held_out=held,
+            resume=resume,
+            progress=progress,
+        )
+    last = log.steps[-1] if log.steps else {}
+    console.print(
+        f"saved {out} · final loss {last.get('loss', float('nan')):.3f}"
+        + (f" · held-out τ {log.evals[-1]['tau']:.2f}" if log.evals else "")
+        + f" · log {out / 'training_log.json'}",
+        style="green",
+    )
+
+
+def _regenerator(model, tokenizer, max_tokens: int):
+    """The target writes each response (greedy), as the paper's recipe does."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+
+    def regenerate(ids: list[int]) -> list[int]:
+        out = []
+        steps = generate_step(
+            mx.array(ids), model, max_tokens=max_tokens, sampler=lambda x: x.argmax(-1)
+        )
+        for t, _ in steps:
+            out.append(int(t))
+            if out[-1] in eos:
+                break
+        return out
+
+    return regenerate

@@ -1,0 +1,218 @@
+"""Draft training (`dflash_mlx.train`, `dflash-mlx train`) on a tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from typer.testing import CliRunner
+
+from cli.main import app
+from dflash_mlx import generate, load_draft
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.tiny import CORPUS
+from dflash_mlx.train import (
+    TrainSettings,
+    draft_config_for,
+    held_out_tau,
+    init_draft,
+    read_examples,
+    train,
+)
+
+from .test_decode import target_greedy
+
+PROMPTS = [c[:12] for c in CORPUS[:6]] + ["x = ", "import re", "while True:", "def f("]
+
+
+@pytest.fixture(scope="module")
+def regen_data(target, tmp_path_factory):
+    """Prompts whose responses the target writes itself (the paper's recipe)."""
+    model, tok = target
+
+    def regenerate(ids):
+        steps = generate_step(mx.array(ids), model, max_tokens=40, sampler=lambda x: x.argmax(-1))
+        return [int(t) for t, _ in steps]
+
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
+    examples, skipped = read_examples(path, tok, seq_len=96, regenerate=regenerate)
+    assert not skipped and len(examples) == len(PROMPTS)
+    return examples
+
+
+def fresh_draft(model, block=8):
+    cfg = draft_config_for(model, layers=1, block_size=block, mask_token_id=1)
+    return init_draft(model, cfg, seed=0), cfg
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_training_blocks_see_exactly_what_inference_shows(target, sliding):
+    model, tok = target
+    cfg = draft_config_for(model, layers=2, block_size=8, mask_token_id=1)
+    if sliding:
+        cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    draft = init_draft(model, cfg)
+    seq = mx.array([tok.encode("def add(a, b):\n    return a + b\nfor i in range(10):")])
+    _, feats = TargetAdapter.of(model).forward(seq, None, draft.config.target_layer_ids)
+    anchors = mx.array([2, 9, 15])
+    block = mx.full((3, 8), 1, dtype=mx.int32)
+    block[:, 0] = seq[0, anchors]
+    batch = draft.training_logits(feats, mx.array([0, 0, 0]), anchors, block)
+    for i, s in enumerate(anchors.tolist()):
+        draft.reset()
+        draft.add_context(feats[:, :s])
+        engine = draft.block_logits(seq[0, s : s + 1], 8)
+        assert mx.allclose(batch[i], engine, atol=1e-4).item(), f"anchor {s}"
+
+
+def test_short_training_lowers_loss_and_raises_engine_tau(target, regen_data, tmp_path):
+    model, tok = target
+    draft, cfg = fresh_draft(model)
+    prompts = [e.tokens[: e.start] for e in regen_data[:4]]
+    before = held_out_tau(model, draft, tok, prompts, 32)
+    settings = TrainSettings(
+        steps=120,
+        batch=4,
+        seq_len=96,
+        anchors_per_seq=8,
+        lr=3e-3,
+        loss_gamma=4.0,
+        eval_every=1000,
+        save_every=1000,
+    )
+    log = train(model, tok, draft, cfg, regen_data, settings, tmp_path / "d")
+    first = np.mean([s["loss"] for s in log.steps[:5]])
+    last = np.mean([s["loss"] for s in log.steps[-5:]])
+    after = held_out_tau(model, draft, tok, prompts, 32)
+    assert last < 0.6 * first, (first, last)
+    assert after > before + 0.25, (before, after)
+    # The saved draft is a published-format checkpoint the engine loads, still lossless.
+    loaded = load_draft(tmp_path / "d")
+    ids = prompts[0]
+    out = generate(model, loaded, tok, ids, max_tokens=24, block_size=8)
+    assert out.tokens == target_greedy(model, ids, 24)[: len(out.tokens)]
+    assert out.mean_acceptance > 1.0
+
+
+def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
+    model, tok = target
+    settings = dict(batch=2, seq_len=96, anchors_per_seq=4, lr=2e-3, eval_every=1000)
+    draft, cfg = fresh_draft(model)
+    straight = train(
+        model,
+        tok,
+        draft,
+        cfg,
+        regen_data,
+        TrainSettings(steps=12, save_every=6, **settings),
+        tmp_path / "a",
+    )
+    draft, cfg = fresh_draft(model)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_at_6(entry):
+        if entry["step"] == 6:  # the checkpoint of step 6 is written before this call
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        train(
+            model,
+            tok,
+            draft,
+            cfg,
+            regen_data,
+            TrainSettings(steps=12, save_every=6, **settings),
+            tmp_path / "b",
+            progress=stop_at_6,
+        )
+    resumed_draft, _ = fresh_draft(model)  # weights and optimiser come from the checkpoint
+    resumed = train(
+        model,
+        tok,
+        resumed_draft,
+        cfg,
+        regen_data,
+        TrainSettings(steps=12, save_every=6, **settings),
+        tmp_path / "b",
+        resume=True,
+    )
+    a = [s["loss"] for s in straight.steps]
+    b = [s["loss"] for s in resumed.steps]
+    assert [s["step"] for s in resumed.steps] == list(range(1, 13))
+    np.testing.assert_allclose(b, a, rtol=1e-4)
+
+
+def test_bad_data_lines_are_reported_with_their_line_and_skipped(target, tmp_path):
+    _, tok = target
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "def add(a, b): return a + b"}),
+                "{not json",
+                json.dumps({"prompt": "needs a response"}),
+                json.dumps({"foo": 1}),
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": "hi"},
+                            {"role": "assistant", "content": "hello there friend"},
+                        ]
+                    }
+                ),
+            ]
+        )
+    )
+    examples, skipped = read_examples(path, tok, seq_len=64)
+    assert len(examples) == 2
+    assert [s.split(": ")[0] for s in skipped] == [f"{path}:2", f"{path}:3", f"{path}:4"]
+    assert all("skipped" in s for s in skipped)
+    assert "--regenerate" in skipped[1]
+    assert examples[1].start > 0, "anchors come from the assistant's reply only"
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="warmup 2"):
+        TrainSettings(warmup=2)
+    with pytest.raises(ValueError, match="steps 0"):
+        TrainSettings(steps=0)
+
+
+def test_cli_trains_a_loadable_draft_and_refuses_a_used_folder(models_dir, tmp_path):
+    data = tmp_path / "t.jsonl"
+    data.write_text("\n".join(json.dumps({"text": c}) for c in CORPUS[:6]) + "\n{bad\n")
+    args = [
+        "train",
+        "--target",
+        str(models_dir / "qwen3"),
+        "--data",
+        str(data),
+        "--out",
+        str(tmp_path / "d"),
+        "--steps",
+        "4",
+        "--batch",
+        "2",
+        "--seq-len",
+        "48",
+        "--block-size",
+        "8",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+    ]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "t.jsonl:7: skipped" in r.stderr and "held-out τ" in r.stderr
+    assert load_draft(tmp_path / "d").config.block_size == 8
+    log = json.loads((tmp_path / "d" / "training_log.json").read_text())
+    assert len(log["steps"]) == 4 and log["evals"]
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2 and "not empty" in again.stderr
