@@ -152,8 +152,10 @@ def read_examples(
 ) -> tuple[list[Example], list[str]]:
     """Examples from JSONL (`{"text"}`, `{"prompt"}`, `{"messages"}`) or a folder of them.
 
-    Bad lines are skipped and reported (file:line and why), never silently. `{"prompt"}`
-    lines need `regenerate` (the target writes the response)."""
+    Bad lines are skipped and reported (file:line and why), never silently. With
+    `regenerate` the target writes the responses: after a `{"prompt"}` (chat template) or a
+    `{"text"}` (raw, e.g. the start of a file); without it, `{"text"}` is trained on as it
+    is and `{"prompt"}` lines are skipped."""
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"training data {path}: no JSONL file found")
@@ -182,7 +184,10 @@ def _example(obj, tokenizer, regenerate) -> Example:
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     if isinstance(obj.get("text"), str):
-        return Example(tokenizer.encode(obj["text"]), 0)
+        ids = tokenizer.encode(obj["text"])
+        if regenerate is not None:  # the text is a raw prompt the target continues
+            return Example(ids + regenerate(ids), len(ids))
+        return Example(ids, 0)
     if isinstance(obj.get("messages"), list) and obj["messages"]:
         msgs = obj["messages"]
         if msgs[-1].get("role") != "assistant":
