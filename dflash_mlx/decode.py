@@ -99,17 +99,23 @@ def speculative_decode(
                     progress(lo, total)
         return logits
 
-    if prompt_cache is not None and target.recurrent:
-        # Recurrent state cannot be trimmed later: keep it as it is before the last token.
-        prefill(start, total - 1)
-        prompt_cache.snapshot, prompt_cache.snapshot_len = target.snapshot(cache), total - 1
-        logits = prefill(total - 1, total)
-    else:
-        logits = prefill(start, total)
-    if progress is not None:
-        progress(total, total)
     generated: list[int] = []
     pending: list[mx.array] = []  # features of committed positions the draft has not seen
+    try:
+        if prompt_cache is not None and target.recurrent:
+            # Recurrent state cannot be trimmed later: keep it as it is before the last token.
+            prefill(start, total - 1)
+            prompt_cache.snapshot, prompt_cache.snapshot_len = target.snapshot(cache), total - 1
+            logits = prefill(total - 1, total)
+        else:
+            logits = prefill(start, total)
+    except BaseException:
+        # Interrupted mid-prefill: the reused caches no longer match any token history.
+        if prompt_cache is not None:
+            prompt_cache.clear()
+        raise
+    if progress is not None:
+        progress(total, total)
     try:
         yield from _generate(
             target,
@@ -129,6 +135,8 @@ def speculative_decode(
             chooser=chooser,
         )
     finally:
+        # Whatever ended generation, the caches hold at least the committed positions of
+        # prompt + generated (extra ones are trimmed away on reuse).
         if prompt_cache is not None:
             if draft is not None and pending:
                 draft.add_context(mx.concatenate(pending, axis=1))

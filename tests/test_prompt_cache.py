@@ -90,3 +90,21 @@ def test_a_cache_from_another_pair_is_not_reused(models_dir, target, draft):
     assert cached == 0, "a cache built with a draft is not reused without it"
     pc.clear()
     assert len(pc) == 0 and pc.target_cache is None
+
+
+def test_an_interrupted_prefill_leaves_no_stale_cache(target, draft):
+    model, tok = target
+    pc = PromptCache()
+    ids = tok.encode("def add(a, b):\n    return a + b\n" * 4)
+    run(model, draft, tok, ids, pc)
+
+    def interrupt(done, total):
+        if done < total:
+            raise KeyboardInterrupt
+
+    longer = ids + tok.encode(" for i in range(3): print(i)" * 3)
+    with pytest.raises(KeyboardInterrupt):
+        run(model, draft, tok, longer, pc, prefill_step=4, prompt_progress=interrupt)
+    assert pc.target_cache is None, "a half-prefilled cache must not be reused"
+    out, cached = run(model, draft, tok, longer, pc)
+    assert cached == 0 and out == greedy(model, tok, longer)
