@@ -13,6 +13,8 @@ from typing import Annotated
 import typer
 
 from . import bench as bench_command
+from . import chat as chat_command
+from . import serve as serve_command
 from . import ui
 from .quantize import app as quantize_app
 
@@ -184,6 +186,13 @@ def bench(
         )
     if code:
         raise typer.Exit(code)
+
+
+# Options, pair resolution and the REPL live in cli/chat.py.
+app.command(name="chat")(chat_command.command)
+
+
+app.command("serve")(serve_command.serve)  # options and wiring live in cli/serve.py
 
 
 def _load(model: str, draft: str | None, no_draft: bool):

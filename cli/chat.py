@@ -1,0 +1,299 @@
+"""`dflash-mlx chat`: options -> the pair -> loaded models -> a REPL, or one answer for
+piped stdin.
+
+The conversation itself (messages, settings, state reuse across turns, statistics,
+transcripts) is `dflash_mlx.chat_session.ChatSession`; the loop and its slash commands are
+`chat_repl.py`; the screen is `chat_ui.py`; line editing is `chat_input.py`. The library
+(and so mlx) and prompt_toolkit are imported inside the functions, so the command line
+starts instantly.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+
+from . import ui
+
+if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
+    from dflash_mlx.chat_session import ChatSession
+
+    from .chat_ui import ChatUI
+
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+DEMO_MAX_TOKENS = 200  # the demo's gibberish never ends on its own: keep replies short
+DRAFT_FILES = ["*.json", "*.safetensors"]  # what dflash_mlx.load_draft fetches
+
+
+def command(
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="Target: Hub id or local mlx-lm folder.",
+            show_default="mlx-community/Qwen3-4B-4bit",
+        ),
+    ] = None,
+    draft: Annotated[
+        str | None,
+        typer.Option(help="DFlash draft (default: the published draft for --model, if known)."),
+    ] = None,
+    no_draft: Annotated[
+        bool, typer.Option("--no-draft", help="Chat with the target alone (no speculation).")
+    ] = False,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            "--demo", help="A tiny random pair built locally: works offline, talks nonsense."
+        ),
+    ] = False,
+    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.")] = 1.0,
+    max_tokens: Annotated[
+        int | None,
+        typer.Option(help="Most tokens per reply.", show_default="2048; 200 with --demo"),
+    ] = None,
+    block_size: Annotated[
+        int | None, typer.Option(help="Verify width W (default: picked every cycle).")
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    think: Annotated[
+        bool | None,
+        typer.Option(
+            "--think/--no-think",
+            help="Ask the chat template for thinking on or off (default: the model's, or "
+            "what its draft was trained with).",
+            show_default=False,
+        ),
+    ] = None,
+    hide_thinking: Annotated[
+        bool, typer.Option("--hide-thinking", help="Collapse <think> sections to one line.")
+    ] = False,
+) -> None:
+    """Chat in the terminal, with DFlash speculative decoding.
+
+    Each turn prefills only what is new: the conversation's state is kept across turns.
+    Piped stdin (echo hi | dflash-mlx chat) is answered once.
+    """
+    try:
+        code = run(
+            model=model,
+            draft=draft,
+            no_draft=no_draft,
+            demo=demo,
+            system=system,
+            temp=temp,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            block_size=block_size,
+            seed=seed,
+            think=think,
+            hide_thinking=hide_thinking,
+        )
+    except ValueError as e:  # LoadError included
+        ui.error(str(e))
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:
+        ui.interrupted()
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if code:
+        raise typer.Exit(code)
+
+
+def run(
+    *,
+    model: str | None = None,
+    draft: str | None = None,
+    no_draft: bool = False,
+    demo: bool = False,
+    system: str | None = None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    max_tokens: int | None = None,
+    block_size: int | None = None,
+    seed: int | None = None,
+    think: bool | None = None,
+    hide_thinking: bool = False,
+) -> int:
+    """Load the pair and chat; the exit code."""
+    from . import chat_repl, chat_ui
+
+    view = chat_ui.ChatUI(
+        Console(highlight=False), Console(stderr=True, highlight=False), hide_thinking=hide_thinking
+    )
+    from dflash_mlx.chat_session import ChatSettings, parse_setting
+
+    if max_tokens is None:
+        max_tokens = DEMO_MAX_TOKENS if demo else 2048
+    settings = ChatSettings()
+    for name, value in [  # bad values fail now, before anything loads
+        ("temp", temp),
+        ("top_p", top_p),
+        ("max_tokens", max_tokens),
+        ("block_size", "auto" if block_size is None else block_size),
+        ("seed", seed),
+    ]:
+        key, parsed = parse_setting(name, value)
+        setattr(settings, key, parsed)
+    pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
+    session = load_session(pair, view, system=system, settings=settings)
+    if not sys.stdin.isatty():
+        return chat_repl.answer_once(session, view, sys.stdin.read())
+    view.banner(pair.banner, session.settings)
+    from . import chat_input
+
+    read = chat_input.make_reader(
+        commands={name: text for name, (_, text) in chat_repl.COMMANDS.items()},
+        setting_names=chat_repl.SET_NAMES,
+        history=chat_input.history_path(),
+        toolbar=lambda: chat_repl.toolbar(session, pair.label),
+    )
+    chat_repl.Repl(session, view, read).run()
+    return 0
+
+
+@dataclass
+class Pair:
+    """Where the target and draft come from, and how to talk about them."""
+
+    model: str  # what to load: Hub id or folder
+    draft: str | None
+    label: str  # how to name them on screen and in transcripts
+    draft_label: str
+    template_kwargs: dict = field(default_factory=dict)
+    banner: list[tuple[str, str]] = field(default_factory=list)
+
+
+def resolve_pair(
+    model: str | None,
+    draft: str | None,
+    *,
+    no_draft: bool,
+    demo: bool,
+    think: bool | None,
+    view: ChatUI,
+) -> Pair:
+    """The target and draft to load: --demo, the default pair, the registry or as given."""
+    from dflash_mlx.registry import DEFAULT_TARGET, find_draft, known_targets
+
+    if draft is not None and no_draft:
+        raise ValueError("pass either --draft or --no-draft, not both")
+    if demo:
+        if model is not None or draft is not None:
+            raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+        from dflash_mlx.demo import DESCRIPTION, demo_pair
+
+        with ui.loading("demo pair", "tiny random models"):
+            target_dir, draft_dir = demo_pair()
+        view.demo_note(DESCRIPTION)
+        pair = Pair(
+            str(target_dir),
+            None if no_draft else str(draft_dir),
+            "demo target (random)",
+            "demo draft (random)",
+        )
+        pair.banner = [("target", pair.label), ("draft", "none" if no_draft else pair.draft_label)]
+        return pair
+    if draft is not None and model is None:
+        raise ValueError("--draft needs --model: the target it was trained for")
+    model = model or DEFAULT_TARGET
+    entry = find_draft(model)
+    how = ""
+    if draft is None and not no_draft:
+        if entry is None:
+            raise ValueError(
+                f"no known DFlash draft for {model!r}. Pass one with --draft DRAFT (the Hub id "
+                "or folder of a DFlash draft trained for this model), or --no-draft to chat "
+                "with the target alone, without speculation. Drafts are known for: "
+                + ", ".join(known_targets())
+            )
+        draft, how = entry.draft, f" (published for {entry.target})"
+    pair = Pair(model, draft, model, draft or "none")
+    if entry is not None and draft == entry.draft:
+        pair.template_kwargs = dict(entry.template_kwargs)
+        if entry.note:
+            how += f" · {entry.note}"
+    if think is not None:
+        pair.template_kwargs["enable_thinking"] = think
+    pair.banner = [("target", model), ("draft", (draft or "none") + how)]
+    if pair.template_kwargs.get("enable_thinking") is False and think is None:
+        pair.banner.append(("thinking", "off, as the draft was trained (--think turns it on)"))
+    if no_draft:
+        view.note("no draft: the target decodes alone, without speculation")
+    return pair
+
+
+def load_session(pair: Pair, view: ChatUI, *, system: str | None, settings) -> ChatSession:
+    """Download (with progress), load, check and calibrate the pair; a fresh ChatSession."""
+    import dflash_mlx
+    from dflash_mlx.chat_session import ChatSession
+
+    fetch(pair.model, "target", None)
+    with ui.loading("target", pair.label):
+        target, tokenizer = dflash_mlx.load(pair.model)
+    drafter = None
+    if pair.draft is not None:
+        fetch(pair.draft, "draft", DRAFT_FILES)
+        with ui.loading("draft", pair.draft_label):
+            drafter = dflash_mlx.load_draft(pair.draft)
+        prepare_draft(target, drafter, view, calibrate=settings.block_size is None)
+    return ChatSession(
+        target,
+        drafter,
+        tokenizer,
+        system=system,
+        settings=settings,
+        template_kwargs=pair.template_kwargs,
+        model_id=pair.label,
+        draft_id=pair.draft_label if pair.draft else None,
+    )
+
+
+def fetch(source: str, what: str, patterns: list[str] | None) -> None:
+    """Download a Hub model not yet cached, showing the Hub's progress bars.
+
+    Loading would download it too, but behind a spinner; failures are left to the loader,
+    whose message says what to do.
+    """
+    if Path(source).expanduser().exists() or source.startswith((".", "/", "~")):
+        return
+    if source.count("/") != 1:
+        return
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(source, allow_patterns=patterns, local_files_only=True)
+        return
+    except Exception:  # not cached (yet): download below
+        pass
+    ui.note(f"downloading the {what} {source} from the Hugging Face Hub…")
+    try:
+        snapshot_download(source, allow_patterns=patterns)
+    except Exception:
+        pass
+
+
+def prepare_draft(target, drafter, view: ChatUI, *, calibrate: bool) -> None:
+    """Check the draft fits the target now, not at the first message; measure costs once."""
+    from dflash_mlx.loading import bind_draft
+
+    bind_draft(drafter, target)
+    if not calibrate:
+        return
+    from dflash_mlx.calibrate import load_or_measure
+
+    from .chat_ui import CalibrationProgress
+
+    progress = CalibrationProgress(view.err)
+    try:
+        load_or_measure(target, drafter, progress=progress)
+    except OSError:
+        pass  # no writable cache: the engine falls back to a fixed width
+    finally:
+        progress.close()

@@ -1,0 +1,173 @@
+"""The chat loop: read a line, run a slash command or stream a reply, until /exit or Ctrl-D.
+
+Ctrl-C during a reply stops it and keeps what was shown; at the prompt it clears the line.
+Piped stdin is one message, answered once. Knows the commands and what they do to a
+`ChatSession`; rendering is `chat_ui.py`, line editing `chat_input.py`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from . import chat_ui
+from .chat_input import quiet_keys
+
+if TYPE_CHECKING:
+    from dflash_mlx.chat_session import ChatSession
+
+EXIT_INTERRUPTED = 130  # as cli/chat.py
+
+COMMANDS = {  # name: (usage, what it does)
+    "/help": ("/help", "show this help"),
+    "/reset": ("/reset", "start a new conversation (keeps the system prompt and settings)"),
+    "/system": ("/system [TEXT | none]", "show, set or remove the system prompt"),
+    "/set": (
+        "/set [NAME VALUE]",
+        "show the settings, or set temp, top_p, max_tokens, block_size (W or auto), seed, "
+        "thinking (show or hide)",
+    ),
+    "/stats": ("/stats", "totals for this session"),
+    "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
+    "/retry": ("/retry", "replace the last reply with a new one"),
+    "/exit": ("/exit", "leave (Ctrl-D too)"),
+}
+ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
+SET_NAMES = ["temp", "top_p", "max_tokens", "block_size", "seed", "thinking"]
+
+
+def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
+    """Piped stdin: the whole input is one message; answer it and stop."""
+    if not text.strip():
+        raise ValueError("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
+    interrupted = stream_reply(
+        session, view, lambda progress: session.send(text.strip(), prompt_progress=progress)
+    )
+    return EXIT_INTERRUPTED if interrupted else 0
+
+
+def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
+    """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C."""
+    before = session.totals.replies
+    reply = view.reply_view()
+    stream = start(reply.prefill)
+    interrupted = False
+    with quiet_keys():
+        try:
+            for i, r in enumerate(stream):
+                if i == 0 and session.starts_in_thinking:
+                    reply.begin_thinking()
+                reply.feed(r.text)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            stream.close()
+            reply.close(interrupted=interrupted)
+    if session.totals.replies > before:
+        view.stats(session.last, session.draft is not None)
+    elif interrupted:
+        view.note("stopped before the reply began: the message was not kept (Up recalls it)")
+    return interrupted
+
+
+class Repl:
+    """Read a line; run a slash command or send it as a message; until /exit or Ctrl-D."""
+
+    def __init__(self, session: ChatSession, view: chat_ui.ChatUI, read):
+        self.session, self.view, self.read = session, view, read
+
+    def run(self) -> None:
+        while True:
+            try:
+                line = self.read()
+            except KeyboardInterrupt:
+                self.view.info("(Ctrl-D or /exit leaves)")
+                continue
+            except EOFError:
+                break
+            try:
+                if not self.handle(line):
+                    break
+            except KeyboardInterrupt:
+                self.view.note("interrupted")
+            except ValueError as e:
+                self.view.error(str(e))
+            except Exception as e:  # a chat survives one bad turn; say what happened
+                self.view.error(f"{type(e).__name__}: {e}")
+
+    def handle(self, line: str) -> bool:
+        """Act on one input; False to leave."""
+        text = line.strip()
+        if not text:
+            return True
+        if text.startswith("/") and not text.startswith("//"):
+            return self.command(text)
+        if text.startswith("//"):
+            text = text[1:]
+        stream_reply(self.session, self.view, lambda p: self.session.send(text, prompt_progress=p))
+        return True
+
+    def command(self, text: str) -> bool:
+        name, _, arg = text.partition(" ")
+        name = ALIASES.get(name.lower(), name.lower())
+        arg = arg.strip()
+        s, view = self.session, self.view
+        if name == "/exit":
+            return False
+        if name == "/help":
+            view.help(COMMANDS)
+        elif name == "/reset":
+            s.reset()
+            view.info("new conversation" + (" (system prompt kept)" if s.system else ""))
+        elif name == "/system":
+            if not arg:
+                view.info(f"system prompt: {s.system}" if s.system else "no system prompt")
+            elif arg.lower() == "none":
+                s.set_system(None)
+                view.info("system prompt removed")
+            else:
+                s.set_system(arg)
+                view.info("system prompt set; it applies from the next reply")
+        elif name == "/set":
+            self.set(arg)
+        elif name == "/stats":
+            view.totals(s.totals, s.context_tokens, s.draft is not None)
+        elif name == "/save":
+            if not arg:
+                raise ValueError("/save needs a file name, e.g. /save chat.json or /save chat.md")
+            path = s.save(arg)
+            view.info(f"saved {len(s.conversation())} messages to {path}")
+        elif name == "/retry":
+            if s.settings.temperature == 0 and s.messages:
+                view.info("at temperature 0 the reply comes out the same (/set temp 0.7 varies it)")
+            stream_reply(s, view, lambda p: s.retry(prompt_progress=p))
+        else:
+            view.error(f"unknown command {name}")
+            view.help(COMMANDS)
+        return True
+
+    def set(self, arg: str) -> None:
+        if not arg:
+            self.view.settings(self.session.settings, self.view.hide_thinking)
+            return
+        key, _, value = arg.partition(" ")
+        value = value.strip()
+        if not value:
+            raise ValueError(f"/set {key} needs a value, e.g. /set temp 0.7")
+        if key.lower() == "thinking":
+            if value.lower() not in ("show", "hide"):
+                raise ValueError(f"/set thinking {value!r}: show or hide")
+            self.view.hide_thinking = value.lower() == "hide"
+        else:
+            self.session.set(key, value)
+        self.view.settings(self.session.settings, self.view.hide_thinking)
+
+
+def toolbar(session: ChatSession, label: str) -> str:
+    """The line under the prompt: model, width, temperature, context held."""
+    s = session.settings
+    width = "auto" if s.block_size is None else s.block_size
+    draft = "no draft" if session.draft is None else f"W {width}"
+    return (
+        f" {label} · {draft} · temp {s.temperature:g} · max {s.max_tokens} · "
+        f"{session.context_tokens} tokens in context · /help"
+    )

@@ -1,0 +1,199 @@
+"""`dflash-mlx serve`: options -> models -> `dflash_mlx.server` app -> uvicorn.
+
+The library, FastAPI and uvicorn are imported inside `run`, so the command line starts
+instantly. All terminal output goes through `serve_ui.py`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from . import serve_ui, ui
+
+DEMO_ID = "dflash-mlx-demo"
+EXIT_ERROR = 2  # as every command: bad options, a model that cannot load, a busy port
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, after a clean shutdown
+
+
+def serve(
+    model: Annotated[
+        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
+    ] = None,
+    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
+    demo: Annotated[
+        bool,
+        typer.Option("--demo", help="Serve a tiny RANDOM pair (built once, cached): no downloads."),
+    ] = False,
+    host: Annotated[
+        str, typer.Option(help="Interface to listen on; other than loopback, set --api-key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8080,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DFLASH_MLX_API_KEY",
+            help="Require 'Authorization: Bearer KEY' on /v1 requests.",
+            show_default=False,
+        ),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests that may wait behind the running one; more get 503.")
+    ] = 16,
+    default_max_tokens: Annotated[
+        int, typer.Option(help="max_tokens for requests that do not say.")
+    ] = 2048,
+    max_context: Annotated[
+        int | None,
+        typer.Option(
+            help="Context length in tokens (default: the target's max_position_embeddings).",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_cache_size: Annotated[
+        int, typer.Option(help="Conversations whose prompt cache is kept between requests.")
+    ] = 4,
+    block_size: Annotated[
+        int | None,
+        typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
+    ] = None,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) locally."""
+    try:
+        run(
+            model=model,
+            draft=draft,
+            demo=demo,
+            host=host,
+            port=port,
+            api_key=api_key,
+            max_queue=max_queue,
+            default_max_tokens=default_max_tokens,
+            max_context=max_context,
+            prompt_cache_size=prompt_cache_size,
+            block_size=block_size,
+        )
+    except ValueError as e:
+        ui.error(str(e))
+        raise typer.Exit(EXIT_ERROR) from None
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """A warning when the server is reachable from other machines without a key."""
+    if api_key or is_loopback(host):
+        return None
+    return (
+        f"listening on {host} without --api-key: anyone who can reach this machine can use "
+        "the server (set --api-key, or keep the default --host 127.0.0.1)"
+    )
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), or a ValueError naming why not (e.g. port in use)."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port} must be in 0..65535")
+    host = host.strip("[]")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run(
+    *,
+    model: str | None,
+    draft: str | None,
+    demo: bool,
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_queue: int,
+    default_max_tokens: int,
+    max_context: int | None,
+    prompt_cache_size: int,
+    block_size: int | None = None,
+) -> None:
+    """Load the pair, bind the port and serve until Ctrl-C."""
+    if demo and (model is not None or draft is not None):
+        raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+    if not demo and (model is None or draft is None):
+        raise ValueError(
+            "--model and --draft are required (or --demo for a random demonstration pair)"
+        )
+    if max_queue < 0:
+        raise ValueError(f"--max-queue {max_queue} must be >= 0")
+    if default_max_tokens < 1:
+        raise ValueError(f"--default-max-tokens {default_max_tokens} must be >= 1")
+    if max_context is not None and max_context < 2:
+        raise ValueError(f"--max-context {max_context} must be >= 2")
+    if prompt_cache_size < 1:
+        raise ValueError(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
+    if block_size is not None and block_size < 1:
+        raise ValueError(f"--block-size {block_size} must be >= 1")
+
+    import dflash_mlx
+    from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
+
+    sock = listen(host, port)  # first: a busy port fails before a long model load
+    model_id, aliases = model, set()
+    if demo:
+        from dflash_mlx.demo import DESCRIPTION, demo_pair
+
+        with ui.loading("demo pair", "tiny random models"):
+            target_dir, draft_dir = demo_pair()
+        serve_ui.demo_note(DESCRIPTION, target_dir.parent)
+        model, draft, model_id = str(target_dir), str(draft_dir), DEMO_ID
+    elif Path(model).exists():  # a local folder: its name works too
+        aliases.add(Path(model).resolve().name)
+    with ui.loading("target", model):
+        target, tokenizer = dflash_mlx.load(model)
+    with ui.loading("draft", draft):
+        drafter = dflash_mlx.load_draft(draft)
+    if block_size is not None and block_size > drafter.config.block_size:
+        raise ValueError(
+            f"--block-size {block_size} exceeds the draft's block size {drafter.config.block_size}"
+        )
+
+    settings = ServerSettings(
+        model_id=model_id,
+        aliases=aliases,
+        draft_id=DEMO_ID + "-draft" if demo else draft,
+        api_key=api_key,
+        default_max_tokens=default_max_tokens,
+        context_length=max_context or context_length(target),
+    )
+    engine = Engine(
+        target,
+        drafter,
+        tokenizer,
+        max_queue=max_queue,
+        prompt_cache_slots=prompt_cache_size,
+        block_size=block_size,
+    )
+    server = create_server(engine, settings)
+    serve_ui.serving(
+        host, sock.getsockname()[1], model_id, settings.context_length, api_key is not None
+    )
+    warning = exposure_warning(host, api_key)
+    if warning:
+        ui.note(f"warning: {warning}")
+    server.run(sockets=[sock])

@@ -1,0 +1,44 @@
+"""What `dflash-mlx serve` shows on stderr: the demo warning and where the server listens.
+
+Request logs come from uvicorn. Knows nothing about models: it prints what it is given.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def demo_note(description: str, folder: Path) -> None:
+    _err().print(
+        Text.assemble(
+            ("demo: ", "bold yellow"),
+            (
+                f"serving a tiny RANDOM demonstration pair ({description}), not a useful "
+                "model: its replies are gibberish. It only shows the server working. "
+                f"Cached in {folder}.",
+                "yellow",
+            ),
+        )
+    )
+
+
+def serving(host: str, port: int, model_id: str, context: int | None, keyed: bool) -> None:
+    """One line: the base URL clients use, the model name they send, and the limits."""
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/v1"
+    parts = [
+        f"model '{model_id}'",
+        f"context {context} tokens" if context else "no context limit",
+        "API key required" if keyed else "no API key",
+        f"docs http://{shown}:{port}/docs",
+    ]
+    _err().print(
+        Text.assemble(("serving ", "bold green"), (url, "bold"), (" · " + " · ".join(parts), ""))
+    )

@@ -1,0 +1,308 @@
+"""The engine worker: the one thread that runs MLX, and the fair queue in front of it.
+
+Every generation goes through `dflash_mlx.stream_generate` on this thread, one request at a
+time in arrival order; a few `PromptCache`s keep recent conversations so that a follow-up
+request prefills only what its history does not share. Requests arrive from an asyncio
+event loop and stream `GenerationResponse`s back to it. Knows nothing about HTTP or
+OpenAI's formats: it takes token ids and `stream_generate` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..generate import GenerationResponse, encode_prompt, stream_generate
+from ..prompt_cache import PromptCache, common_prefix
+
+_END = object()  # the worker's last item on a job's queue
+
+
+class QueueFull(Exception):
+    def __init__(self, retry_after: int):
+        super().__init__(f"the request queue is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class EngineClosed(Exception):
+    pass
+
+
+class _Cancelled(Exception):
+    """Raised from the prefill progress callback to abandon a cancelled request."""
+
+
+def context_length(model) -> int | None:
+    """The target's `max_position_embeddings` (top level or in `text_config`), if it has one."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    if n is None:
+        text = getattr(args, "text_config", None)
+        n = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return int(n) if n else None
+
+
+def vocab_size(model) -> int | None:
+    """Rows of the target's embedding: token ids must be below it."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "vocab_size", None)
+    if n is None:
+        text = getattr(args, "text_config", None)
+        n = text.get("vocab_size") if isinstance(text, dict) else None
+    return int(n) if n else None
+
+
+class Job:
+    """One request: its prompt ids and settings, and the responses streaming back."""
+
+    def __init__(self, engine: Engine, prompt: list[int], params: dict[str, Any]):
+        self.prompt = prompt
+        self.params = params
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cancel = threading.Event()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self) -> None:
+        """Withdraw the request; if it is running, the worker stops it after this cycle."""
+        if not self._cancel.is_set():
+            self._cancel.set()
+            self._engine._withdraw(self)
+
+    async def responses(self) -> AsyncIterator[GenerationResponse]:
+        """The request's responses in order; the worker's exception, if it failed, is raised."""
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def _put(self, item: object) -> None:
+        """From the worker thread: hand an item to the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self._cancel.set()
+
+
+class PromptCachePool:
+    """A few PromptCaches, one per recent conversation, most recently used last.
+
+    A request takes the cache whose last request it continues (that whole prompt is shared:
+    a next turn, or a retry of the last reply), else a fresh cache while there is room, else
+    an emptied one, else the one sharing the longest prefix (least recently used on ties).
+    Only the worker thread uses it, and a cache serves one request at a time.
+    """
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise ValueError(f"prompt cache slots {slots} must be >= 1")
+        self.slots = slots
+        self._caches: list[PromptCache] = []
+        self._prompt_len: dict[int, int] = {}  # id(cache) -> length of its last prompt
+
+    def acquire(self, prompt: list[int]) -> PromptCache:
+        shared = [common_prefix(pc.tokens, prompt) for pc in self._caches]
+        continued = [
+            k
+            for k, pc in enumerate(self._caches)
+            if shared[k] > 0 and shared[k] >= self._prompt_len[id(pc)] - 1
+        ]
+        if continued:
+            k = max(continued, key=lambda k: shared[k])
+        elif len(self._caches) < self.slots:
+            self._caches.append(PromptCache())
+            k = len(self._caches) - 1
+        else:
+            empty = [k for k, pc in enumerate(self._caches) if not pc.tokens]
+            k = empty[0] if empty else max(range(len(shared)), key=lambda k: (shared[k], -k))
+        pc = self._caches.pop(k)
+        self._caches.append(pc)
+        self._prompt_len[id(pc)] = len(prompt)
+        return pc
+
+
+class Engine:
+    """The worker thread that owns MLX, a FIFO queue of at most `max_queue` waiting requests."""
+
+    def __init__(
+        self,
+        model,
+        draft,
+        tokenizer,
+        *,
+        max_queue: int = 16,
+        prompt_cache_slots: int = 4,
+        block_size: int | None = None,
+        warm_up: bool = True,
+    ):
+        if max_queue < 0:
+            raise ValueError(f"max_queue {max_queue} must be >= 0")
+        self.model = model
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size(model)
+        self.max_queue = max_queue
+        self.block_size = block_size  # the verify width W; None: chosen per cycle
+        self._pool = PromptCachePool(prompt_cache_slots)
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._closed = False
+        self._warm_up = warm_up
+        self.ready = False
+        self.error: str | None = None  # why the warm-up failed, if it did
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.generated_tokens = 0
+        self._mean_seconds = 1.0  # a running mean of request durations, for Retry-After
+        self._parked = threading.Event()  # set once the worker has stopped for good
+        self._thread = threading.Thread(target=self._work, name="dflash-mlx-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, prompt: list[int], **params: Any) -> Job:
+        """Queue a request (from the event loop); `QueueFull` when `max_queue` are waiting."""
+        job = Job(self, prompt, params)
+        with self._cond:
+            if self._closed:
+                raise EngineClosed("the server is shutting down")
+            ahead = len(self._waiting) + (self._running is not None)
+            if ahead > self.max_queue:
+                self.counts["rejected"] += 1
+                raise QueueFull(self._retry_after(ahead))
+            self._waiting.append(job)
+            self._cond.notify()
+        return job
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "running": int(self._running is not None),
+                "waiting": len(self._waiting),
+                "max_queue": self.max_queue,
+                **self.counts,
+                "generated_tokens": self.generated_tokens,
+            }
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, stop the queued and running ones, wait for the worker to stop.
+
+        The wait matters: a process that exits while the worker is inside MLX aborts.
+        """
+        with self._cond:
+            self._closed = True
+            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            self._waiting.clear()
+            self._cond.notify()
+        for job in jobs:
+            job._cancel.set()
+            job._put(EngineClosed("the server is shutting down"))
+        if self._thread.is_alive():
+            self._parked.wait(timeout)
+
+    def _retry_after(self, ahead: int) -> int:
+        return max(1, min(60, math.ceil(self._mean_seconds * ahead)))
+
+    def _withdraw(self, job: Job) -> None:
+        with self._cond:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                self.counts["cancelled"] += 1
+                job._put(_END)
+
+    def _work(self) -> None:
+        if self._warm_up:
+            self._warm()
+        self.ready = True
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    break
+                job = self._running = self._waiting.popleft()
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+        # MLX can abort the process (std::terminate) when a thread that ran its work ends
+        # just before the interpreter exits (mlx 0.32, CPU): the worker parks instead.
+        self._parked.set()
+        threading.Event().wait()
+
+    def _warm(self) -> None:
+        """One tiny generation: loads kernels and measures the pair's costs (cached) now."""
+        try:
+            ids = encode_prompt(self.tokenizer, "Hello")
+            for _ in stream_generate(
+                self.model,
+                self.draft,
+                self.tokenizer,
+                ids,
+                max_tokens=2,
+                block_size=self.block_size,
+            ):
+                pass
+        except Exception as e:  # reported by /health; requests will fail the same way
+            self.error = f"{type(e).__name__}: {e}"
+
+    def _run(self, job: Job) -> None:
+        if job.cancelled:  # withdrawn while the worker was taking it
+            job._put(_END)
+            with self._cond:
+                self.counts["cancelled"] += 1
+            return
+        tic = time.perf_counter()
+        pc = self._pool.acquire(job.prompt)
+
+        def progress(done: int, total: int) -> None:
+            if job.cancelled:  # a long prefill stops at the next chunk
+                raise _Cancelled
+
+        stream = stream_generate(
+            self.model,
+            self.draft,
+            self.tokenizer,
+            job.prompt,
+            block_size=self.block_size,
+            prompt_cache=pc,
+            prompt_progress=progress,
+            **job.params,
+        )
+        outcome = "completed"
+        last = None
+        try:
+            for last in stream:
+                job._put(last)
+                if job.cancelled:
+                    outcome = "cancelled"
+                    break
+        except _Cancelled:
+            outcome = "cancelled"
+            pc.clear()  # the prefill stopped half way: the cache no longer matches its tokens
+        except Exception as e:
+            outcome = "failed"
+            pc.clear()
+            job._put(e)
+        finally:
+            stream.close()  # leaves the PromptCache consistent (the engine's contract)
+        job._put(_END)
+        seconds = time.perf_counter() - tic
+        with self._cond:
+            self.counts[outcome] += 1
+            if last is not None:
+                self.generated_tokens += last.generation_tokens
+            self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
