@@ -53,9 +53,7 @@ def run(
     if demo and (model is not None or draft is not None):
         raise ValueError("--demo builds its own pair: pass it without --model and --draft")
     if not demo and (model is None or draft is None):
-        raise ValueError(
-            "--model and --draft are required (or --demo for a random demonstration pair)"
-        )
+        raise ValueError("--model and --draft are required (or --demo for the demonstration pair)")
 
     import dflash_mlx
     from dflash_mlx.bench_prompts import load_suite, read_prompts
@@ -63,11 +61,11 @@ def run(
 
     bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
     if demo:
-        from dflash_mlx.demo import DESCRIPTION, demo_pair
+        from dflash_mlx.demo import NOTICE, demo_pair
 
-        with ui.loading("demo pair", "tiny random models"):
+        with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
-        bench_ui.demo_note(DESCRIPTION, target_dir.parent)
+        bench_ui.demo_note(NOTICE, target_dir.parent)
         model, draft = str(target_dir), str(draft_dir)
     with ui.loading("target", model):
         target, tokenizer = dflash_mlx.load(model)
@@ -98,8 +96,8 @@ def run(
             temperature=temp,
             repeats=repeats,
             seed=seed,
-            model_id="random demo target" if demo else model,
-            draft_id="random demo draft" if demo else draft,
+            model_id="demo target" if demo else model,
+            draft_id="demo draft" if demo else draft,
             progress=progress,
         )
     finally:

@@ -41,19 +41,8 @@ def _err() -> Console:
     return Console(stderr=True, highlight=False)
 
 
-def demo_note(description: str, folder: Path) -> None:
-    _err().print(
-        Text.assemble(
-            ("demo: ", "bold yellow"),
-            (
-                f"a tiny RANDOM demonstration pair ({description}), not a useful model. "
-                "Its text is gibberish and its draft is never right, so τ will be ~1 and "
-                "DFlash slower than the target alone: this only shows the bench working. "
-                f"Cached in {folder}.",
-                "yellow",
-            ),
-        )
-    )
+def demo_note(notice: str, folder: Path) -> None:
+    _err().print(Text.assemble(("demo: ", "bold yellow"), (f"{notice} ({folder})", "yellow")))
 
 
 class BenchProgress:

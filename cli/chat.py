@@ -49,7 +49,7 @@ def command(
     demo: Annotated[
         bool,
         typer.Option(
-            "--demo", help="A tiny random pair built locally: works offline, talks nonsense."
+            "--demo", help="A tiny demonstration pair: works offline, writes Python-ish text."
         ),
     ] = False,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
@@ -187,16 +187,17 @@ def resolve_pair(
     if demo:
         if model is not None or draft is not None:
             raise ValueError("--demo builds its own pair: pass it without --model and --draft")
-        from dflash_mlx.demo import DESCRIPTION, demo_pair
+        from dflash_mlx.demo import NOTICE, TRAINED, demo_pair
 
-        with ui.loading("demo pair", "tiny random models"):
+        with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
-        view.demo_note(DESCRIPTION)
+        view.demo_note(NOTICE)
+        kind = "trained" if TRAINED else "random"
         pair = Pair(
             str(target_dir),
             None if no_draft else str(draft_dir),
-            "demo target (random)",
-            "demo draft (random)",
+            f"demo target ({kind})",
+            f"demo draft ({kind})",
         )
         pair.banner = [("target", pair.label), ("draft", "none" if no_draft else pair.draft_label)]
         return pair

@@ -101,18 +101,8 @@ class ChatUI:
     def error(self, message: str) -> None:
         self.err.print(Text("error: ", style="bold red") + Text(" ".join(message.split())))
 
-    def demo_note(self, description: str) -> None:
-        self.err.print(
-            Text.assemble(
-                ("demo: ", "bold yellow"),
-                (
-                    f"a tiny RANDOM demonstration pair ({description}), not a useful "
-                    "assistant: its replies are gibberish and its draft is never right "
-                    "(τ ≈ 1). It shows the chat working offline, nothing more.",
-                    "yellow",
-                ),
-            )
-        )
+    def demo_note(self, notice: str) -> None:
+        self.err.print(Text.assemble(("demo: ", "bold yellow"), (notice, "yellow")))
 
 
 def settings_summary(s: ChatSettings) -> str:

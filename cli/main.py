@@ -64,8 +64,10 @@ def _user_errors() -> Iterator[None]:
 
 @app.command()
 def generate(
-    model: Annotated[str, typer.Option(help="Target: Hub id or local mlx-lm folder.")],
     prompt: Annotated[str, typer.Option(help="The prompt text.")],
+    model: Annotated[
+        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
+    ] = None,
     draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
     no_draft: Annotated[
         bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
@@ -91,11 +93,25 @@ def generate(
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object with text, tokens and stats.")
     ] = False,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
+    ] = False,
 ) -> None:
     """Stream a completion of --prompt, then one line of statistics."""
     with _user_errors():
         import dflash_mlx
 
+        if demo:
+            if model is not None or draft is not None:
+                raise ValueError("--demo brings its own pair: pass it without --model/--draft")
+            from dflash_mlx.demo import NOTICE, demo_pair
+
+            target_dir, draft_dir = demo_pair()
+            ui.note(f"demo: {NOTICE}")
+            model, draft = str(target_dir), None if no_draft else str(draft_dir)
+            chat = False if chat is None else chat
+        if model is None:
+            raise ValueError("--model is required (or --demo for the demonstration pair)")
         target, tokenizer, drafter = _load(model, draft, no_draft)
         request = _prompt_form(tokenizer, prompt, chat)
         kwargs = dict(

@@ -27,7 +27,7 @@ def serve(
     draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
     demo: Annotated[
         bool,
-        typer.Option("--demo", help="Serve a tiny RANDOM pair (built once, cached): no downloads."),
+        typer.Option("--demo", help="Serve the tiny demonstration pair: no downloads."),
     ] = False,
     host: Annotated[
         str, typer.Option(help="Interface to listen on; other than loopback, set --api-key.")
@@ -136,9 +136,7 @@ def run(
     if demo and (model is not None or draft is not None):
         raise ValueError("--demo builds its own pair: pass it without --model and --draft")
     if not demo and (model is None or draft is None):
-        raise ValueError(
-            "--model and --draft are required (or --demo for a random demonstration pair)"
-        )
+        raise ValueError("--model and --draft are required (or --demo for the demonstration pair)")
     if max_queue < 0:
         raise ValueError(f"--max-queue {max_queue} must be >= 0")
     if default_max_tokens < 1:
@@ -156,11 +154,11 @@ def run(
     sock = listen(host, port)  # first: a busy port fails before a long model load
     model_id, aliases = model, set()
     if demo:
-        from dflash_mlx.demo import DESCRIPTION, demo_pair
+        from dflash_mlx.demo import NOTICE, demo_pair
 
-        with ui.loading("demo pair", "tiny random models"):
+        with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
-        serve_ui.demo_note(DESCRIPTION, target_dir.parent)
+        serve_ui.demo_note(NOTICE, target_dir.parent)
         model, draft, model_id = str(target_dir), str(draft_dir), DEMO_ID
     elif Path(model).exists():  # a local folder: its name works too
         aliases.add(Path(model).resolve().name)

@@ -15,17 +15,9 @@ def _err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def demo_note(description: str, folder: Path) -> None:
+def demo_note(notice: str, folder: Path) -> None:
     _err().print(
-        Text.assemble(
-            ("demo: ", "bold yellow"),
-            (
-                f"serving a tiny RANDOM demonstration pair ({description}), not a useful "
-                "model: its replies are gibberish. It only shows the server working. "
-                f"Cached in {folder}.",
-                "yellow",
-            ),
-        )
+        Text.assemble(("demo: ", "bold yellow"), (f"serving {notice} ({folder})", "yellow"))
     )
 
 

@@ -185,3 +185,14 @@ def test_help_does_not_import_mlx():
     )
     assert done.returncode == 0, done.stderr
     assert "generate" in done.stdout
+
+
+def test_generate_demo_runs_offline_and_says_what_the_pair_is():
+    from dflash_mlx.demo import NOTICE
+
+    result = run("generate", "--demo", "--prompt", "def fib(n):", "--max-tokens", "8", "--json")
+    assert result.exit_code == 0, result.output
+    assert NOTICE in " ".join(result.stderr.split())
+    assert json.loads(result.stdout)["generation_tokens"] == 8
+    result = run("generate", "--demo", "--model", "m", "--prompt", "x")
+    assert result.exit_code == 2 and "without --model" in result.stderr
