@@ -36,19 +36,21 @@ VOCAB = 320
 BLOCK = 16
 
 
-def write_tokenizer(folder: Path) -> int:
+def write_tokenizer(folder: Path, texts: list[str] | None = None, vocab: int = VOCAB) -> int:
+    """Train a byte-level BPE tokenizer on `texts` (default: a few lines) into `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         special_tokens=SPECIAL,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS if texts is None else texts, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(

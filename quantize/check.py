@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from dflash_mlx import generate
 from dflash_mlx.bench_prompts import load_suite
 from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.generate import encode_prompt
+from dflash_mlx.train import held_out_tau
 
 from .draft import parameter_bytes
 
@@ -32,24 +33,6 @@ class DraftComparison:
         return self.bytes_original - self.bytes_quantized
 
 
-def _tau(model, draft, tokenizer, prompts, max_tokens) -> float:
-    cycles = tokens = 0
-    for p in prompts:
-        msgs = p.messages or [{"role": "user", "content": p.text}]
-        prompt = msgs if getattr(tokenizer, "has_chat_template", False) else msgs[-1]["content"]
-        r = generate(
-            model,
-            draft,
-            tokenizer,
-            prompt,
-            max_tokens=max_tokens,
-            block_size=draft.config.block_size,
-        )
-        cycles += r.cycles
-        tokens += round(r.mean_acceptance * r.cycles)
-    return tokens / cycles if cycles else 0.0
-
-
 def compare_drafts(
     model: nn.Module,
     tokenizer,
@@ -62,9 +45,16 @@ def compare_drafts(
     """Tau (mean tokens per verify at the full block) of both drafts on the same prompts."""
     suite = load_suite("all")
     chosen = suite[:: max(1, len(suite) // prompts)][:prompts]
+    chat = bool(getattr(tokenizer, "has_chat_template", False))
+    ids = [
+        encode_prompt(
+            tokenizer, p.messages or ([{"role": "user", "content": p.text}] if chat else p.text)
+        )
+        for p in chosen
+    ]
     return DraftComparison(
-        tau_original=_tau(model, original, tokenizer, chosen, max_tokens),
-        tau_quantized=_tau(model, quantized, tokenizer, chosen, max_tokens),
+        tau_original=held_out_tau(model, original, tokenizer, ids, max_tokens),
+        tau_quantized=held_out_tau(model, quantized, tokenizer, ids, max_tokens),
         bytes_original=parameter_bytes(original),
         bytes_quantized=parameter_bytes(quantized),
         prompts=len(chosen),

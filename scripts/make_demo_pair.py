@@ -39,35 +39,6 @@ def stdlib_files() -> list[Path]:
     return [f for f in files if 2_000 < f.stat().st_size < 200_000]
 
 
-def build_tokenizer(texts: list[str], folder: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from dflash_mlx.tiny import CHAT_TEMPLATE, SPECIAL
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
-        special_tokens=SPECIAL,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(texts, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-
-
 def target_config() -> dict:
     return {
         "model_type": "qwen3",
@@ -150,7 +121,9 @@ def main() -> None:
     work = args.out.with_name(args.out.name + ".build")
     shutil.rmtree(work, ignore_errors=True)
     target_dir, draft_dir = work / "target", work / "draft"
-    build_tokenizer(texts, target_dir)
+    from dflash_mlx.tiny import write_tokenizer
+
+    write_tokenizer(target_dir, texts, VOCAB)
 
     from tokenizers import Tokenizer
 
