@@ -28,7 +28,7 @@ def shipped() -> bool:
 TRAINED = shipped()
 DESCRIPTION = (
     "trained demo pair: a ~1M-parameter code model trained on the Python standard "
-    "library's source + its distilled 1-layer DFlash draft (block 16)"
+    "library's source + its distilled 2-layer DFlash draft (block 16)"
     if TRAINED
     else f"random qwen3 target ({LAYERS} layers, hidden {HIDDEN}) "
     f"+ random 2-layer DFlash draft (block 16)"

@@ -1,6 +1,6 @@
 """Build the demo pair shipped in `dflash_mlx/demo_pair/` (for `--demo`).
 
-    python scripts/make_demo_pair.py [--steps 1500 --draft-steps 1500]
+    python scripts/make_demo_pair.py [--steps 1500 --draft-steps 1000]
 
 1. A byte-level BPE tokenizer and a tiny Qwen3-style code model trained from scratch on the
    Python standard library's own source files (Python Software Foundation License), read
@@ -106,7 +106,7 @@ def train_target(folder: Path, ids: list[int], steps: int, batch: int = 16) -> f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1500)
-    ap.add_argument("--draft-steps", type=int, default=1500)
+    ap.add_argument("--draft-steps", type=int, default=1000)
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     if OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
@@ -163,7 +163,9 @@ def main() -> None:
         "--out",
         str(draft_dir),
         "--layers",
-        "1",
+        "2",
+        "--target-layer-ids",
+        "1,3",
         "--block-size",
         "16",
         "--steps",
@@ -173,7 +175,7 @@ def main() -> None:
         "--seq-len",
         "192",
         "--anchors-per-seq",
-        "16",
+        "24",
         "--lr",
         "3e-3",
         "--loss-gamma",
