@@ -48,7 +48,7 @@ class WidthChooser:
         prior: float = 0.5,
         prior_strength: float = 2.0,
         probe_interval: int = 8,
-        max_probe_interval: int = 512,
+        max_probe_interval: int = 128,
     ):
         if len(costs.verify) < block:
             raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
@@ -70,6 +70,13 @@ class WidthChooser:
         # Costs never change: the cheapest draft block for each width is fixed.
         self._blocks = {w: self._draft_block(w) for w in range(2, block + 1)}
         self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
+        # Wall time of speculative cycles as the engine really runs them (host sync, no
+        # overlap, Python work), which isolated calibration passes cannot see. Plain steps
+        # are calibrated the way the engine runs them (chained on the device), so their
+        # calibrated cost stands.
+        self.measured: dict[int, float] = {}
+        self.ratio = 1.0  # measured / calibrated cost of speculative cycles
+        self._ratio_seen = False
 
     # -- model -----------------------------------------------------------------------------
 
@@ -108,9 +115,24 @@ class WidthChooser:
         out = {1: (1.0 / self.costs.verify[0], 0)}
         for w in range(2, (self.draft_block or self.block) + 1):
             n = self._blocks[w]
-            out[w] = (exp[w - 1] / (self.costs.verify[w - 1] + self.costs.draft[n - 1]), n)
+            cost = self.measured.get(w)
+            if cost is None:
+                cost = self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
+            out[w] = (exp[w - 1] / cost, n)
         self._rates = out
         return out
+
+    def observe(self, width: int, seconds: float, smoothing: float = 0.2) -> None:
+        """Record how long a speculative cycle of `width` really took (sync to sync)."""
+        if width <= 1:
+            return
+        prev = self.measured.get(width)
+        self.measured[width] = seconds if prev is None else prev + smoothing * (seconds - prev)
+        cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
+        r = seconds / cal
+        self.ratio = r if not self._ratio_seen else self.ratio + smoothing * (r - self.ratio)
+        self._ratio_seen = True
+        self._rates = None
 
     # -- decisions -------------------------------------------------------------------------
 

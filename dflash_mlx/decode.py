@@ -7,6 +7,7 @@ or timing: `generate.py` does that.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -232,6 +233,7 @@ def _generate(
     # so detokenizing and rendering overlap with device work.
     step = launch(anchor, max_tokens - 1) if max_tokens > 1 else None
     tok = anchor.item()
+    synced = time.perf_counter()
     generated.append(tok)
     yield Cycle([tok], 0, 0, reused)
     emitted = 1
@@ -251,8 +253,10 @@ def _generate(
             if emitted + 1 < max_tokens:
                 nxt = launch(out[:1], max_tokens - emitted - 1)
             new = out.tolist()
+            synced = time.perf_counter()
         else:
             n = n.item()  # the one host sync of the cycle
+            now = time.perf_counter()
             new = out.tolist()
             new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
             target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
@@ -261,6 +265,8 @@ def _generate(
                 draft.commit(n)
             if chooser is not None:
                 chooser.update(w, n)
+                chooser.observe(w, now - synced)
+            synced = now
         for j, t in enumerate(new):
             if t in eos_ids:
                 new = new[: j + 1]

@@ -161,7 +161,14 @@ def _plan_widths(
             width = min(default_verify_width(model, draft), rows)
             return width, rows, None
         fixed = block if draft.config.is_dflash2 else draft_block
-        return rows, rows, WidthChooser(curves, block, draft_block=fixed)
+        # One chooser per (target, draft block) for the draft's lifetime: what a request
+        # learnt about acceptance (and how rarely speculation is worth probing) carries over
+        # to the next one, instead of every request paying for its own probes.
+        choosers = draft.__dict__.setdefault("_dflash_choosers", {})
+        key = (id(model), fixed)
+        if key not in choosers or choosers[key].costs != curves:
+            choosers[key] = WidthChooser(curves, block, draft_block=fixed)
+        return rows, rows, choosers[key]
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size {block_size!r} must be an integer >= 1")
     if block_size > block:

@@ -103,7 +103,7 @@ def test_plain_decoding_is_probed_rarely_with_backoff():
         if w > 1:
             probes += 1
             ch.update(w, 0)  # the draft is never right: every probe confirms the loss
-    assert 3 <= probes <= 14, probes
+    assert 3 <= probes <= 25, probes
     assert ch.probe_interval == ch.max_probe_interval
 
 
@@ -172,3 +172,15 @@ def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkey
     calibrate.load_or_measure(model, draft)
     assert len(calls) == 2
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
+
+
+def test_measured_cycle_costs_override_an_optimistic_calibration():
+    """Calibration says W=4 pays; the cycles as really run (syncs, Python) say it does not."""
+    ch = WidthChooser(FLAT, BLOCK)
+    ch.trials, ch.hits = [0.0] + [1e6] * 15, [0.0] + [0.6e6] * 15
+    assert ch.choose()[0] > 1
+    for w in range(2, BLOCK + 1):
+        ch.observe(w, 10.0 * FLAT.verify[0])  # every speculative cycle costs 10 plain steps
+    assert ch.choose()[0] == 1
+    ch.observe(1, 99.0)  # plain steps keep their calibrated (device-chained) cost
+    assert ch.rates()[1][0] == 1.0 / FLAT.verify[0]
