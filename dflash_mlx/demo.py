@@ -8,6 +8,7 @@ trained draft. Knows nothing about the bench itself.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,7 +26,8 @@ def shipped() -> bool:
     return all((SHIPPED / part / "config.json").is_file() for part in ("target", "draft"))
 
 
-TRAINED = shipped()
+# DFLASH_MLX_DEMO=random forces the random pair (e.g. for a reply that never ends).
+TRAINED = shipped() and os.environ.get("DFLASH_MLX_DEMO") != "random"
 DESCRIPTION = (
     "trained demo pair: a ~1M-parameter code model trained on the Python standard "
     "library's source + its distilled 2-layer DFlash draft (block 16)"
