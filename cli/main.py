@@ -14,8 +14,8 @@ import typer
 
 from . import bench as bench_command
 from . import chat as chat_command
+from . import options, ui
 from . import serve as serve_command
-from . import ui
 from .quantize import app as quantize_app
 
 app = typer.Typer(
@@ -139,14 +139,9 @@ def generate(
 
 @app.command()
 def bench(
-    model: Annotated[
-        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
-    ] = None,
-    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
-    demo: Annotated[
-        bool,
-        typer.Option("--demo", help="Use a tiny random pair (built once, cached): no downloads."),
-    ] = False,
+    model: options.Model = None,
+    draft: options.Draft = None,
+    demo: options.Demo = False,
     prompts: Annotated[
         Path | None,
         typer.Option(help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.'),

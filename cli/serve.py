@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from . import serve_ui, ui
+from . import options, serve_ui, ui
 
 DEMO_ID = "dflash-mlx-demo"
 EXIT_ERROR = 2  # as every command: bad options, a model that cannot load, a busy port
@@ -21,14 +21,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, after a clean shutdown
 
 
 def serve(
-    model: Annotated[
-        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
-    ] = None,
-    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
-    demo: Annotated[
-        bool,
-        typer.Option("--demo", help="Serve the tiny demonstration pair: no downloads."),
-    ] = False,
+    model: options.Model = None,
+    draft: options.Draft = None,
+    demo: options.Demo = False,
     host: Annotated[
         str, typer.Option(help="Interface to listen on; other than loopback, set --api-key.")
     ] = "127.0.0.1",
