@@ -26,9 +26,14 @@ from dflash_mlx.loading import bind_draft
 from dflash_mlx.sampling import SamplingParams
 from dflash_mlx.selector import CandidateSelector
 
-from .conftest import build_draft, draft_config, qwen3_config
+from .conftest import build_draft, draft_config
 from .test_decode import PROMPTS, target_greedy
-from .test_sampling import V, chi_square_rejects, exact_second_token, second_token_counts
+from .test_sampling import (
+    build_tiny_vocab_pair,
+    chi_square_rejects,
+    exact_second_token,
+    second_token_counts,
+)
 
 
 def conv_loop(x, base, delta, state):
@@ -357,22 +362,7 @@ def test_dflash2_refuses_a_shorter_draft_block(target, draft2):
 
 @pytest.fixture(scope="module")
 def tiny_vocab_pair2():
-    from mlx_lm.utils import _get_classes
-
-    cfg = qwen3_config(vocab=V)
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(11)
-    model = model_cls(args_cls.from_dict(cfg))
-    model.lm_head.weight = model.lm_head.weight * 6.0
-    mx.random.seed(13)
-    dcfg = draft_config(4, [1, 2], block=4, vocab=V, dflash2=True)
-    draft = DFlashDraft(DraftConfig.from_dict(dcfg))
-    sel = draft.candidate_selector
-    sel.predecessor_codebook = mx.random.normal(sel.predecessor_codebook.shape)
-    sel.successor_codebook = mx.random.normal(sel.successor_codebook.shape)
-    mx.eval(model.parameters(), draft.parameters())
-    bind_draft(draft, model)
-    return model, draft
+    return build_tiny_vocab_pair(13, dflash2=True)
 
 
 def test_sampled_dflash2_matches_target_distribution(tiny_vocab_pair2):

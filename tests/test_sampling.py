@@ -123,8 +123,8 @@ def test_residual_without_mass_falls_back_to_p():
 # -- end to end through the decode engine ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_vocab_pair():
+def build_tiny_vocab_pair(draft_seed: int, dflash2: bool = False):
+    """A V-token target with peaked distributions and a random draft (block 4) bound to it."""
     from mlx_lm.utils import _get_classes
 
     cfg = qwen3_config(vocab=V)
@@ -132,11 +132,21 @@ def tiny_vocab_pair():
     mx.random.seed(11)
     model = model_cls(args_cls.from_dict(cfg))
     model.lm_head.weight = model.lm_head.weight * 6.0
-    mx.random.seed(12)
-    draft = DFlashDraft(DraftConfig.from_dict(draft_config(4, [1, 2], block=4, vocab=V)))
+    mx.random.seed(draft_seed)
+    dcfg = draft_config(4, [1, 2], block=4, vocab=V, dflash2=dflash2)
+    draft = DFlashDraft(DraftConfig.from_dict(dcfg))
+    if dflash2:  # random codebooks, so the selector's pair term matters
+        sel = draft.candidate_selector
+        sel.predecessor_codebook = mx.random.normal(sel.predecessor_codebook.shape)
+        sel.successor_codebook = mx.random.normal(sel.successor_codebook.shape)
     mx.eval(model.parameters(), draft.parameters())
     bind_draft(draft, model)
     return model, draft
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair():
+    return build_tiny_vocab_pair(12)
 
 
 PROMPT = [3, 1, 4, 1, 5]
