@@ -2,15 +2,19 @@
 
 The expected speed of a cycle is `E[accepted + 1 | W] / (t_draft(L) + t_verify(W))`, with
 `W = 1` (plain decoding, no draft pass) always a candidate, so speculation is only used when
-it is expected to pay. Costs come from measured curves (`calibrate.py`); acceptance comes
-from running, exponentially decayed per-position statistics of this generation. When plain
-decoding wins, a speculative cycle is re-tried now and then, with the interval doubling
-after each probe that confirms the loss. Pure Python on a few floats per cycle: no device
-work and no host syncs. Knows nothing about models.
+it is expected to pay. Costs come from measured curves (`calibrate.py`), replaced by the
+wall time of cycles as the engine really runs them as soon as it has seen some; acceptance
+comes from running, exponentially decayed per-position statistics. When plain decoding
+wins, a speculative cycle is re-tried now and then: the interval doubles after each probe
+that confirms the loss, up to the point where probes cost at most `probe_budget` of the
+decoding time. Meanwhile plain steps stop capturing features for the draft until a window
+before the next probe. Pure Python on a few floats per cycle: no device work and no host
+syncs. Knows nothing about models.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -48,7 +52,9 @@ class WidthChooser:
         prior: float = 0.5,
         prior_strength: float = 2.0,
         probe_interval: int = 8,
-        max_probe_interval: int = 128,
+        max_probe_interval: int = 4096,
+        probe_budget: float = 0.005,
+        window: int = 32,
     ):
         if len(costs.verify) < block:
             raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
@@ -65,15 +71,21 @@ class WidthChooser:
         self.base_probe = probe_interval
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
+        self.probe_budget = probe_budget  # fraction of decoding time probes may lose
         self.since_probe = 0
         self.probing = False
+        # Whether the next cycle must capture target features for the draft. Plain steps
+        # far from the next probe skip it (the draft's context then restarts from the
+        # last `window` positions before that probe): a draft that is not used costs nothing.
+        self.window = window
+        self.capture = True
         # Costs never change: the cheapest draft block for each width is fixed.
         self._blocks = {w: self._draft_block(w) for w in range(2, block + 1)}
         self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
-        # Wall time of speculative cycles as the engine really runs them (host sync, no
-        # overlap, Python work), which isolated calibration passes cannot see. Plain steps
-        # are calibrated the way the engine runs them (chained on the device), so their
-        # calibrated cost stands.
+        # Wall time of cycles as the engine really runs them, sync to sync (host syncs,
+        # Python work, feature capture), which isolated calibration passes cannot see. Until
+        # a width has been seen, its calibrated cost is scaled by what speculative cycles
+        # measured against their calibration so far.
         self.measured: dict[int, float] = {}
         self.ratio = 1.0  # measured / calibrated cost of speculative cycles
         self._ratio_seen = False
@@ -112,27 +124,53 @@ class WidthChooser:
         if self._rates is not None:
             return self._rates
         exp = self.expected_tokens()
-        out = {1: (1.0 / self.costs.verify[0], 0)}
+        out = {1: (1.0 / self.plain_cost(), 0)}
         for w in range(2, (self.draft_block or self.block) + 1):
-            n = self._blocks[w]
-            cost = self.measured.get(w)
-            if cost is None:
-                cost = self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
-            out[w] = (exp[w - 1] / cost, n)
+            out[w] = (exp[w - 1] / self.cycle_cost(w), self._blocks[w])
         self._rates = out
         return out
 
+    def plain_cost(self) -> float:
+        """Seconds per plain decoding step: as measured, else as calibrated."""
+        return self.measured.get(1, self.costs.verify[0])
+
+    def cycle_cost(self, w: int) -> float:
+        """Seconds per cycle of width `w`: as measured, else calibrated and scaled by what
+        speculative cycles measured against their calibration so far."""
+        if w == 1:
+            return self.plain_cost()
+        cost = self.measured.get(w)
+        if cost is None:
+            n = self._blocks[w]
+            cost = self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
+        return cost
+
     def observe(self, width: int, seconds: float, smoothing: float = 0.2) -> None:
-        """Record how long a speculative cycle of `width` really took (sync to sync)."""
-        if width <= 1:
+        """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
+        step chained after another plain step).
+
+        The first observation of a width replaces its calibrated cost; later ones count at
+        most a factor of two from the estimate, so a stalled cycle (GC, a busy machine) is
+        a small nudge, not a new truth.
+        """
+        if seconds <= 0:
             return
         prev = self.measured.get(width)
-        self.measured[width] = seconds if prev is None else prev + smoothing * (seconds - prev)
-        cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
-        r = seconds / cal
-        self.ratio = r if not self._ratio_seen else self.ratio + smoothing * (r - self.ratio)
-        self._ratio_seen = True
+        if prev is None:
+            self.measured[width] = seconds
+        else:
+            seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
+            self.measured[width] = prev + smoothing * (seconds - prev)
+        if width <= 1:
+            if self._rates is not None:  # only the plain rate moved
+                self._rates[1] = (1.0 / self.measured[1], 0)
+            return
         self._rates = None
+        cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
+        if self._ratio_seen:
+            self.ratio += smoothing * (seconds / cal - self.ratio)
+        else:
+            self.ratio, self._ratio_seen = seconds / cal, True
 
     # -- decisions -------------------------------------------------------------------------
 
@@ -148,6 +186,7 @@ class WidthChooser:
                 self.probing = True
                 self.since_probe = 0
                 best = max((w for w in widths if w > 1), key=lambda w: rates[w][0])
+        self.capture = best > 1 or self.probe_interval - self.since_probe <= self.window
         return best, rates[best][1]
 
     def update(self, width: int, accepted: int) -> None:
@@ -165,6 +204,14 @@ class WidthChooser:
         if self.probing:
             rates = self.rates()
             if max(rates, key=lambda w: rates[w][0]) == 1:
-                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+                self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
             else:
                 self.probe_interval = self.base_probe
+
+    def probe_cap(self, width: int) -> int:
+        """The longest interval between probes of `width`: just long enough that what a
+        probe loses against plain decoding is at most `probe_budget` of the time between."""
+        t1 = self.plain_cost()
+        loss = max(self.cycle_cost(width) - self.expected_tokens()[width - 1] * t1, 0.0)
+        steps = math.ceil(loss / (self.probe_budget * t1))
+        return max(self.base_probe, min(steps, self.max_probe_interval))

@@ -36,6 +36,18 @@ class Cycle:
     reused: int = 0  # prompt tokens taken from a PromptCache instead of prefilled (first only)
 
 
+@dataclass
+class _Context:
+    """Whether the draft's context fell behind the committed positions.
+
+    While the width chooser finds speculation not worth it, plain steps skip feature
+    capture ("dormant"): the context is then stale, and restarts at a recent position
+    (`DFlashDraft.reset(base=...)`) a window of steps before the draft runs again.
+    """
+
+    stale: bool = False
+
+
 def is_quantized(model) -> bool:
     args = getattr(model, "args", None)
     if getattr(args, "quantization", None):
@@ -81,6 +93,7 @@ def speculative_decode(
     assert 1 <= width <= max(draft_block, 1)
     ids = draft.config.target_layer_ids if draft is not None else None
     cache, start = _reuse(prompt_cache, target, draft, prompt)
+    ctx = _Context()
     tokens = mx.array(prompt, dtype=mx.int32)[None]
     total = len(prompt)
 
@@ -126,7 +139,9 @@ def speculative_decode(
             ids,
             generated,
             pending,
+            ctx,
             start,
+            total,
             max_tokens=max_tokens,
             params=params,
             key=key,
@@ -139,18 +154,24 @@ def speculative_decode(
         # Whatever ended generation, the caches hold at least the committed positions of
         # prompt + generated (extra ones are trimmed away on reuse).
         if prompt_cache is not None:
-            if draft is not None and pending:
+            if draft is not None and ctx.stale:
+                # Nothing of the dormant stretch was captured: keep an empty context that
+                # starts where the committed positions end.
+                draft.reset(base=total + len(generated) - 1)
+            elif draft is not None and pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
             prompt_cache.owner = (target.model, draft)
             prompt_cache.tokens = prompt + generated
             prompt_cache.target_cache = cache
             prompt_cache.draft_caches = draft._caches if draft is not None else None
+            prompt_cache.draft_base = draft.context_base if draft is not None else 0
 
 
 def _reuse(
     pc: PromptCache | None, target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int]
 ) -> tuple[list, int]:
-    """A cache holding the first `start` prompt positions, and `start` (0: a fresh cache)."""
+    """A cache holding the first `start` prompt positions, and `start` (0: a fresh cache);
+    the draft's context is left holding target positions `context_base .. start`."""
     fresh = target.make_cache()
     if draft is not None:
         draft.reset()
@@ -159,8 +180,9 @@ def _reuse(
     # Positions of all but the last known token are committed; one prompt token must be
     # left to prefill, for the logits of the first new token.
     start = min(common_prefix(pc.tokens[: len(pc.tokens) - 1], prompt), len(prompt) - 1)
+    base = pc.draft_base
     if draft is not None:
-        start = min(start, pc.draft_caches[0].offset)
+        start = min(start, base + pc.draft_caches[0].offset)
     cache = pc.target_cache
     if target.recurrent:
         if pc.snapshot is None or start < pc.snapshot_len:
@@ -171,9 +193,12 @@ def _reuse(
         if i not in target.replay_ids:
             c.trim(c.offset - start)
     if draft is not None:
-        for c in pc.draft_caches:
-            c.trim(c.offset - start)
-        draft.reset(pc.draft_caches)
+        if start < base:  # the draft's context starts later: begin a new one here
+            draft.reset(base=start)
+        else:
+            for c in pc.draft_caches:
+                c.trim(c.offset - (start - base))
+            draft.reset(pc.draft_caches, base)
     return cache, start
 
 
@@ -185,7 +210,9 @@ def _generate(
     ids: list[int] | None,
     generated: list[int],
     pending: list[mx.array],
+    ctx: _Context,
     reused: int,
+    n_prompt: int,
     *,
     max_tokens: int,
     params: SamplingParams,
@@ -196,18 +223,32 @@ def _generate(
     chooser: WidthChooser | None,
 ) -> Iterator[Cycle]:
     """The cycles after prefill; every emitted token is appended to `generated`, the
-    features the draft has not consumed yet stay in `pending`."""
+    features the draft has not consumed yet stay in `pending`, `ctx` follows which
+    positions the draft's context holds."""
     key, sub = mx.random.split(key)
     last = logits[0, -1:]
     first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
     anchor = first.astype(mx.int32).reshape(1)
 
-    def launch(anchor: mx.array, budget: int):
-        """Build one cycle's draft + verify graph and start it on the device."""
+    def launch(anchor: mx.array, position: int, budget: int, chained: bool):
+        """Build one cycle's draft + verify graph and start it on the device (`position`:
+        the anchor's; `chained`: before the previous cycle's result reached the host)."""
         nonlocal key
+        tic = time.perf_counter()
         w, rows = min(width, budget), draft_block
+        capture = ids
         if chooser is not None:
             w, rows = chooser.choose(limit=budget)
+            if not chooser.capture:
+                capture = None
+                ctx.stale = True
+                pending.clear()
+            elif ctx.stale:
+                # Waking from a dormant stretch: the context restarts at this position
+                # (RoPE is relative, so a window of recent positions is a valid context).
+                draft.reset(base=position)
+                pending.clear()
+                ctx.stale = False
         k_draft = k_accept = None
         if not params.greedy:
             key, k_draft, k_accept = mx.random.split(key, 3)
@@ -216,22 +257,30 @@ def _generate(
         if w > 1:
             if pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
+                if len(pending) > 1:
+                    # Catching up on the positions decoded plainly is paid once, when
+                    # speculation resumes: run it apart so it is not taken for what
+                    # every cycle of this width costs.
+                    mx.async_eval(draft.state)
+                    tic = time.perf_counter()
                 pending.clear()
             drafts, q = draft.propose(anchor, rows, w - 1, params, k_draft)
             drafts = drafts.astype(mx.int32)
         saved = target.snapshot(cache)
-        logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, ids)
+        logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, capture)
         if params.greedy:
             n, out = greedy_accept(drafts, logits[0])
         else:
             n, final = rejection_accept(drafts, q, probabilities(logits[0], params), k_accept)
             out = mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
         mx.async_eval(n, out)
-        return n, out, feats, saved, w
+        # On a CPU much of the work runs inside async_eval: the launch time is part of
+        # what the cycle costs, wherever it falls between host syncs.
+        return n, out, feats, saved, w, time.perf_counter() - tic, chained
 
     # The next cycle is always launched before the current one is handed to the caller,
     # so detokenizing and rendering overlap with device work.
-    step = launch(anchor, max_tokens - 1) if max_tokens > 1 else None
+    step = launch(anchor, n_prompt, max_tokens - 1, chained=True) if max_tokens > 1 else None
     tok = anchor.item()
     synced = time.perf_counter()
     generated.append(tok)
@@ -239,8 +288,9 @@ def _generate(
     emitted = 1
     if tok in eos_ids or step is None:
         return
+    prev_w = 0
     while True:
-        n, out, feats, saved, w = step
+        n, out, feats, saved, w, built, chained = step
         nxt = None
         if w == 1:
             # A plain step accepts nothing, so its bookkeeping needs no host decision and
@@ -248,16 +298,24 @@ def _generate(
             # own decoding loop does.
             n = 0
             if draft is not None:
-                pending.append(feats)
+                if feats is not None:
+                    pending.append(feats)
                 draft.commit(None)
             if emitted + 1 < max_tokens:
-                nxt = launch(out[:1], max_tokens - emitted - 1)
+                nxt = launch(out[:1], n_prompt + emitted, max_tokens - emitted - 1, chained=True)
             new = out.tolist()
-            synced = time.perf_counter()
         else:
             n = n.item()  # the one host sync of the cycle
-            now = time.perf_counter()
             new = out.tolist()
+        now = time.perf_counter()
+        if chooser is not None and prev_w:
+            # What this cycle cost: the time from the previous sync to this one, with each
+            # launch counted for the cycle it built (a chained launch falls in the interval
+            # before its own).
+            spent = now - synced + (built if chained else 0.0)
+            chooser.observe(w, spent - (nxt[5] if nxt is not None else 0.0))
+        synced = now
+        if w > 1:
             new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
             target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
             if draft is not None:
@@ -265,8 +323,6 @@ def _generate(
                 draft.commit(n)
             if chooser is not None:
                 chooser.update(w, n)
-                chooser.observe(w, now - synced)
-            synced = now
         for j, t in enumerate(new):
             if t in eos_ids:
                 new = new[: j + 1]
@@ -275,8 +331,13 @@ def _generate(
         generated.extend(new)
         done = new[-1] in eos_ids or emitted >= max_tokens
         if not done and nxt is None:
-            nxt = launch(mx.array(new[-1:], dtype=mx.int32), max_tokens - emitted)
+            nxt = launch(
+                mx.array(new[-1:], dtype=mx.int32),
+                n_prompt + emitted - 1,
+                max_tokens - emitted,
+                chained=False,
+            )
         yield Cycle(new, n, w)
         if done:
             return
-        step = nxt
+        step, prev_w = nxt, w

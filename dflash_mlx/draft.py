@@ -202,9 +202,12 @@ class DFlashDraft(nn.Module):
     def is_bound(self) -> bool:
         return self._embed is not None
 
-    def reset(self, caches: list[KVCache] | None = None) -> None:
-        """Start a new prompt: empty context, or `caches` kept from an earlier request."""
+    def reset(self, caches: list[KVCache] | None = None, base: int = 0) -> None:
+        """Start a new context: empty, or `caches` kept from an earlier request. `base` is
+        the target position of its first row (RoPE is relative, so a context may start
+        anywhere; only whole prompts are used for training)."""
         self._caches = caches if caches is not None else [KVCache() for _ in self.layers]
+        self.context_base = base
         self.commit(None)
 
     def _convs(self) -> list[DynamicConv]:
@@ -238,6 +241,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def context_length(self) -> int:
+        """Rows in the context cache (target positions `context_base ...`)."""
         return self._caches[0].offset if self._caches else 0
 
     def add_context(self, features: mx.array) -> None:

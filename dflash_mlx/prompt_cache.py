@@ -24,6 +24,7 @@ class PromptCache:
         self.tokens: list[int] = []  # prompt + generated tokens of the last request
         self.target_cache: list[Any] | None = None
         self.draft_caches: list[Any] | None = None
+        self.draft_base = 0  # the target position the draft's context starts at
         self.snapshot: dict[int, tuple] | None = None  # recurrent states ...
         self.snapshot_len = 0  # ... after this many prompt tokens
 

@@ -95,16 +95,62 @@ def test_draft_block_is_the_cheapest_block_that_covers_w():
     assert short.choose() == (4, 4), "W never exceeds a fixed draft block"
 
 
-def test_plain_decoding_is_probed_rarely_with_backoff():
-    ch = WidthChooser(STEEP, BLOCK)
-    probes = 0
-    for _ in range(2000):
-        w, _ = ch.choose()
+def simulate_never_right(ch: WidthChooser, steps: int) -> tuple[int, float, float]:
+    """Run the chooser like the engine with a draft that is never right, on the cost the
+    curves give: (probes, seconds lost by probes against plain decoding, total seconds)."""
+    probes, lost, total = 0, 0.0, 0.0
+    for _ in range(steps):
+        w, n = ch.choose()
         if w > 1:
             probes += 1
-            ch.update(w, 0)  # the draft is never right: every probe confirms the loss
-    assert 3 <= probes <= 25, probes
-    assert ch.probe_interval == ch.max_probe_interval
+            cost = ch.costs.verify[w - 1] + ch.costs.draft[n - 1]
+            lost += cost - ch.costs.verify[0]  # it made one token, as a plain step would
+            ch.observe(w, cost)
+            ch.update(w, 0)
+        else:
+            cost = ch.costs.verify[0]
+            ch.observe(1, cost)
+        total += cost
+    return probes, lost, total
+
+
+def test_plain_decoding_is_probed_rarely_with_backoff():
+    ch = WidthChooser(STEEP, BLOCK)
+    probes, lost, total = simulate_never_right(ch, 20000)
+    assert probes >= 5, "speculation is still re-tried now and then"
+    assert lost / total < 0.02, f"probes lost {lost / total:.1%} of the time"
+    cap = ch.probe_cap(2)
+    assert ch.probe_interval == cap > 32, (ch.probe_interval, cap)
+
+
+def test_cheap_probes_are_retried_more_often_than_costly_ones():
+    cheap = curves(lambda w: 1.0 + 0.1 * (w - 1), lambda n: 0.05)  # a probe loses ~0.15 steps
+    costly = curves(lambda w: 1.0 * w, lambda n: 1.0)  # a probe loses >= 2 steps
+    counts = []
+    for costs in (cheap, costly):
+        ch = WidthChooser(costs, BLOCK)
+        probes, lost, total = simulate_never_right(ch, 20000)
+        assert lost / total < 0.02, f"probes lost {lost / total:.1%} of the time"
+        counts.append(probes)
+    assert counts[0] > 4 * counts[1], counts
+
+
+def test_plain_steps_capture_features_only_in_the_window_before_a_probe():
+    ch = WidthChooser(STEEP, BLOCK, window=16)
+    trace = []
+    for _ in range(5000):
+        w, n = ch.choose()
+        trace.append((w, ch.capture))
+        if w > 1:
+            ch.observe(w, STEEP.verify[w - 1] + STEEP.draft[n - 1])
+            ch.update(w, 0)
+        else:
+            ch.observe(1, STEEP.verify[0])
+    late = trace[2500:]  # the probe interval has long outgrown the window
+    assert sum(c for _, c in late) < 0.3 * len(late), "dormant plain steps still capture"
+    probes = [i for i, (w, _) in enumerate(trace) if w > 1]
+    for i in probes[3:]:
+        assert all(c for _, c in trace[i - 16 : i + 1]), "a probe without a window of context"
 
 
 def test_a_probe_that_finds_good_drafts_switches_back_to_speculation():
@@ -182,5 +228,16 @@ def test_measured_cycle_costs_override_an_optimistic_calibration():
     for w in range(2, BLOCK + 1):
         ch.observe(w, 10.0 * FLAT.verify[0])  # every speculative cycle costs 10 plain steps
     assert ch.choose()[0] == 1
-    ch.observe(1, 99.0)  # plain steps keep their calibrated (device-chained) cost
-    assert ch.rates()[1][0] == 1.0 / FLAT.verify[0]
+    assert ch.rates()[1][0] == 1.0 / FLAT.verify[0], "plain steps: calibrated until measured"
+    for _ in range(30):  # plain steps really cost 20x their calibration here too
+        ch.observe(1, 20.0 * FLAT.verify[0])
+    assert ch.plain_cost() == pytest.approx(20.0 * FLAT.verify[0], rel=0.01)
+    assert ch.choose()[0] > 1, "measured against measured, speculation pays again"
+
+
+def test_one_stalled_cycle_does_not_swing_the_measured_cost():
+    ch = WidthChooser(FLAT, BLOCK)
+    for _ in range(20):
+        ch.observe(1, 0.01)
+    ch.observe(1, 5.0)  # the machine stalled once (GC, another process)
+    assert ch.plain_cost() < 0.02

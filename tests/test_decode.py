@@ -26,8 +26,9 @@ class ScriptedDraft(DFlashDraft):
     """A draft whose proposals are read from a script instead of computed.
 
     `script` is the full greedy sequence (prompt + continuation); at each cycle the draft
-    proposes its next tokens, corrupted from block index `right(cycle)` on. The anchor's
-    position is the draft's context length, which the engine must keep exact.
+    proposes its next tokens, corrupted from block index `right(cycle)` on (`self.pos` is
+    the anchor's position then). The anchor's position is where the draft's context ends,
+    which the engine must keep exact.
     """
 
     def __init__(self, base: DFlashDraft, script: list[int], right):
@@ -36,9 +37,10 @@ class ScriptedDraft(DFlashDraft):
         self.script = script
         self.right = right
         self.calls = 0
+        self.pos = 0
 
     def block_logits(self, anchor, length, rows=None):
-        pos = self.context_length
+        pos = self.pos = self.context_base + self.context_length
         assert self.script[pos] == anchor.item(), "draft context length out of sync"
         vocab = self.config.vocab_size
         want = []
@@ -225,3 +227,87 @@ def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(target
     widths = [r.width for r in stream_generate(model, draft, tok, ids, max_tokens=120)][1:]
     plain = sum(w == 1 for w in widths)
     assert plain >= 0.8 * len(widths), f"a never-right draft kept being verified: {widths}"
+
+
+def dormant_chooser(**kw):
+    """A chooser on flat synthetic costs (wide verifies nearly free, so right drafts pay)
+    that probes often enough for a short test and goes dormant between probes."""
+    from dflash_mlx.adaptive import CostCurves, WidthChooser
+
+    costs = CostCurves(tuple(1.0 + 0.05 * w for w in range(16)), (0.0,) + (0.1,) * 15)
+    args = dict(probe_interval=4, max_probe_interval=16, window=4) | kw
+    ch = WidthChooser(costs, 16, **args)
+    ch.observe = lambda *a, **k: None  # keep the synthetic costs: the test is about flow
+    log = []
+    choose = ch.choose
+
+    def logged(limit=None):
+        w, rows = choose(limit)
+        log.append((w, ch.capture))
+        return w, rows
+
+    ch.choose = logged
+    return ch, log
+
+
+def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
+    from dflash_mlx.decode import speculative_decode
+    from dflash_mlx.sampling import SamplingParams
+    from dflash_mlx.target import TargetAdapter
+
+    return list(
+        speculative_decode(
+            TargetAdapter.of(model),
+            d,
+            ids,
+            max_tokens=n,
+            params=SamplingParams(),
+            key=mx.random.key(0),
+            width=16,
+            draft_block=16,
+            chooser=chooser,
+            prompt_cache=prompt_cache,
+        )
+    )
+
+
+def test_a_dormant_draft_wakes_on_a_window_of_context_and_stays_lossless(target, draft):
+    """Never-right drafts: plain steps stop capturing features. Once the drafts turn right,
+    a probe wakes the draft on a fresh window of context, at exact positions."""
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    n = 160
+    ref = target_greedy(model, ids, n)
+    wake = len(ids) + 80
+    d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if d.pos >= wake else 0)
+    ch, log = dormant_chooser()
+    cycles = auto_decode(model, d, ids, n, ch)
+    assert [t for c in cycles for t in c.tokens] == ref
+    before = log[:60]  # all before the drafts turn right
+    assert any(not capture for _, capture in before), "plain steps kept capturing features"
+    assert any(w > 1 for w, _ in before), "speculation was never probed"
+    assert all(capture for w, capture in log if w > 1), "a draft pass ran without features"
+    late = [c for c in cycles if c.width > 1 and c.accepted >= 8]
+    assert len(late) >= 3, "right drafts did not wake the draft up"
+
+
+def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, draft):
+    from dflash_mlx import PromptCache
+
+    model, tok = target
+    turn1 = tok.encode(PROMPTS[0])
+    ref1 = target_greedy(model, turn1, 60)
+    d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: 0)
+    pc = PromptCache()
+    ch, log = dormant_chooser()
+    out1 = [t for c in auto_decode(model, d, turn1, 60, ch, pc) for t in c.tokens]
+    assert out1 == ref1 and not log[-1][1], "the request should end dormant"
+    assert pc.draft_base == len(turn1) + len(out1) - 1 and d.context_length == 0
+    turn2 = turn1 + out1 + tok.encode(" print")
+    ref2 = target_greedy(model, turn2, 40)
+    d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99
+    ch2, _ = dormant_chooser(prior=0.9)
+    cycles = auto_decode(model, d, turn2, 40, ch2, pc)
+    assert cycles[0].reused == len(turn1) + len(out1) - 1
+    assert [t for c in cycles for t in c.tokens] == ref2
+    assert any(c.accepted >= 8 for c in cycles), "the reused context should draft right away"
