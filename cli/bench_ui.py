@@ -167,6 +167,32 @@ def _acceptance_chart(result: BenchResult) -> Text | None:
     return out
 
 
+def _auto_comparison(result: BenchResult) -> Text | None:
+    """Automatic width against each fixed choice, paired prompt by prompt."""
+    if not result.comparisons:
+        return None
+    best = result.comparisons[0]
+    out = Text("W=auto against each fixed choice ", style="bold")
+    out.append("(tok/s ratio, paired per prompt and repeat, 95% interval)\n", style="dim")
+    for c in result.comparisons:
+        other = "mlx-lm" if c.other == "mlx-lm" else c.other.replace("W=1", "W=1 (no draft)")
+        slower = c.high < 1.0  # slower beyond the noise of this machine
+        out.append(f"  vs {other:<16}")
+        out.append(f"{c.ratio:5.2f}×", style="red" if slower else "green")
+        out.append(f"  [{c.low:.2f}–{c.high:.2f}]  {c.pairs} pairs\n", style="dim")
+    if best.high < 1.0:
+        out.append(
+            f"  W=auto is slower than {best.other} beyond the noise of this run\n", style="red"
+        )
+    else:
+        out.append(
+            f"  W=auto is as fast as the best fixed choice ({best.other}) within the noise "
+            "of this run\n",
+            style="green",
+        )
+    return out
+
+
 def _verdict(result: BenchResult) -> Text | Panel:
     dflash_runs = sum(r.width is not None for r in result.records)
     if result.lossless is None:
@@ -215,9 +241,9 @@ def report(result: BenchResult) -> None:
     speedup is against mlx-lm in the same repeat; prefill is prompt tokens/s.
     """
     parts = [_header(result), Text(""), *_tables(result)]
-    chart = _acceptance_chart(result)
-    if chart is not None:
-        parts.append(chart)
+    for extra in (_auto_comparison(result), _acceptance_chart(result)):
+        if extra is not None:
+            parts.append(extra)
     parts.append(_verdict(result))
     _out().print(Group(*parts))
 

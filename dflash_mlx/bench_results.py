@@ -2,15 +2,18 @@
 
 Pure Python over the numbers `benchmark.run_benchmark` measured: no mlx, no models. Each
 figure of a summary is computed over all prompts of one repeat (tokens and times pooled),
-then given as median and range over the repeats.
+then given as median and range over the repeats. The automatic width is also compared with
+every fixed choice prompt by prompt (paired ratios, with a confidence interval), which is
+how "as fast as the best fixed width" is judged against the noise of one machine.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +98,74 @@ class SuiteSummary:
 
 
 @dataclass
+class Comparison:
+    """`run` against `other` on the same prompts in the same repeats (adjacent in time):
+    the geometric mean of the paired tok/s ratios and its 95% confidence interval."""
+
+    run: str
+    other: str
+    ratio: float
+    low: float
+    high: float
+    pairs: int
+
+
+# Two-sided 95% Student t quantiles by degrees of freedom (larger: the next one below).
+_T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    12: 2.18,
+    15: 2.13,
+    20: 2.09,
+    25: 2.06,
+    30: 2.04,
+    40: 2.02,
+    60: 2.00,
+    120: 1.98,
+}
+
+
+def _t95(df: int) -> float:
+    return _T95[max(k for k in _T95 if k <= df)] if df < 1000 else 1.96
+
+
+def compare(records: list[RunRecord], run: str, other: str) -> Comparison | None:
+    """Paired comparison of two runs' generation speed; None with fewer than 2 pairs."""
+    theirs = {(r.suite, r.prompt_index, r.repeat): r for r in records if r.run == other}
+    logs = []
+    for r in records:
+        o = theirs.get((r.suite, r.prompt_index, r.repeat)) if r.run == run else None
+        if o is None:
+            continue
+        a, b = _generation_tps([r]), _generation_tps([o])
+        if a > 0 and b > 0:
+            logs.append(math.log(a / b))
+    if len(logs) < 2:
+        return None
+    mean = statistics.fmean(logs)
+    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return Comparison(
+        run, other, math.exp(mean), math.exp(mean - half), math.exp(mean + half), len(logs)
+    )
+
+
+def auto_comparisons(runs: list[str], records: list[RunRecord]) -> list[Comparison]:
+    """The automatic width against every fixed choice (plain mlx-lm included), best first."""
+    if AUTO not in runs:
+        return []
+    found = [compare(records, AUTO, other) for other in runs if other != AUTO]
+    return sorted((c for c in found if c is not None), key=lambda c: c.ratio)
+
+
+@dataclass
 class BenchResult:
     environment: dict[str, Any]
     models: dict[str, Any]
@@ -104,6 +175,8 @@ class BenchResult:
     overall: SuiteSummary
     mismatches: list[Mismatch]
     records: list[RunRecord]
+    # `auto` against every other run, best other run first (empty without auto).
+    comparisons: list[Comparison] = field(default_factory=list)
 
     @property
     def lossless(self) -> bool | None:

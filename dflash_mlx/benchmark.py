@@ -25,7 +25,15 @@ from mlx_lm.sample_utils import make_sampler
 import dflash_mlx
 
 from .bench_prompts import BenchPrompt
-from .bench_results import AUTO, BASELINE, BenchResult, Mismatch, RunRecord, summarise
+from .bench_results import (
+    AUTO,
+    BASELINE,
+    BenchResult,
+    Mismatch,
+    RunRecord,
+    auto_comparisons,
+    summarise,
+)
 from .decode import PREFILL_STEP
 from .draft import DFlashDraft
 from .generate import encode_prompt
@@ -278,6 +286,7 @@ def run_benchmark(
         overall=summarise("overall", names, records, len(prompts)),
         mismatches=mismatches,
         records=records,
+        comparisons=auto_comparisons(names, records),
     )
 
 

@@ -181,14 +181,16 @@ def test_cli_bench_prints_tables_and_writes_json(models_dir, prompt_file, tmp_pa
     out = tmp_path / "out.json"
     pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
     args = ["--prompts", str(prompt_file), "--max-tokens", "6", "--repeats", "1"]
-    result = run("bench", *pair, *args, "--verify-widths", "1,3", "--json", str(out))
+    result = run("bench", *pair, *args, "--verify-widths", "1,3,auto", "--json", str(out))
     assert result.exit_code == 0, result.output
     for shown in ["mlx-lm", "W=1", "W=3", "speedup", "τ", "acceptance per block position"]:
         assert shown in result.stdout, f"report lacks {shown!r}"
+    assert "W=auto against each fixed choice" in result.stdout
     assert "lossless" in result.stdout
     data = json.loads(out.read_text())
     assert data["lossless"] is True
-    assert [r["run"] for r in data["overall"]["runs"]] == [BASELINE, "W=1", "W=3"]
+    assert [r["run"] for r in data["overall"]["runs"]] == [BASELINE, "W=1", "W=3", "auto"]
+    assert {c["other"] for c in data["comparisons"]} == {BASELINE, "W=1", "W=3"}
     assert data["models"]["target"] == str(models_dir / "qwen3")
 
 
@@ -235,7 +237,44 @@ def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
     names = [r.run for r in result.overall.runs]
     assert names == ["mlx-lm", "W=2", "auto"]
     assert result.lossless is True
-    assert json.loads(json.dumps(result.to_dict()))["settings"]["verify_widths"] == [2, "auto"]
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["settings"]["verify_widths"] == [2, "auto"]
+    assert result.comparisons == [], "one pair per run: no interval can be given"
+    again = run_benchmark(
+        model, draft, tok, prompts * 2, widths=[2, "auto"], max_tokens=12, repeats=2
+    )
+    assert {c.other for c in again.comparisons} == {"mlx-lm", "W=2"}
+    assert all(c.pairs == 4 and c.low <= c.ratio <= c.high for c in again.comparisons)
+    assert json.loads(json.dumps(again.to_dict()))["comparisons"][0]["run"] == "auto"
+
+
+def _records(run: str, speeds: list[float]):
+    from dflash_mlx.bench_results import RunRecord
+
+    return [
+        RunRecord("code", i, 0, run, run, 5, 0.01, 101, 100 / tps, 0.0, 100, [], [], "length")
+        for i, tps in enumerate(speeds)
+    ]
+
+
+def test_auto_is_compared_with_every_fixed_choice_pairwise():
+    from dflash_mlx.bench_results import auto_comparisons
+
+    jitter = [1.0, 1.04, 0.97, 1.02, 0.99, 1.01, 0.96, 1.03]
+    base = [100.0 * (1 + i % 3) for i in range(8)]  # prompts differ far more than runs do
+    records = (
+        _records("mlx-lm", base)
+        + _records("W=1", [b * j for b, j in zip(base, jitter)])
+        + _records("W=4", [b * 1.5 for b in base])
+        + _records("auto", [b * j for b, j in zip(base, reversed(jitter))])
+    )
+    found = auto_comparisons(["mlx-lm", "W=1", "W=4", "auto"], records)
+    assert found[0].other == "W=4", "the best fixed choice comes first"
+    assert {c.other for c in found[1:]} == {"mlx-lm", "W=1"}
+    w4 = found[0]
+    assert w4.ratio == pytest.approx(1 / 1.5, rel=0.03) and w4.high < 1.0, "clearly slower"
+    assert all(c.low < 1.0 < c.high for c in found[1:]), "within the noise"
+    assert all(c.pairs == 8 for c in found)
 
 
 @pytest.mark.parametrize(
