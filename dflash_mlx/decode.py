@@ -41,8 +41,9 @@ class _Context:
     """Whether the draft's context fell behind the committed positions.
 
     While the width chooser finds speculation not worth it, plain steps skip feature
-    capture ("dormant"): the context is then stale, and restarts at a recent position
-    (`DFlashDraft.reset(base=...)`) a window of steps before the draft runs again.
+    capture ("dormant"): the context keeps what it had (the prompt, say) and, a window of
+    steps before the draft runs again, resumes at the current position, the skipped
+    stretch left as a gap (`DFlashDraft.skip_to`: RoPE keeps the true distances).
     """
 
     stale: bool = False
@@ -154,24 +155,26 @@ def speculative_decode(
         # Whatever ended generation, the caches hold at least the committed positions of
         # prompt + generated (extra ones are trimmed away on reuse).
         if prompt_cache is not None:
-            if draft is not None and ctx.stale:
-                # Nothing of the dormant stretch was captured: keep an empty context that
-                # starts where the committed positions end.
-                draft.reset(base=total + len(generated) - 1)
-            elif draft is not None and pending:
+            if draft is not None and pending:
                 draft.add_context(mx.concatenate(pending, axis=1))
+            if draft is not None and ctx.stale:
+                # Nothing of the dormant stretch was captured: it stays a gap up to where
+                # the committed positions end.
+                draft.skip_to(total + len(generated) - 1)
             prompt_cache.owner = (target.model, draft)
             prompt_cache.tokens = prompt + generated
             prompt_cache.target_cache = cache
             prompt_cache.draft_caches = draft._caches if draft is not None else None
-            prompt_cache.draft_base = draft.context_base if draft is not None else 0
+            if draft is not None:
+                prompt_cache.draft_base = draft.context_base
+                prompt_cache.draft_gaps = list(draft.gaps)
 
 
 def _reuse(
     pc: PromptCache | None, target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int]
 ) -> tuple[list, int]:
     """A cache holding the first `start` prompt positions, and `start` (0: a fresh cache);
-    the draft's context is left holding target positions `context_base .. start`."""
+    the draft's context is left ending at position `start` too."""
     fresh = target.make_cache()
     if draft is not None:
         draft.reset()
@@ -180,12 +183,14 @@ def _reuse(
     # Positions of all but the last known token are committed; one prompt token must be
     # left to prefill, for the logits of the first new token.
     start = min(common_prefix(pc.tokens[: len(pc.tokens) - 1], prompt), len(prompt) - 1)
-    base = pc.draft_base
     if draft is not None:
-        start = min(start, base + pc.draft_caches[0].offset)
+        draft.reset(pc.draft_caches, pc.draft_base, pc.draft_gaps)
+        start = min(start, draft.context_end)
     cache = pc.target_cache
     if target.recurrent:
         if pc.snapshot is None or start < pc.snapshot_len:
+            if draft is not None:
+                draft.reset()
             return fresh, 0
         start = pc.snapshot_len
         target.restore(cache, pc.snapshot)
@@ -193,12 +198,7 @@ def _reuse(
         if i not in target.replay_ids:
             c.trim(c.offset - start)
     if draft is not None:
-        if start < base:  # the draft's context starts later: begin a new one here
-            draft.reset(base=start)
-        else:
-            for c in pc.draft_caches:
-                c.trim(c.offset - (start - base))
-            draft.reset(pc.draft_caches, base)
+        draft.trim_to(start)
     return cache, start
 
 
@@ -241,13 +241,13 @@ def _generate(
             w, rows = chooser.choose(limit=budget)
             if not chooser.capture:
                 capture = None
+                if not ctx.stale and pending:
+                    draft.add_context(mx.concatenate(pending, axis=1))
+                    pending.clear()
                 ctx.stale = True
-                pending.clear()
             elif ctx.stale:
-                # Waking from a dormant stretch: the context restarts at this position
-                # (RoPE is relative, so a window of recent positions is a valid context).
-                draft.reset(base=position)
-                pending.clear()
+                # Waking from a dormant stretch: the context resumes at this position.
+                draft.skip_to(position)
                 ctx.stale = False
         k_draft = k_accept = None
         if not params.greedy:

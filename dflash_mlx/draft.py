@@ -9,7 +9,7 @@ token embedding and its LM head.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -74,12 +74,12 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return k, v
 
-    def add_context(self, ctx: mx.array, cache: KVCache) -> None:
+    def add_context(self, ctx: mx.array, cache: ContextCache) -> None:
         """Project context rows (already `hidden_norm(fc(features))`) into the cache."""
-        k, v = self._kv(ctx, cache.offset)
+        k, v = self._kv(ctx, cache.position)
         cache.update_and_fetch(k, v)
 
-    def __call__(self, x: mx.array, cache: KVCache | BlockContext) -> mx.array:
+    def __call__(self, x: mx.array, cache: ContextCache | BlockContext) -> mx.array:
         """Block rows `x` (B, L, D) attend to the committed context and to each other.
 
         At inference `cache` holds the context of one sequence and the block starts right
@@ -87,7 +87,8 @@ class DraftAttention(nn.Module):
         each seeing only the context before its anchor (SPEC 2.3, the same view).
         """
         B, L, _ = x.shape
-        offset = cache.offset  # the block's first RoPE position (an array in training)
+        # The block's first RoPE position (an array of anchors in training).
+        offset = cache.offset if isinstance(cache, BlockContext) else cache.position
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = self.rope(q.transpose(0, 2, 1, 3), offset=offset)  # (B, H, L, Dh)
         k, v = self._kv(x, offset)
@@ -115,6 +116,20 @@ class DraftAttention(nn.Module):
             mask = mx.concatenate([ctx, inner], axis=-1)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class ContextCache(KVCache):
+    """The draft's context cache at inference. `gap` target positions were skipped between
+    its rows (decoded without capturing their features), so the next row's RoPE position is
+    `offset + gap`: RoPE is relative, and the rows keep their true distances."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gap = 0
+
+    @property
+    def position(self) -> int:
+        return self.offset + self.gap
 
 
 class DraftMLP(nn.Module):
@@ -145,7 +160,7 @@ class DraftLayer(nn.Module):
     def convs(self) -> list[DynamicConv]:
         return [self.attention_conv, self.mlp_conv] if "attention_conv" in self else []
 
-    def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: ContextCache | BlockContext) -> mx.array:
         if "attention_conv" not in self:
             h = x + self.self_attn(self.input_layernorm(x), cache)
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -181,7 +196,7 @@ class DFlashDraft(nn.Module):
         # borrowed, never part of the draft's parameters or checkpoint.
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._lm_head: Callable[[mx.array], mx.array] | None = None
-        self._caches: list[KVCache] = []
+        self._caches: list[ContextCache] = []
         self.reset()
         if cfg.is_dflash2:
             self.conv_state = "carry" if cfg.conv_cross_block_state else "zero"
@@ -202,13 +217,71 @@ class DFlashDraft(nn.Module):
     def is_bound(self) -> bool:
         return self._embed is not None
 
-    def reset(self, caches: list[KVCache] | None = None, base: int = 0) -> None:
+    def reset(
+        self,
+        caches: list[ContextCache] | None = None,
+        base: int = 0,
+        gaps: Sequence[tuple[int, int]] = (),
+    ) -> None:
         """Start a new context: empty, or `caches` kept from an earlier request. `base` is
-        the target position of its first row (RoPE is relative, so a context may start
-        anywhere; only whole prompts are used for training)."""
-        self._caches = caches if caches is not None else [KVCache() for _ in self.layers]
+        the target position of the first row, `gaps` the `(row, positions)` skipped before
+        a row (see `skip_to`)."""
+        self._caches = caches if caches is not None else [ContextCache() for _ in self.layers]
         self.context_base = base
+        self._gaps = [tuple(g) for g in gaps]
+        self._set_gap()
         self.commit(None)
+
+    @property
+    def gaps(self) -> list[tuple[int, int]]:
+        """`(row, positions)`: target positions skipped just before context row `row`."""
+        return list(self._gaps)
+
+    def _set_gap(self) -> None:
+        total = sum(g for _, g in self._gaps)
+        for c in self._caches:
+            c.gap = total
+
+    @property
+    def context_end(self) -> int:
+        """The target position the next context row stands for."""
+        return self.context_base + self.context_length + sum(g for _, g in self._gaps)
+
+    def skip_to(self, position: int) -> None:
+        """Positions from `context_end` up to `position` will have no row (their features
+        were not captured); the next row added stands for `position`."""
+        end = self.context_end
+        if position < end:
+            raise ValueError(f"cannot skip back from position {end} to {position}")
+        if position == end:
+            return
+        rows = self.context_length
+        if self._gaps and self._gaps[-1][0] == rows:
+            self._gaps[-1] = (rows, self._gaps[-1][1] + position - end)
+        else:
+            self._gaps.append((rows, position - end))
+        self._set_gap()
+
+    def trim_to(self, position: int) -> None:
+        """Drop rows and gaps so that the context ends at target position `position`."""
+        end = self.context_end
+        while end > position and end > self.context_base:
+            rows = self.context_length
+            if self._gaps and self._gaps[-1][0] == rows:  # a gap is the last thing
+                row, skipped = self._gaps.pop()
+                cut = min(skipped, end - position)
+                if skipped > cut:
+                    self._gaps.append((row, skipped - cut))
+            else:
+                cut = min(rows - (self._gaps[-1][0] if self._gaps else 0), end - position)
+                for c in self._caches:
+                    c.trim(cut)
+            end -= cut
+        self._set_gap()
+        if position < self.context_base:
+            self.reset(base=position)
+        elif position > end:
+            self.skip_to(position)
 
     def _convs(self) -> list[DynamicConv]:
         return [c for layer in self.layers for c in layer.convs()]
@@ -241,7 +314,7 @@ class DFlashDraft(nn.Module):
 
     @property
     def context_length(self) -> int:
-        """Rows in the context cache (target positions `context_base ...`)."""
+        """Rows in the context cache (from target position `context_base`, see `gaps`)."""
         return self._caches[0].offset if self._caches else 0
 
     def add_context(self, features: mx.array) -> None:

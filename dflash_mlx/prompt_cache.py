@@ -25,6 +25,7 @@ class PromptCache:
         self.target_cache: list[Any] | None = None
         self.draft_caches: list[Any] | None = None
         self.draft_base = 0  # the target position the draft's context starts at
+        self.draft_gaps: list[tuple[int, int]] = []  # positions it skipped (DFlashDraft.gaps)
         self.snapshot: dict[int, tuple] | None = None  # recurrent states ...
         self.snapshot_len = 0  # ... after this many prompt tokens
 

@@ -40,7 +40,7 @@ class ScriptedDraft(DFlashDraft):
         self.pos = 0
 
     def block_logits(self, anchor, length, rows=None):
-        pos = self.pos = self.context_base + self.context_length
+        pos = self.pos = self.context_end
         assert self.script[pos] == anchor.item(), "draft context length out of sync"
         vocab = self.config.vocab_size
         want = []
@@ -273,7 +273,7 @@ def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
 
 def test_a_dormant_draft_wakes_on_a_window_of_context_and_stays_lossless(target, draft):
     """Never-right drafts: plain steps stop capturing features. Once the drafts turn right,
-    a probe wakes the draft on a fresh window of context, at exact positions."""
+    a probe wakes the draft on a window of fresh context, at exact positions."""
     model, tok = target
     ids = tok.encode(PROMPTS[2])
     n = 160
@@ -302,7 +302,8 @@ def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, dr
     ch, log = dormant_chooser()
     out1 = [t for c in auto_decode(model, d, turn1, 60, ch, pc) for t in c.tokens]
     assert out1 == ref1 and not log[-1][1], "the request should end dormant"
-    assert pc.draft_base == len(turn1) + len(out1) - 1 and d.context_length == 0
+    assert d.context_end == len(turn1) + len(out1) - 1 and d.gaps, "the dormant stretch: a gap"
+    assert d.context_length >= len(turn1), "the prompt's context was kept"
     turn2 = turn1 + out1 + tok.encode(" print")
     ref2 = target_greedy(model, turn2, 40)
     d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99

@@ -48,6 +48,65 @@ def test_block_sees_context_and_position(target, draft):
     assert a.shape == (draft.config.block_size - 1, draft.config.vocab_size)
 
 
+def test_skipped_positions_keep_true_rope_distances(target, draft):
+    """A context may start anywhere and have gaps (positions decoded without features):
+    only distances matter, so a shifted context drafts the same block, a gap does not."""
+    model, _ = target
+    bind_draft(draft, model)
+    mx.random.seed(3)
+    feats = mx.random.normal((1, 12, 2 * 64))
+    block = draft.config.block_size
+    plain = block_logits_after(draft, feats, [12])
+    draft.reset(base=40)
+    draft.add_context(feats)
+    assert draft.context_end == 52
+    assert mx.allclose(plain, draft.block_logits(mx.array([5]), block), atol=1e-4).item()
+    draft.reset()
+    draft.add_context(feats[:, :5])
+    draft.skip_to(9)  # positions 5..8 decoded without capturing features
+    draft.add_context(feats[:, 5:])
+    assert draft.context_end == 16 and draft.gaps == [(5, 4)]
+    gapped = draft.block_logits(mx.array([5]), block)
+    assert not mx.allclose(plain, gapped, atol=1e-3).item(), "the gap was ignored"
+    # The same rows, each placed at its position one by one, draft the same block.
+    draft.reset()
+    for i in range(12):
+        draft.skip_to(i + (4 if i >= 5 else 0))
+        draft.add_context(feats[:, i : i + 1])
+    assert mx.allclose(gapped, draft.block_logits(mx.array([5]), block), atol=1e-4).item()
+
+
+def test_trimming_a_gapped_context_to_a_position(target, draft):
+    model, _ = target
+    bind_draft(draft, model)
+    feats = mx.zeros((1, 10, 2 * 64))
+
+    def build():
+        draft.reset(base=100)
+        draft.add_context(feats[:, :4])  # 100..103
+        draft.skip_to(110)  # 104..109 skipped
+        draft.add_context(feats[:, 4:])  # 110..115
+        assert draft.context_end == 116
+
+    build()
+    draft.trim_to(113)  # drops rows 113..115
+    assert (draft.context_length, draft.gaps, draft.context_end) == (7, [(4, 6)], 113)
+    build()
+    draft.trim_to(107)  # into the gap: all rows after it go, the gap shrinks
+    assert (draft.context_length, draft.gaps, draft.context_end) == (4, [(4, 3)], 107)
+    build()
+    draft.trim_to(102)
+    assert (draft.context_length, draft.gaps, draft.context_end) == (2, [], 102)
+    build()
+    draft.trim_to(50)  # before the context's start: an empty context from there
+    assert (draft.context_length, draft.gaps, draft.context_end) == (0, [], 50)
+    build()
+    draft.trim_to(120)  # beyond its end: the missing positions become a gap
+    assert (draft.context_length, draft.gaps, draft.context_end) == (10, [(4, 6), (10, 4)], 120)
+    with pytest.raises(ValueError, match="cannot skip back"):
+        draft.skip_to(119)
+
+
 def test_causal_sliding_layer_masks_future_block_rows(target):
     model, _ = target
     cfg = draft_config(4, [1, 2], block=8, layers=1)
