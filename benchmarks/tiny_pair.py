@@ -41,7 +41,7 @@ class PerfectDraft(DFlashDraft):
 
     def block_logits(self, anchor, length, rows=None):
         rows = length - 1 if rows is None else rows
-        pos = self.context_length
+        pos = self.context_end  # the anchor's position
         want = self.script[pos + 1 : pos + 1 + rows]
         h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None])  # keep the draft's cost
         onehot = mx.eye(self.config.vocab_size)[want] * 30.0

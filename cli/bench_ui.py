@@ -173,9 +173,9 @@ def _auto_comparison(result: BenchResult) -> Text | None:
         return None
     best = result.comparisons[0]
     out = Text("W=auto against each fixed choice ", style="bold")
-    out.append("(tok/s ratio, paired per prompt and repeat, 95% interval)\n", style="dim")
+    out.append("(tok/s ratio paired by prompt and repeat, 95% interval)\n", style="dim")
     for c in result.comparisons:
-        other = "mlx-lm" if c.other == "mlx-lm" else c.other.replace("W=1", "W=1 (no draft)")
+        other = "W=1 (no draft)" if c.other == "W=1" else c.other
         slower = c.high < 1.0  # slower beyond the noise of this machine
         out.append(f"  vs {other:<16}")
         out.append(f"{c.ratio:5.2f}×", style="red" if slower else "green")

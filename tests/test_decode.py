@@ -312,3 +312,38 @@ def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, dr
     assert cycles[0].reused == len(turn1) + len(out1) - 1
     assert [t for c in cycles for t in c.tokens] == ref2
     assert any(c.accepted >= 8 for c in cycles), "the reused context should draft right away"
+
+
+def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, draft, monkeypatch):
+    """On a CPU most of a pass runs inside its launch, and a plain step launches the next
+    cycle before waiting: the chooser must still see each cycle's own cost. A fake clock
+    that only moves in target passes (1 + W units for W tokens) makes costs exact."""
+    import types
+
+    import dflash_mlx.decode as decode
+    from dflash_mlx.target import TargetAdapter
+
+    model, tok = target
+    clock = [0.0]
+    monkeypatch.setattr(decode, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    adapter = TargetAdapter.of(model)
+    real_forward = adapter.forward
+
+    def forward(tokens, cache, capture_ids):
+        clock[0] += 1.0 + tokens.shape[1]
+        return real_forward(tokens, cache, capture_ids)
+
+    monkeypatch.setattr(adapter, "forward", forward)
+    ids = tok.encode(PROMPTS[1])
+    ref = target_greedy(model, ids, 80)
+    # Stretches of right and of wrong drafts: chained probes, runs of speculative cycles,
+    # and plain steps after either.
+    d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 20) % 2 else 0)
+    ch, log = dormant_chooser(probe_interval=3, max_probe_interval=6)
+    seen = []
+    ch.observe = lambda w, seconds, smoothing=0.2: seen.append((w, seconds))
+    cycles = auto_decode(model, d, ids, 80, ch)
+    assert [t for c in cycles for t in c.tokens] == ref
+    kinds = {(a > 1, b > 1) for (a, _), (b, _) in zip(seen, seen[1:])}
+    assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
+    assert all(s == 1.0 + w for w, s in seen), [x for x in seen if x[1] != 1.0 + x[0]]
