@@ -117,13 +117,13 @@ def speculative_decode(
     generated: list[int] = []
     pending: list[mx.array] = []  # features of committed positions the draft has not seen
     try:
+        # All but the last token first, as mlx-lm does: only their caches are evaluated,
+        # so the LM head never runs over the prompt (vocabulary x prompt logits).
+        prefill(start, total - 1)
         if prompt_cache is not None and target.recurrent:
             # Recurrent state cannot be trimmed later: keep it as it is before the last token.
-            prefill(start, total - 1)
             prompt_cache.snapshot, prompt_cache.snapshot_len = target.snapshot(cache), total - 1
-            logits = prefill(total - 1, total)
-        else:
-            logits = prefill(start, total)
+        logits = prefill(total - 1, total)
     except BaseException:
         # Interrupted mid-prefill: the reused caches no longer match any token history.
         if prompt_cache is not None:

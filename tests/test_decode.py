@@ -177,12 +177,23 @@ def test_bad_generation_arguments_name_the_value(target, draft):
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen35"])
-def test_chunked_prefill_equals_the_target(models_dir, draft, name):
-    """A prompt longer than the prefill step is processed in chunks, reporting progress."""
+def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch):
+    """A prompt longer than the prefill step is processed in chunks, reporting progress;
+    the last prompt token goes alone, so the LM head never runs over the prompt."""
+    from dflash_mlx.target import TargetAdapter
+
     model, tok = load(str(models_dir / name))
     ids = tok.encode(" ".join(PROMPTS) * 3)
     assert len(ids) > 40
     ref = target_greedy(model, ids, 20)
+    adapter = TargetAdapter.of(model)
+    passes, real_forward = [], adapter.forward
+
+    def forward(tokens, cache, capture_ids):
+        passes.append(tokens.shape[1])
+        return real_forward(tokens, cache, capture_ids)
+
+    monkeypatch.setattr(adapter, "forward", forward)
     seen = []
     out = generate(
         model,
@@ -196,6 +207,8 @@ def test_chunked_prefill_equals_the_target(models_dir, draft, name):
     )
     assert out.tokens == ref
     assert seen[0] == (16, len(ids)) and seen[-1] == (len(ids), len(ids))
+    chunks = [16] * ((len(ids) - 1) // 16) + ([(len(ids) - 1) % 16] if (len(ids) - 1) % 16 else [])
+    assert passes[: len(chunks) + 1] == chunks + [1], passes
 
 
 def test_quantized_targets_default_to_the_capped_verify_width(models_dir, draft):
