@@ -47,6 +47,8 @@ class _Context:
     """
 
     stale: bool = False
+    # Recurrent targets with a prompt cache: their state after the latest committed cycle.
+    snapshot: tuple[int, dict[int, tuple]] | None = None
 
 
 def is_quantized(model) -> bool:
@@ -95,6 +97,7 @@ def speculative_decode(
     ids = draft.config.target_layer_ids if draft is not None else None
     cache, start = _reuse(prompt_cache, target, draft, prompt)
     ctx = _Context()
+    keep = False
     tokens = mx.array(prompt, dtype=mx.int32)[None]
     total = len(prompt)
 
@@ -120,9 +123,10 @@ def speculative_decode(
         # All but the last token first, as mlx-lm does: only their caches are evaluated,
         # so the LM head never runs over the prompt (vocabulary x prompt logits).
         prefill(start, total - 1)
-        if prompt_cache is not None and target.recurrent:
+        keep = prompt_cache is not None and target.recurrent
+        if keep:
             # Recurrent state cannot be trimmed later: keep it as it is before the last token.
-            prompt_cache.snapshot, prompt_cache.snapshot_len = target.snapshot(cache), total - 1
+            prompt_snapshot = (total - 1, target.snapshot(cache))
         logits = prefill(total - 1, total)
     except BaseException:
         # Interrupted mid-prefill: the reused caches no longer match any token history.
@@ -150,6 +154,7 @@ def speculative_decode(
             draft_block=draft_block,
             eos_ids=eos_ids,
             chooser=chooser,
+            keep_snapshots=keep,
         )
     finally:
         # Whatever ended generation, the caches hold at least the committed positions of
@@ -165,6 +170,10 @@ def speculative_decode(
             prompt_cache.tokens = prompt + generated
             prompt_cache.target_cache = cache
             prompt_cache.draft_caches = draft._caches if draft is not None else None
+            if keep:
+                prompt_cache.snapshots = [prompt_snapshot] + (
+                    [ctx.snapshot] if ctx.snapshot else []
+                )
             if draft is not None:
                 prompt_cache.draft_base = draft.context_base
                 prompt_cache.draft_gaps = list(draft.gaps)
@@ -188,12 +197,13 @@ def _reuse(
         start = min(start, draft.context_end)
     cache = pc.target_cache
     if target.recurrent:
-        if pc.snapshot is None or start < pc.snapshot_len:
+        usable = [(n, snap) for n, snap in pc.snapshots if n <= start]
+        if not usable:
             if draft is not None:
                 draft.reset()
             return fresh, 0
-        start = pc.snapshot_len
-        target.restore(cache, pc.snapshot)
+        start, snap = max(usable, key=lambda x: x[0])
+        target.restore(cache, snap)
     for i, c in enumerate(cache):
         if i not in target.replay_ids:
             c.trim(c.offset - start)
@@ -221,10 +231,12 @@ def _generate(
     draft_block: int,
     eos_ids: frozenset[int],
     chooser: WidthChooser | None,
+    keep_snapshots: bool = False,
 ) -> Iterator[Cycle]:
     """The cycles after prefill; every emitted token is appended to `generated`, the
     features the draft has not consumed yet stay in `pending`, `ctx` follows which
-    positions the draft's context holds."""
+    positions the draft's context holds (and, with `keep_snapshots`, the recurrent state
+    after the latest committed cycle)."""
     key, sub = mx.random.split(key)
     last = logits[0, -1:]
     first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
@@ -301,6 +313,8 @@ def _generate(
                 if feats is not None:
                     pending.append(feats)
                 draft.commit(None)
+            if keep_snapshots:  # before the next step feeds another token
+                ctx.snapshot = (n_prompt + emitted, target.snapshot(cache))
             if emitted + 1 < max_tokens:
                 nxt = launch(out[:1], n_prompt + emitted, max_tokens - emitted - 1, chained=True)
             new = out.tolist()
@@ -323,11 +337,15 @@ def _generate(
                 draft.commit(n)
             if chooser is not None:
                 chooser.update(w, n)
+        cut = False
         for j, t in enumerate(new):
             if t in eos_ids:
-                new = new[: j + 1]
+                cut, new = j + 1 < len(new), new[: j + 1]
                 break
         emitted += len(new)
+        if keep_snapshots and w > 1 and not cut:
+            # Everything but the last emitted token was fed (after an EOS cut, more was).
+            ctx.snapshot = (n_prompt + emitted - 1, target.snapshot(cache))
         generated.extend(new)
         done = new[-1] in eos_ids or emitted >= max_tokens
         if not done and nxt is None:

@@ -5,7 +5,9 @@ new text. Passing the same `PromptCache` to `stream_generate` each time keeps th
 cache, the draft's context cache and the token history, so a request prefills only from
 the longest common prefix on (SPEC 1: caches only ever hold committed positions).
 Recurrent targets cannot be trimmed to an arbitrary prefix: their state is snapshotted
-just before the last prompt token and reused when the new prompt extends that far.
+just before the last prompt token and after the last committed cycle, and a request
+resumes from the longest snapshot its prompt extends (a chat turn: the whole previous
+exchange, or the previous prompt when the template rewrote the reply).
 Owns the bookkeeping; `decode.py` does the trimming and restoring.
 """
 
@@ -26,8 +28,8 @@ class PromptCache:
         self.draft_caches: list[Any] | None = None
         self.draft_base = 0  # the target position the draft's context starts at
         self.draft_gaps: list[tuple[int, int]] = []  # positions it skipped (DFlashDraft.gaps)
-        self.snapshot: dict[int, tuple] | None = None  # recurrent states ...
-        self.snapshot_len = 0  # ... after this many prompt tokens
+        # Recurrent states, each after this many tokens of `tokens` were fed.
+        self.snapshots: list[tuple[int, dict[int, tuple]]] = []
 
     def __len__(self) -> int:
         return len(self.tokens)

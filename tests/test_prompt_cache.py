@@ -41,10 +41,9 @@ def test_second_turn_prefills_only_the_new_tokens(pair):
     turn2 = turn1 + out1 + tok.encode(" and the quick brown fox")
     out2, cached2 = run(model, draft, tok, turn2, pc)
     assert out2 == greedy(model, tok, turn2), f"{name}: reused state changed the output"
-    if name == "qwen35":  # recurrent: reused up to the snapshot before turn 1's last token
-        assert cached2 == len(turn1) - 1
-    else:  # everything but the last generated token (never fed to the target)
-        assert cached2 == len(turn1) + len(out1) - 1
+    # Everything but the last generated token (never fed to the target); a recurrent
+    # target resumes from its snapshot after the last committed cycle.
+    assert cached2 == len(turn1) + len(out1) - 1
     turn3 = turn2 + out2 + tok.encode(" print")
     out3, cached3 = run(model, draft, tok, turn3, pc)
     assert out3 == greedy(model, tok, turn3)
@@ -108,3 +107,45 @@ def test_an_interrupted_prefill_leaves_no_stale_cache(target, draft):
     assert pc.target_cache is None, "a half-prefilled cache must not be reused"
     out, cached = run(model, draft, tok, longer, pc)
     assert cached == 0 and out == greedy(model, tok, longer)
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_hybrid_target_resumes_after_the_reply_or_else_at_the_prompt(models_dir, draft, width):
+    """Recurrent state cannot be trimmed: it is kept before the prompt's last token and
+    after the last committed cycle (plain steps and speculative cycles alike)."""
+    from .test_decode import ScriptedDraft
+
+    model, tok = load(str(models_dir / "qwen35"))
+    pc = PromptCache()
+    # Always right at W=4: 13 tokens = 1 + 3 cycles of 4, so replies end on a speculative
+    # cycle (at W=1, on a plain step).
+    scripted = ScriptedDraft(draft, [], right=lambda c: 99)
+
+    def turn(ids, **kw):
+        scripted.script = ids + greedy(model, tok, ids, 13) + [0] * 32
+        chunks = list(
+            stream_generate(
+                model, scripted, tok, ids, max_tokens=13, block_size=width, prompt_cache=pc, **kw
+            )
+        )
+        out = [t for c in chunks for t in c.tokens]
+        assert out == greedy(model, tok, ids, 13)[: len(out)], "reused state changed the output"
+        assert chunks[-1].width == width or chunks[-1].finish_reason == "stop"
+        return out, chunks[0].cached_tokens, chunks[-1].finish_reason
+
+    turn1 = tok.encode("def add(a, b):")
+    out1, _, _ = turn(turn1)
+    turn2 = turn1 + out1 + tok.encode(" print")
+    out2, cached, _ = turn(turn2)
+    assert cached == len(turn1) + len(out1) - 1, "the previous reply was prefilled again"
+    # The template rewrote the reply (as thinking blocks are dropped): back to the prompt.
+    turn3 = turn2 + [(out2[0] + 1) % 50] + tok.encode(" the lazy dog")
+    _, cached, _ = turn(turn3)
+    assert cached == len(turn2) - 1
+    # A stop string ends the reply while the next cycle is already on the device.
+    full = generate(model, draft, tok, turn3, max_tokens=13, block_size=width).text
+    cut, _, reason = turn(turn3, stop=full[4:7])
+    assert reason == "stop"
+    turn4 = turn3 + cut + tok.encode(" jumps")
+    _, cached, _ = turn(turn4)
+    assert len(turn3) - 1 <= cached <= len(turn3) + len(cut) - 1
