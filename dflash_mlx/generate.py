@@ -262,26 +262,40 @@ def stream_generate(
         else:
             cycles += 1
             verified_tokens += cyc.accepted + 1
-        n_gen += len(cyc.tokens)
-        gen_tps = (n_gen - 1) / (now - gen_start) if n_gen > 1 else 0.0
-        text_tokens = cyc.tokens
-        hit_eos = cyc.tokens[-1] in eos
+        tokens = list(cyc.tokens)
+        hit_eos = tokens[-1] in eos
         if hit_eos:
-            text_tokens = cyc.tokens[:-1]
             finish = "stop"
-        for t in text_tokens:
-            detok.add_token(t)
-        if finish is not None or n_gen >= max_tokens:
-            detok.finalize()
-            finish = finish or "length"
-        text, stopped = matcher.feed(detok.last_segment)
+        text_tokens = tokens[:-1] if hit_eos else tokens
+        text, stopped = "", False
+        if matcher.stop:
+            # Token by token, so that a reply ends at the token completing a stop string:
+            # what the same cycle committed after it is neither shown nor counted.
+            for i, t in enumerate(text_tokens):
+                detok.add_token(t)
+                segment, stopped = matcher.feed(detok.last_segment)
+                text += segment
+                if stopped:
+                    tokens = tokens[: i + 1]
+                    break
+        else:
+            for t in text_tokens:
+                detok.add_token(t)
+        n_gen += len(tokens)
+        gen_tps = (n_gen - 1) / (now - gen_start) if n_gen > 1 else 0.0
+        if not stopped:
+            if finish is not None or n_gen >= max_tokens:
+                detok.finalize()
+                finish = finish or "length"
+            segment, stopped = matcher.feed(detok.last_segment)
+            text += segment
         if stopped:
             finish = "stop"
         elif finish is not None:
             text += matcher.flush()
         yield GenerationResponse(
             text=text,
-            tokens=list(cyc.tokens),
+            tokens=tokens,
             accepted=cyc.accepted,
             prompt_tokens=len(ids),
             prompt_tps=prompt_tps,

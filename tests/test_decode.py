@@ -145,6 +145,16 @@ def test_chat_messages_and_stop_strings(target, draft):
     cut = generate(model, draft, tok, msgs, max_tokens=30, block_size=4, stop=[stop])
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.finish_reason == "stop"
+    # A right draft commits 8 tokens a cycle: the reply still ends at the token that
+    # completed the stop string, and only the tokens up to it are returned and counted.
+    oracle = ScriptedDraft(draft, list(ids) + full.tokens + [0] * 32, right=lambda c: 99)
+    text = full.text
+    stop = next(text[i : i + 2] for i in range(2, len(text)) if text[i : i + 2].isalnum())
+    cut = generate(model, oracle, tok, msgs, max_tokens=30, block_size=8, stop=[stop])
+    n = len(cut.tokens)
+    assert n < len(full.tokens) and cut.tokens == full.tokens[:n] and cut.generation_tokens == n
+    assert stop in tok.decode(cut.tokens) and stop not in tok.decode(cut.tokens[:-1])
+    assert cut.mean_acceptance > 4, "the cycles did commit whole blocks"
 
 
 def test_stream_text_joins_to_the_decoded_tokens(target, draft):
