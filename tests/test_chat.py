@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import time
 
@@ -404,6 +405,9 @@ def test_the_real_command_in_a_terminal(tmp_path):
         codec_errors="replace",  # the tty echoes ^C wherever it lands, mid-character too
         timeout=60,
         dimensions=(30, 120),
+        # A shell that runs the tests in the background has SIGINT ignored, and children
+        # inherit that: give the command the default Ctrl-C a user's terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         child.expect("RANDOM")

@@ -464,7 +464,14 @@ def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(models_dir):
     cmd = [sys.executable, "-c", "from cli.main import app; app()", "serve"]
     cmd += ["--model", target, "--draft", str(models_dir / "draft"), "--port", "0"]
     proc = subprocess.Popen(
-        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A shell that runs the tests in the background has SIGINT ignored, and children
+        # inherit that: give the command the default Ctrl-C a user's terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
