@@ -2,7 +2,7 @@
 
 The expected speed of a cycle is `E[accepted + 1 | W] / (t_draft(L) + t_verify(W))`, with
 `W = 1` (plain decoding, no draft pass) always a candidate, so speculation is only used when
-it is expected to pay. Costs come from measured curves (`calibrate.py`), replaced by the
+it is expected to pay. Costs come from measured curves (`calibrate.py`), corrected by the
 wall time of cycles as the engine really runs them as soon as it has seen some; acceptance
 comes from running, exponentially decayed per-position statistics. When plain decoding
 wins, a speculative cycle is re-tried now and then: the interval doubles after each probe
@@ -83,10 +83,10 @@ class WidthChooser:
         self._blocks = {w: self._draft_block(w) for w in range(2, block + 1)}
         self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
         # Wall time of cycles as the engine really runs them, sync to sync (host syncs,
-        # Python work, feature capture), which isolated calibration passes cannot see. Until
-        # a width has been seen, its calibrated cost is scaled by what speculative cycles
-        # measured against their calibration so far.
-        self.measured: dict[int, float] = {}
+        # Python work, feature capture), which isolated calibration passes cannot see:
+        # plain steps are measured as such; speculative cycles set one scale on the
+        # calibrated curve (`ratio`), so every width's cost follows all observations.
+        self.measured: dict[int, float] = {}  # the latest estimate per width seen
         self.ratio = 1.0  # measured / calibrated cost of speculative cycles
         self._ratio_seen = False
 
@@ -135,42 +135,45 @@ class WidthChooser:
         return self.measured.get(1, self.costs.verify[0])
 
     def cycle_cost(self, w: int) -> float:
-        """Seconds per cycle of width `w`: as measured, else calibrated and scaled by what
-        speculative cycles measured against their calibration so far."""
+        """Seconds per cycle of width `w`: plain steps as measured; speculative cycles as
+        calibrated, scaled by what such cycles measured against their calibration."""
         if w == 1:
             return self.plain_cost()
-        cost = self.measured.get(w)
-        if cost is None:
-            n = self._blocks[w]
-            cost = self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
-        return cost
+        n = self._blocks[w]
+        return self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
 
     def observe(self, width: int, seconds: float, smoothing: float = 0.2) -> None:
         """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
         step chained after another plain step).
 
-        The first observation of a width replaces its calibrated cost; later ones count at
-        most a factor of two from the estimate, so a stalled cycle (GC, a busy machine) is
-        a small nudge, not a new truth.
+        The first observation replaces the calibrated figure, within a factor of three of
+        it; later ones count at most a factor of two from the estimate, so a stalled cycle
+        (GC, a busy machine) is a small nudge, not a new truth.
         """
         if seconds <= 0:
             return
-        prev = self.measured.get(width)
-        if prev is None:
-            self.measured[width] = seconds
-        else:
-            seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
-            self.measured[width] = prev + smoothing * (seconds - prev)
         if width <= 1:
+            prev = self.measured.get(1)
+            if prev is None:
+                prior = self.plain_cost()
+                self.measured[1] = min(max(seconds, prior / 3.0), 3.0 * prior)
+            else:
+                seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
+                self.measured[1] = prev + smoothing * (seconds - prev)
             if self._rates is not None:  # only the plain rate moved
                 self._rates[1] = (1.0 / self.measured[1], 0)
             return
-        self._rates = None
+        # Speculative cycles share one scale on the calibrated curve: each observation
+        # refines the cost of every width, and no width looks cheap by the luck of a draw.
         cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
-        if self._ratio_seen:
-            self.ratio += smoothing * (seconds / cal - self.ratio)
+        r = seconds / cal
+        if not self._ratio_seen:
+            self.ratio, self._ratio_seen = min(max(r, self.ratio / 3.0), 3.0 * self.ratio), True
         else:
-            self.ratio, self._ratio_seen = seconds / cal, True
+            r = min(max(r, 0.5 * self.ratio), 2.0 * self.ratio)
+            self.ratio += smoothing * (r - self.ratio)
+        self.measured[width] = self.ratio * cal
+        self._rates = None
 
     # -- decisions -------------------------------------------------------------------------
 

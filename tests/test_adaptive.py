@@ -235,9 +235,19 @@ def test_measured_cycle_costs_override_an_optimistic_calibration():
     assert ch.choose()[0] > 1, "measured against measured, speculation pays again"
 
 
+def test_a_stalled_first_cycle_does_not_turn_good_speculation_off():
+    ch = WidthChooser(FLAT, BLOCK)
+    teach(ch, 0.95)
+    assert ch.choose()[0] >= 12
+    w = ch.choose()[0]
+    ch.observe(w, 100.0 * (FLAT.verify[w - 1] + FLAT.draft[w - 1]))  # a 100x stall, first seen
+    assert ch.choose()[0] > 1, "one stall made speculation look worse than plain decoding"
+
+
 def test_one_stalled_cycle_does_not_swing_the_measured_cost():
     ch = WidthChooser(FLAT, BLOCK)
-    for _ in range(20):
-        ch.observe(1, 0.01)
-    ch.observe(1, 5.0)  # the machine stalled once (GC, another process)
-    assert ch.plain_cost() < 0.02
+    for _ in range(30):
+        ch.observe(1, 0.5)  # plain steps run at half their calibrated cost here
+    assert ch.plain_cost() == pytest.approx(0.5, rel=0.02)
+    ch.observe(1, 50.0)  # the machine stalled once (GC, another process)
+    assert ch.plain_cost() < 0.65
