@@ -84,10 +84,11 @@ class WidthChooser:
         self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
         # Wall time of cycles as the engine really runs them, sync to sync (host syncs,
         # Python work, feature capture), which isolated calibration passes cannot see:
-        # plain steps are measured as such; speculative cycles set one scale on the
-        # calibrated curve (`ratio`), so every width's cost follows all observations.
+        # plain steps are measured as such; speculative cycles set one offset added to the
+        # calibrated curve (`offset`), so every width's cost follows all observations.
         self.measured: dict[int, float] = {}  # the latest estimate per width seen
-        self.ratio = 1.0  # measured / calibrated cost of speculative cycles
+        self.ratio = 1.0  # measured / calibrated cost of the latest speculative width
+        self.offset = 0.0  # seconds a speculative cycle costs beyond its calibrated passes
         self._ratio_seen = False
 
     # -- model -----------------------------------------------------------------------------
@@ -95,12 +96,17 @@ class WidthChooser:
     def acceptance(self) -> list[float]:
         """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.
 
-        Each position is smoothed towards the estimate of the position before it, so widths
-        never tried borrow the latest evidence instead of a fixed guess.
+        Each position is smoothed towards the estimate of the position before it, or the
+        pooled estimate of all positions when that is higher: positions little tried
+        borrow the evidence optimistically, so that one unlucky estimate does not keep the
+        width below them forever (wider cycles then try them, and their own evidence wins).
         """
+        s = self.prior_strength
+        pooled = (sum(self.hits) + s * self.prior) / (sum(self.trials) + s)
         alphas, prev = [], self.prior
         for j in range(1, self.block):
-            a = (self.hits[j] + self.prior_strength * prev) / (self.trials[j] + self.prior_strength)
+            anchor = prev if j == 1 else max(prev, pooled)
+            a = (self.hits[j] + s * anchor) / (self.trials[j] + s)
             alphas.append(a)
             prev = a
         return alphas
@@ -136,11 +142,11 @@ class WidthChooser:
 
     def cycle_cost(self, w: int) -> float:
         """Seconds per cycle of width `w`: plain steps as measured; speculative cycles as
-        calibrated, scaled by what such cycles measured against their calibration."""
+        calibrated, plus what such cycles measured beyond their calibration."""
         if w == 1:
             return self.plain_cost()
         n = self._blocks[w]
-        return self.ratio * (self.costs.verify[w - 1] + self.costs.draft[n - 1])
+        return max(self.costs.verify[w - 1] + self.costs.draft[n - 1] + self.offset, 1e-9)
 
     def observe(self, width: int, seconds: float, smoothing: float = 0.2) -> None:
         """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
@@ -163,16 +169,19 @@ class WidthChooser:
             if self._rates is not None:  # only the plain rate moved
                 self._rates[1] = (1.0 / self.measured[1], 0)
             return
-        # Speculative cycles share one scale on the calibrated curve: each observation
-        # refines the cost of every width, and no width looks cheap by the luck of a draw.
+        # Speculative cycles share one offset on the calibrated curve (what a cycle costs
+        # beyond its passes: host syncs, Python work): each observation refines the cost
+        # of every width, and no width looks cheap by the luck of a single draw.
         cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
-        r = seconds / cal
+        prev = self.cycle_cost(width)
         if not self._ratio_seen:
-            self.ratio, self._ratio_seen = min(max(r, self.ratio / 3.0), 3.0 * self.ratio), True
+            seconds, self._ratio_seen = min(max(seconds, prev / 3.0), 3.0 * prev), True
+            self.offset = seconds - cal
         else:
-            r = min(max(r, 0.5 * self.ratio), 2.0 * self.ratio)
-            self.ratio += smoothing * (r - self.ratio)
-        self.measured[width] = self.ratio * cal
+            seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
+            self.offset += smoothing * (seconds - cal - self.offset)
+        self.ratio = self.cycle_cost(width) / cal
+        self.measured[width] = self.cycle_cost(width)
         self._rates = None
 
     # -- decisions -------------------------------------------------------------------------

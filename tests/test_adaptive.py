@@ -251,3 +251,23 @@ def test_one_stalled_cycle_does_not_swing_the_measured_cost():
     assert ch.plain_cost() == pytest.approx(0.5, rel=0.02)
     ch.observe(1, 50.0)  # the machine stalled once (GC, another process)
     assert ch.plain_cost() < 0.65
+
+
+def test_positions_little_tried_borrow_the_pooled_rate_not_one_unlucky_estimate():
+    ch = WidthChooser(FLAT, BLOCK)
+    ch.trials = [0.0] + [100.0] * 5 + [5.0] + [0.0] * 9
+    ch.hits = [0.0] + [90.0] * 5 + [3.0] + [0.0] * 9  # position 6: 3 of 5, by chance
+    alphas = ch.acceptance()
+    assert alphas[5] < 0.75, "position 6's own evidence counts"
+    assert all(a > 0.85 for a in alphas[6:]), "untried positions borrow the pooled 0.9"
+
+
+def test_cycle_overhead_is_one_offset_for_every_width():
+    """Host syncs and Python cost the same at any width: a cycle measured at W=4 moves
+    every width's cost by the same seconds, not by the same factor."""
+    ch = WidthChooser(STEEP, BLOCK)
+    cal = [STEEP.verify[w - 1] + STEEP.draft[ch._draft_block(w) - 1] for w in range(1, BLOCK + 1)]
+    for _ in range(40):
+        ch.observe(4, cal[3] + 0.5)
+    assert ch.cycle_cost(4) == pytest.approx(cal[3] + 0.5, rel=1e-3)
+    assert ch.cycle_cost(16) == pytest.approx(cal[15] + 0.5, rel=1e-3)
