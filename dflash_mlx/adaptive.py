@@ -86,10 +86,9 @@ class WidthChooser:
         # Python work, feature capture), which isolated calibration passes cannot see:
         # plain steps are measured as such; speculative cycles set one offset added to the
         # calibrated curve (`offset`), so every width's cost follows all observations.
-        self.measured: dict[int, float] = {}  # the latest estimate per width seen
-        self.ratio = 1.0  # measured / calibrated cost of the latest speculative width
+        self.plain: float | None = None  # seconds per plain step, once measured
         self.offset = 0.0  # seconds a speculative cycle costs beyond its calibrated passes
-        self._ratio_seen = False
+        self._offset_seen = False
 
     # -- model -----------------------------------------------------------------------------
 
@@ -138,7 +137,7 @@ class WidthChooser:
 
     def plain_cost(self) -> float:
         """Seconds per plain decoding step: as measured, else as calibrated."""
-        return self.measured.get(1, self.costs.verify[0])
+        return self.costs.verify[0] if self.plain is None else self.plain
 
     def cycle_cost(self, w: int) -> float:
         """Seconds per cycle of width `w`: plain steps as measured; speculative cycles as
@@ -159,29 +158,27 @@ class WidthChooser:
         if seconds <= 0:
             return
         if width <= 1:
-            prev = self.measured.get(1)
+            prev = self.plain
             if prev is None:
                 prior = self.plain_cost()
-                self.measured[1] = min(max(seconds, prior / 3.0), 3.0 * prior)
+                self.plain = min(max(seconds, prior / 3.0), 3.0 * prior)
             else:
                 seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
-                self.measured[1] = prev + smoothing * (seconds - prev)
+                self.plain = prev + smoothing * (seconds - prev)
             if self._rates is not None:  # only the plain rate moved
-                self._rates[1] = (1.0 / self.measured[1], 0)
+                self._rates[1] = (1.0 / self.plain, 0)
             return
         # Speculative cycles share one offset on the calibrated curve (what a cycle costs
         # beyond its passes: host syncs, Python work): each observation refines the cost
         # of every width, and no width looks cheap by the luck of a single draw.
         cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
         prev = self.cycle_cost(width)
-        if not self._ratio_seen:
-            seconds, self._ratio_seen = min(max(seconds, prev / 3.0), 3.0 * prev), True
+        if not self._offset_seen:
+            seconds, self._offset_seen = min(max(seconds, prev / 3.0), 3.0 * prev), True
             self.offset = seconds - cal
         else:
             seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
             self.offset += smoothing * (seconds - cal - self.offset)
-        self.ratio = self.cycle_cost(width) / cal
-        self.measured[width] = self.cycle_cost(width)
         self._rates = None
 
     # -- decisions -------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -49,6 +50,18 @@ class _Context:
     stale: bool = False
     # Recurrent targets with a prompt cache: their state after the latest committed cycle.
     snapshot: tuple[int, dict[int, tuple]] | None = None
+
+
+class _Step(NamedTuple):
+    """One launched cycle, until its result reaches the host."""
+
+    n: mx.array  # drafted tokens accepted
+    out: mx.array  # tokens to emit (accepted drafts, then the target's own)
+    feats: mx.array | None  # target features of the fed positions (None: not captured)
+    saved: dict  # recurrent states before the pass (for rewind)
+    width: int
+    built: float  # seconds its launch took on the host
+    chained: bool  # launched before the previous cycle's result reached the host
 
 
 def is_quantized(model) -> bool:
@@ -97,7 +110,7 @@ def speculative_decode(
     ids = draft.config.target_layer_ids if draft is not None else None
     cache, start = _reuse(prompt_cache, target, draft, prompt)
     ctx = _Context()
-    keep = False
+    keep = prompt_cache is not None and target.recurrent  # recurrent state snapshots
     tokens = mx.array(prompt, dtype=mx.int32)[None]
     total = len(prompt)
 
@@ -123,7 +136,6 @@ def speculative_decode(
         # All but the last token first, as mlx-lm does: only their caches are evaluated,
         # so the LM head never runs over the prompt (vocabulary x prompt logits).
         prefill(start, total - 1)
-        keep = prompt_cache is not None and target.recurrent
         if keep:
             # Recurrent state cannot be trimmed later: keep it as it is before the last token.
             prompt_snapshot = (total - 1, target.snapshot(cache))
@@ -288,7 +300,7 @@ def _generate(
         mx.async_eval(n, out)
         # On a CPU much of the work runs inside async_eval: the launch time is part of
         # what the cycle costs, wherever it falls between host syncs.
-        return n, out, feats, saved, w, time.perf_counter() - tic, chained
+        return _Step(n, out, feats, saved, w, time.perf_counter() - tic, chained)
 
     # The next cycle is always launched before the current one is handed to the caller,
     # so detokenizing and rendering overlap with device work.
@@ -327,7 +339,7 @@ def _generate(
             # launch counted for the cycle it built (a chained launch falls in the interval
             # before its own).
             spent = now - synced + (built if chained else 0.0)
-            chooser.observe(w, spent - (nxt[5] if nxt is not None else 0.0))
+            chooser.observe(w, spent - (nxt.built if nxt is not None else 0.0))
         synced = now
         if w > 1:
             new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
