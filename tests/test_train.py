@@ -100,18 +100,15 @@ def test_short_training_lowers_loss_and_raises_engine_tau(target, regen_data, tm
 
 def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
     model, tok = target
-    settings = dict(batch=2, seq_len=96, anchors_per_seq=4, lr=2e-3, eval_every=1000)
-    draft, cfg = fresh_draft(model)
-    straight = train(
-        model,
-        tok,
-        draft,
-        cfg,
-        regen_data,
-        TrainSettings(steps=12, save_every=6, **settings),
-        tmp_path / "a",
+    settings = TrainSettings(
+        steps=12, save_every=6, batch=2, seq_len=96, anchors_per_seq=4, lr=2e-3, eval_every=1000
     )
-    draft, cfg = fresh_draft(model)
+
+    def run(out: str, **kw):
+        draft, cfg = fresh_draft(model)  # a resumed run takes weights from the checkpoint
+        return train(model, tok, draft, cfg, regen_data, settings, tmp_path / out, **kw)
+
+    straight = run("a")
 
     class Interrupted(Exception):
         pass
@@ -121,27 +118,8 @@ def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
             raise Interrupted
 
     with pytest.raises(Interrupted):
-        train(
-            model,
-            tok,
-            draft,
-            cfg,
-            regen_data,
-            TrainSettings(steps=12, save_every=6, **settings),
-            tmp_path / "b",
-            progress=stop_at_6,
-        )
-    resumed_draft, _ = fresh_draft(model)  # weights and optimiser come from the checkpoint
-    resumed = train(
-        model,
-        tok,
-        resumed_draft,
-        cfg,
-        regen_data,
-        TrainSettings(steps=12, save_every=6, **settings),
-        tmp_path / "b",
-        resume=True,
-    )
+        run("b", progress=stop_at_6)
+    resumed = run("b", resume=True)
     a = [s["loss"] for s in straight.steps]
     b = [s["loss"] for s in resumed.steps]
     assert [s["step"] for s in resumed.steps] == list(range(1, 13))
