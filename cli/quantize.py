@@ -78,8 +78,8 @@ def draft_command(
             raise ValueError("--check needs --target (the model the draft was built for)")
         import dflash_mlx
         from dflash_mlx.loading import resolve
-        from quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
-        from quantize.draft import check_settings
+        from dflash_mlx.quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
+        from dflash_mlx.quantize.draft import check_settings
 
         check_settings(bits, group_size, mode)
         _prepare_out(out, force)
@@ -112,7 +112,7 @@ def target_command(
     from .main import _user_errors
 
     with _user_errors():
-        from quantize import quantize_target
+        from dflash_mlx.quantize import quantize_target
 
         _prepare_out(out, force)
         with ui.loading("target", source):

@@ -13,6 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .errors import BadCheckpoint
 from .config import DraftConfig
 from .draft import DFlashDraft
 from .target import TargetAdapter
@@ -21,7 +22,7 @@ _DRAFT_FILES = ["*.json", "*.safetensors"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
 
 
-class LoadError(ValueError):
+class LoadError(BadCheckpoint):
     """A model source that cannot be used, with what to do about it."""
 
 

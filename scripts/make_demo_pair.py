@@ -154,7 +154,7 @@ def main() -> None:
     cmd = [
         sys.executable,
         "-c",
-        "from cli.main import app; app()",
+        "from dflash_mlx.cli.main import app; app()",
         "train",
         "--target",
         str(target_dir),

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx.bench_prompts import SUITES, BenchPrompt, load_suite, read_prompts
 from dflash_mlx.benchmark import BASELINE, quantization, run_benchmark
 from dflash_mlx.generate import encode_prompt

@@ -16,10 +16,10 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli import chat_repl
-from cli.chat_input import history_path, make_reader
-from cli.chat_ui import ChatUI, ReplyView
-from cli.main import app
+from dflash_mlx.cli import chat_repl
+from dflash_mlx.cli.chat_input import history_path, make_reader
+from dflash_mlx.cli.chat_ui import ChatUI, ReplyView
+from dflash_mlx.cli.main import app
 from dflash_mlx import chat_session
 from dflash_mlx.chat_session import ChatSession, ChatSettings
 from dflash_mlx.registry import DEFAULT_TARGET, base_name, find_draft
@@ -396,7 +396,7 @@ def test_the_real_command_in_a_terminal(tmp_path):
         "TERM": "xterm-256color",
         "DFLASH_MLX_DEMO": "random",  # the random pair never stops by itself: room to Ctrl-C
     }
-    exe = [sys.executable, "-c", "from cli.main import app; app()"]
+    exe = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()"]
     child = pexpect.spawn(
         exe[0],
         [*exe[1:], "chat", "--demo", "--max-tokens", "100000"],

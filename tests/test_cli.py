@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli.main import app
+from dflash_mlx.cli.main import app
 
 PROMPT = "def add(a, b):"
 MAX_TOKENS = 24
@@ -176,7 +176,7 @@ def test_help_and_version():
 def test_help_does_not_import_mlx():
     code = (
         "import sys\n"
-        "from cli.main import app\n"
+        "from dflash_mlx.cli.main import app\n"
         "assert not any(m.split('.')[0] in ('mlx', 'mlx_lm', 'dflash_mlx') for m in sys.modules)\n"
         "app()\n"
     )

@@ -9,11 +9,11 @@ import mlx.nn as nn
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx import generate, load, load_draft
 from dflash_mlx.conv import DynamicConv
 from dflash_mlx.loading import bind_draft
-from quantize import compare_drafts, quantize_draft, quantize_target, save_draft
+from dflash_mlx.quantize import compare_drafts, quantize_draft, quantize_target, save_draft
 
 from .conftest import build_draft, draft_config
 from .test_decode import PROMPTS, target_greedy

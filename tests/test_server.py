@@ -28,8 +28,8 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from cli.main import app as cli_app
-from cli.serve import exposure_warning
+from dflash_mlx.cli.main import app as cli_app
+from dflash_mlx.cli.serve import exposure_warning
 from dflash_mlx.generate import encode_prompt
 from dflash_mlx.prompt_cache import common_prefix
 from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
@@ -461,7 +461,7 @@ def test_serve_refuses_bad_options_with_exit_code_2(models_dir):
 
 def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(models_dir):
     target = str(models_dir / "qwen3")
-    cmd = [sys.executable, "-c", "from cli.main import app; app()", "serve"]
+    cmd = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()", "serve"]
     cmd += ["--model", target, "--draft", str(models_dir / "draft"), "--port", "0"]
     proc = subprocess.Popen(
         cmd,

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from cli.main import app
+from dflash_mlx.cli.main import app
 from dflash_mlx import generate, load_draft
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.tiny import CORPUS
