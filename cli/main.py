@@ -33,9 +33,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import version
+        from dflash_mlx.sysinfo import system_info
 
-        typer.echo(f"dflash-mlx {version('dflash-mlx-engine')}")
+        ui.version_report(system_info())
         raise typer.Exit()
 
 
@@ -43,7 +43,12 @@ def _version(value: bool) -> None:
 def main(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version, is_eager=True, help="Show the version."),
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Show versions, device and cache folder (for bug reports).",
+        ),
     ] = False,
 ) -> None:
     """Lossless DFlash speculative decoding for mlx-lm models."""

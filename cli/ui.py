@@ -70,6 +70,13 @@ class PromptProgress:
             self._bar = None
 
 
+def version_report(info: dict[str, str]) -> None:
+    """`dflash-mlx --version`: one `name: value` line each, on stdout, ready to paste."""
+    width = max(len(k) for k in info)
+    for name, value in info.items():
+        print(f"{name + ':':<{width + 1}} {value}")
+
+
 def note(message: str) -> None:
     _err().print(Text(message, style="yellow"))
 

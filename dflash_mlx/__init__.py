@@ -1,11 +1,31 @@
 """dflash-mlx: lossless DFlash speculative decoding for mlx-lm models.
 
 Public API: `load`, `load_draft`, `stream_generate`, `generate`.
+
+The names load on first use (PEP 562), so that `dflash_mlx.cli` (the `dflash-mlx` command,
+installed inside this package) answers `--help` and `--version` without importing MLX.
 """
 
-from .generate import GenerationResponse, GenerationResult, generate, stream_generate
-from .loading import LoadError, load, load_draft
-from .prompt_cache import PromptCache
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .generate import GenerationResponse, GenerationResult, generate, stream_generate
+    from .loading import LoadError, load, load_draft
+    from .prompt_cache import PromptCache
+
+_API = {
+    "GenerationResponse": ".generate",
+    "GenerationResult": ".generate",
+    "generate": ".generate",
+    "stream_generate": ".generate",
+    "LoadError": ".loading",
+    "load": ".loading",
+    "load_draft": ".loading",
+    "PromptCache": ".prompt_cache",
+}
 
 __all__ = [
     "GenerationResponse",
@@ -18,3 +38,16 @@ __all__ = [
     "stream_generate",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_API))

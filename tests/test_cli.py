@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -167,17 +168,26 @@ def test_help_and_version():
     for option in ["--model", "--draft", "--no-draft", "--block-size", "--raw", "--json"]:
         assert option in result.output
     result = run("--version")
-    assert (
-        result.exit_code == 0
-        and result.stdout.strip() == f"dflash-mlx {version('dflash-mlx-engine')}"
-    )
+    assert result.exit_code == 0, result.output
+    report = dict(line.split(":", 1) for line in result.stdout.strip().splitlines())
+    report = {k.strip(): v.strip() for k, v in report.items()}
+    assert report["dflash-mlx-engine"] == version("dflash-mlx-engine")
+    assert report["mlx"] == version("mlx") and report["mlx-lm"] == version("mlx-lm")
+    import mlx.core as mx
+
+    assert report["device"] in ("cpu", "gpu")
+    assert report["device"] == ("gpu" if mx.default_device() == mx.gpu else "cpu")
+    assert report["metal"] == ("available" if mx.metal.is_available() else "not available")
+    assert "dflash2 conv kernel" in report and report["cache"] == os.environ["DFLASH_MLX_CACHE"]
 
 
 def test_help_does_not_import_mlx():
     code = (
         "import sys\n"
         "from dflash_mlx.cli.main import app\n"
-        "assert not any(m.split('.')[0] in ('mlx', 'mlx_lm', 'dflash_mlx') for m in sys.modules)\n"
+        "engine = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')\n"
+        "          or (m.startswith('dflash_mlx.') and not m.startswith('dflash_mlx.cli'))]\n"
+        "assert not engine, engine\n"
         "app()\n"
     )
     done = subprocess.run(
