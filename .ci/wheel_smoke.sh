@@ -15,7 +15,7 @@ python -m build --outdir "$work/dist" "$work/src" > "$work/build.log" 2>&1 || { 
 echo "built: $(cd "$work/dist" && ls)"
 
 python -m venv "$work/venv"
-"$work/venv/bin/pip" install -q "$work/dist/"*.whl
+"$work/venv/bin/pip" install -q "$work/dist/"*.whl 2>&1 | { grep -v "is ignored: it is neither" || true; }
 export PATH="$work/venv/bin:$PATH"
 export DFLASH_MLX_CACHE="$work/cache" HF_HUB_OFFLINE=1
 cd "$work"  # nothing of the checkout on sys.path

@@ -8,7 +8,9 @@ installed inside this package) answers `--help` and `--version` without importin
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -51,3 +53,16 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_API))
+
+
+class _Package(ModuleType):
+    """Importing a submodule binds it on its package: `dflash_mlx.generate` the module must
+    not hide `dflash_mlx.generate` the function (as the eager imports used to ensure)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _API and isinstance(value, ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

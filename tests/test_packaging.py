@@ -127,3 +127,17 @@ def _tree(folder: str) -> set[str]:
         and p.suffix != ".pyc"
         and not any(part.endswith(".build") for part in p.relative_to(ROOT).parts)
     }
+
+
+def test_the_public_api_names_functions_whichever_submodule_loads_first():
+    """The API loads lazily; importing `dflash_mlx.generate` the module (as the benchmark
+    does) must leave `dflash_mlx.generate` the function."""
+    code = (
+        "import dflash_mlx.generate, dflash_mlx.benchmark, dflash_mlx\n"
+        "from dflash_mlx import generate, stream_generate, load, load_draft\n"
+        "assert dflash_mlx.generate is generate and callable(generate), dflash_mlx.generate\n"
+        "assert generate.__name__ == 'generate' and stream_generate.__name__ == 'stream_generate'\n"
+        "assert set(dflash_mlx.__all__) <= set(dir(dflash_mlx))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
