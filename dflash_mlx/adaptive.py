@@ -2,20 +2,42 @@
 
 The expected speed of a cycle is `E[accepted + 1 | W] / (t_draft(L) + t_verify(W))`, with
 `W = 1` (plain decoding, no draft pass) always a candidate, so speculation is only used when
-it is expected to pay. Costs come from measured curves (`calibrate.py`), corrected by the
-wall time of cycles as the engine really runs them as soon as it has seen some; acceptance
-comes from running, exponentially decayed per-position statistics. When plain decoding
-wins, a speculative cycle is re-tried now and then: the interval doubles after each probe
-that confirms the loss, up to the point where probes cost at most `probe_budget` of the
-decoding time. Meanwhile plain steps stop capturing features for the draft until a window
+it is expected to pay. Both costs depend on the width and on the context depth.
+
+Costs: the calibration (`calibrate.py`, measured at a few depths and interpolated) is the
+prior. The wall time of every cycle as the engine really runs it (sync to sync) is learnt
+per width and per depth bucket (a decayed mean) and replaces the prior width by width;
+widths not measured follow the *shape* of the measured ones (interpolated between them
+along the calibrated curve, or along the last measured segment beyond them), not a stale
+absolute, and while only one speculative width has been measured, wider ones are priced
+optimistically (no dearer than it), so one cycle finds out. A stale calibration (another BLAS, Low Power Mode) is thus unlearnt within
+a few cycles; when the measured costs keep disagreeing with it, `recalibrate` says so.
+
+Acceptance comes from running, exponentially decayed per-position statistics. When plain
+decoding wins, a speculative cycle is re-tried now and then (a probe, priced at the current
+depth): the interval doubles after each probe that confirms the loss, up to the point where
+probes cost at most `probe_budget` of the decoding time; within one request probes lose at
+most `request_budget` of that request's time, so a short request at a long context is not
+eaten by them. Meanwhile plain steps stop capturing features for the draft until a window
 before the next probe. Pure Python on a few floats per cycle: no device work and no host
 syncs. Knows nothing about models.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
+
+BUCKET_BASE = 512  # depth buckets: [0, 512), [512, 1k), [1k, 2k), [2k, 4k), ...
+
+
+def depth_bucket(depth: int) -> int:
+    """The bucket online costs at context `depth` are kept in."""
+    return 0 if depth < BUCKET_BASE else (depth // BUCKET_BASE).bit_length()
+
+
+Curve = tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -24,23 +46,68 @@ class CostCurves:
 
     `verify[w - 1]`: the target on `w` tokens (w = 1 is a plain decoding step).
     `draft[l - 1]`: the draft on a block of `l` rows (l = 1 unused).
+    Both at context depth `depths[0]`; `deeper[i]` holds `(verify, draft)` at `depths[i + 1]`
+    (costs between are interpolated, beyond the last extrapolated along the last segment).
     """
 
-    verify: tuple[float, ...]
-    draft: tuple[float, ...]
+    verify: Curve
+    draft: Curve
+    depths: tuple[int, ...] = (0,)
+    deeper: tuple[tuple[Curve, Curve], ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.verify or len(self.verify) != len(self.draft):
+        if len(self.deeper) != len(self.depths) - 1:
             raise ValueError(
-                f"cost curves need equal, non-empty verify ({len(self.verify)}) and draft "
-                f"({len(self.draft)}) lengths"
+                f"cost curves at {len(self.depths)} depths need {len(self.depths) - 1} deeper "
+                f"pairs, got {len(self.deeper)}"
             )
-        if any(t <= 0 for t in self.verify) or any(t < 0 for t in self.draft):
-            raise ValueError("cost curves must hold positive times")
+        if any(b <= a for a, b in zip(self.depths, self.depths[1:])) or self.depths[0] < 0:
+            raise ValueError(f"depths {self.depths} must be increasing and >= 0")
+        for verify, draft in ((self.verify, self.draft), *self.deeper):
+            if not verify or len(verify) != len(draft) or len(verify) != len(self.verify):
+                raise ValueError(
+                    f"cost curves need equal, non-empty verify ({len(verify)}) and draft "
+                    f"({len(draft)}) lengths"
+                )
+            if any(t <= 0 for t in verify) or any(t < 0 for t in draft):
+                raise ValueError("cost curves must hold positive times")
+
+    def at(self, depth: int) -> tuple[Curve, Curve]:
+        """`(verify, draft)` at context `depth`."""
+        tables = ((self.verify, self.draft), *self.deeper)
+        if len(tables) == 1 or depth <= self.depths[0]:
+            return tables[0]
+        i = min(bisect.bisect_right(self.depths, depth), len(self.depths) - 1)
+        (d0, (v0, r0)), (d1, (v1, r1)) = (
+            (self.depths[i - 1], tables[i - 1]),
+            (self.depths[i], tables[i]),
+        )
+        f = (depth - d0) / (d1 - d0)  # > 1 beyond the last depth: extrapolated
+
+        def mix(a: Curve, b: Curve) -> Curve:
+            # Costs never fall with depth: a noisy deeper point does not extrapolate down.
+            return tuple(max(x + f * (y - x), x) if f > 1 else x + f * (y - x) for x, y in zip(a, b))
+
+        return mix(v0, v1), mix(r0, r1)
+
+
+class _Bucket:
+    """Online costs in one depth bucket: per width, measured / calibrated seconds (`ratio`,
+    an exponentially decayed mean of the cycles seen), and how many cycles were seen."""
+
+    __slots__ = ("ratio", "count", "seen")
+
+    def __init__(self, block: int):
+        self.ratio = [0.0] * (block + 1)  # index w
+        self.count = [0] * (block + 1)
+        self.seen = [False] * (block + 1)
+
+    def widths(self) -> list[int]:
+        return [w for w in range(2, len(self.seen)) if self.seen[w]]
 
 
 class WidthChooser:
-    """Picks `(W, L)` for the next cycle and learns from each cycle's acceptance."""
+    """Picks `(W, L)` for the next cycle and learns from each cycle's cost and acceptance."""
 
     def __init__(
         self,
@@ -54,7 +121,9 @@ class WidthChooser:
         probe_interval: int = 8,
         max_probe_interval: int = 4096,
         probe_budget: float = 0.005,
+        request_budget: float = 0.03,
         window: int = 32,
+        smoothing: float = 0.2,
     ):
         if len(costs.verify) < block:
             raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
@@ -72,25 +141,32 @@ class WidthChooser:
         self.probe_interval = probe_interval
         self.max_probe_interval = max_probe_interval
         self.probe_budget = probe_budget  # fraction of decoding time probes may lose
+        self.request_budget = request_budget  # the same, within one request
         self.since_probe = 0
         self.probing = False
+        self.probes = 0  # probes made, over the chooser's life
         # Whether the next cycle must capture target features for the draft. Plain steps
         # far from the next probe skip it (the draft's context then restarts from the
         # last `window` positions before that probe): a draft that is not used costs nothing.
         self.window = window
         self.capture = True
-        # Costs never change: the cheapest draft block for each width is fixed.
-        self._blocks = {w: self._draft_block(w) for w in range(2, block + 1)}
-        self._rates: dict[int, tuple[float, int]] | None = None  # until the next update
-        # Wall time of cycles as the engine really runs them, sync to sync (host syncs,
-        # Python work, feature capture), which isolated calibration passes cannot see:
-        # plain steps are measured as such; speculative cycles set one offset added to the
-        # calibrated curve (`offset`), so every width's cost follows all observations.
-        self.plain: float | None = None  # seconds per plain step, once measured
-        self.offset = 0.0  # seconds a speculative cycle costs beyond its calibrated passes
-        self._offset_seen = False
+        self.smoothing = smoothing  # weight of each new cycle in a width's measured cost
+        self.depth = 0  # context depth of the latest decision
+        self._buckets: dict[int, _Bucket] = {}
+        self._version = 0  # bumped when what the cost model sees changes
+        self._curve_memo: tuple | None = None
+        self._cal_memo: tuple | None = None
+        self._rates: tuple | None = None  # ((depth key, version, acceptance version), rates)
+        self._acc_version = 0
+        self._plain_seen = 0  # plain observations since the curve was last recomputed
+        # How far measured costs sit from the calibration (log ratio, decayed): persistent
+        # disagreement means the calibration was taken under other conditions.
+        self.disagreement = 0.0
+        self._spec_seen = 0
+        self.req_time = 0.0  # seconds the current request's cycles are expected to take
+        self.req_lost = 0.0  # seconds its probes were expected to lose
 
-    # -- model -----------------------------------------------------------------------------
+    # -- acceptance ------------------------------------------------------------------------
 
     def acceptance(self) -> list[float]:
         """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.
@@ -119,72 +195,169 @@ class WidthChooser:
             out.append(total)
         return out
 
-    def _draft_block(self, w: int) -> int:
-        if self.draft_block is not None:
-            return self.draft_block
-        return min(range(w, self.block + 1), key=lambda n: self.costs.draft[n - 1])
+    # -- costs -----------------------------------------------------------------------------
 
-    def rates(self) -> dict[int, tuple[float, int]]:
-        """Expected tokens per second and draft block for every width."""
-        if self._rates is not None:
-            return self._rates
-        exp = self.expected_tokens()
-        out = {1: (1.0 / self.plain_cost(), 0)}
-        for w in range(2, (self.draft_block or self.block) + 1):
-            out[w] = (exp[w - 1] / self.cycle_cost(w), self._blocks[w])
-        self._rates = out
+    def _draft_block(self, w: int, depth: int | None = None) -> int:
+        return self._calibration(self.depth if depth is None else depth)[1][w - 1]
+
+    def _calibration(self, depth: int) -> tuple[list[float], list[int]]:
+        """Calibrated seconds per cycle of each width at `depth` and the cheapest draft
+        block for it (index w - 1)."""
+        key = _depth_key(depth)
+        if self._cal_memo is not None and self._cal_memo[0] == key:
+            return self._cal_memo[1]
+        verify, draft = self.costs.at(depth)
+        cost, blocks = [verify[0]], [0]
+        for w in range(2, self.block + 1):
+            n = self.draft_block or min(range(w, self.block + 1), key=lambda n: draft[n - 1])
+            cost.append(verify[w - 1] + draft[n - 1])
+            blocks.append(n)
+        self._cal_memo = (key, (cost, blocks))
+        return cost, blocks
+
+    def calibrated(self, depth: int) -> list[float]:
+        """Calibrated seconds per cycle of each width at `depth` (index w - 1)."""
+        return self._calibration(depth)[0]
+
+    def _nearest(self, b: int, test) -> _Bucket | None:
+        """The bucket nearest to `b` (itself first, then the shallower side) passing `test`."""
+        for k in sorted(self._buckets, key=lambda k: (abs(k - b), k)):
+            if test(self._buckets[k]):
+                return self._buckets[k]
+        return None
+
+    def curve(self, depth: int | None = None, optimistic: bool = True) -> list[float]:
+        """Expected seconds per cycle of each width at `depth` (index w - 1): measured where
+        measured, else the measured widths' shape over the calibrated curve. Not
+        `optimistic`: widths beyond the only measured one follow the calibrated shape
+        (what a probe is priced at: its loss is paid from a budget)."""
+        depth = self.depth if depth is None else depth
+        key = (_depth_key(depth), self._version, optimistic)
+        if self._curve_memo is not None and self._curve_memo[0] == key:
+            return self._curve_memo[1]
+        cal = self.calibrated(depth)
+        b = depth_bucket(depth)
+        src = self._nearest(b, lambda k: k.seen[1])
+        # Speculative widths measured in this bucket; with fewer than two, those of the
+        # nearest bucket that has two (its own win): the shape is what carries over.
+        own = self._buckets.get(b)
+        ratio: dict[int, float] = {}
+        if own is None or len(own.widths()) < 2:
+            other = self._nearest(b, lambda k: len(k.widths()) >= 2)
+            if other is not None:
+                ratio = {w: other.ratio[w] for w in other.widths()}
+        if own is not None:
+            ratio |= {w: own.ratio[w] for w in own.widths()}
+        known = sorted(ratio)
+        # Plain steps as measured; never measured yet: as the narrowest measured width
+        # compares with its calibration, else as calibrated.
+        rp = src.ratio[1] if src is not None else ratio[known[0]] if known else 1.0
+        plain = rp * cal[0]
+        out = [plain]
+        for w in range(2, self.block + 1):
+            x = cal[w - 1]
+            if not known:
+                c = rp * x  # nothing measured: the calibration, scaled as plain steps are
+            elif w in ratio:
+                c = ratio[w] * x
+            else:
+                i = bisect.bisect(known, w)
+                if i == 0:  # below every measured width: the calibrated shape, rescaled
+                    c = ratio[known[0]] * x
+                elif i < len(known):  # between two: along the calibrated shape
+                    lo, hi = known[i - 1], known[i]
+                    c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
+                elif len(known) == 1:
+                    # Only one width measured yet: a wider one is priced no dearer than it,
+                    # so a calibration that is too steep is found out by trying one.
+                    c = ratio[known[0]] * x
+                    if optimistic:
+                        c = min(c, ratio[known[0]] * cal[known[0] - 1])
+                else:  # beyond the widest: along the last measured segment
+                    lo, hi = known[-2], known[-1]
+                    c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
+            out.append(max(c, plain))  # a cycle costs at least a plain step
+        self._curve_memo = (key, out)
         return out
 
-    def plain_cost(self) -> float:
+    def plain_cost(self, depth: int | None = None) -> float:
         """Seconds per plain decoding step: as measured, else as calibrated."""
-        return self.costs.verify[0] if self.plain is None else self.plain
+        return self.curve(depth)[0]
 
-    def cycle_cost(self, w: int) -> float:
-        """Seconds per cycle of width `w`: plain steps as measured; speculative cycles as
-        calibrated, plus what such cycles measured beyond their calibration."""
-        if w == 1:
-            return self.plain_cost()
-        n = self._blocks[w]
-        return max(self.costs.verify[w - 1] + self.costs.draft[n - 1] + self.offset, 1e-9)
+    def cycle_cost(self, w: int, depth: int | None = None) -> float:
+        """Expected seconds per cycle of width `w` at `depth` (default: the latest)."""
+        return self.curve(depth)[w - 1]
 
-    def observe(self, width: int, seconds: float, smoothing: float = 0.2) -> None:
+    def rates(
+        self, depth: int | None = None, optimistic: bool = True
+    ) -> dict[int, tuple[float, int]]:
+        """Expected tokens per second and draft block for every width."""
+        depth = self.depth if depth is None else depth
+        key = (_depth_key(depth), self._version, self._acc_version, optimistic)
+        if self._rates is not None and self._rates[0] == key:
+            return self._rates[1]
+        exp = self.expected_tokens()
+        curve = self.curve(depth, optimistic)
+        out = {1: (1.0 / curve[0], 0)}
+        for w in range(2, (self.draft_block or self.block) + 1):
+            out[w] = (exp[w - 1] / curve[w - 1], self._draft_block(w, depth))
+        self._rates = (key, out)
+        return out
+
+    def observe(self, width: int, seconds: float, depth: int | None = None) -> None:
         """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
-        step chained after another plain step).
+        step chained after another plain step), at context `depth` (default: the latest).
 
-        The first observation replaces the calibrated figure, within a factor of three of
-        it; later ones count at most a factor of two from the estimate, so a stalled cycle
-        (GC, a busy machine) is a small nudge, not a new truth.
+        The first observation of a width in a depth bucket counts within a factor of three
+        of what was expected; later ones at most a factor of two from its estimate, so a
+        stalled cycle (GC, a busy machine) is a small nudge, not a new truth.
         """
-        if seconds <= 0:
+        if seconds <= 0 or not 1 <= width <= self.block:
             return
-        if width <= 1:
-            prev = self.plain
-            if prev is None:
-                prior = self.plain_cost()
-                self.plain = min(max(seconds, prior / 3.0), 3.0 * prior)
-            else:
-                seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
-                self.plain = prev + smoothing * (seconds - prev)
-            if self._rates is not None:  # only the plain rate moved
-                self._rates[1] = (1.0 / self.plain, 0)
-            return
-        # Speculative cycles share one offset on the calibrated curve (what a cycle costs
-        # beyond its passes: host syncs, Python work): each observation refines the cost
-        # of every width, and no width looks cheap by the luck of a single draw.
-        cal = self.costs.verify[width - 1] + self.costs.draft[self._blocks[width] - 1]
-        prev = self.cycle_cost(width)
-        if not self._offset_seen:
-            seconds, self._offset_seen = min(max(seconds, prev / 3.0), 3.0 * prev), True
-            self.offset = seconds - cal
+        depth = self.depth if depth is None else depth
+        cal = self.calibrated(depth)[width - 1]
+        expect = self.cycle_cost(width, depth)
+        b = self._buckets.setdefault(depth_bucket(depth), _Bucket(self.block))
+        if not b.seen[width]:
+            b.ratio[width] = min(max(seconds, expect / 3.0), 3.0 * expect) / cal
+            b.seen[width] = True
         else:
-            seconds = min(max(seconds, 0.5 * prev), 2.0 * prev)
-            self.offset += smoothing * (seconds - cal - self.offset)
-        self._rates = None
+            est = b.ratio[width] * cal
+            seconds = min(max(seconds, 0.5 * est), 2.0 * est)
+            b.ratio[width] += self.smoothing * (seconds / cal - b.ratio[width])
+        b.count[width] += 1
+        if width == 1:
+            # Plain steps come every step while dormant: the curve follows them in batches.
+            self._plain_seen += 1
+            if self._plain_seen < 16 and b.count[1] > 2:
+                return
+            self._plain_seen = 0
+        else:
+            rp = self._nearest(depth_bucket(depth), lambda k: k.seen[1])
+            scale = rp.ratio[1] if rp is not None else 1.0
+            gap = math.log(max(seconds, 1e-12) / (scale * cal))
+            self._spec_seen += 1
+            self.disagreement += (gap - self.disagreement) / min(self._spec_seen, 64)
+        self._version += 1
+
+    @property
+    def recalibrate(self) -> bool:
+        """Whether measured cycles have persistently disagreed with the calibration (by more
+        than a factor of two, over at least 64 speculative cycles): worth measuring again."""
+        return self._spec_seen >= 64 and abs(self.disagreement) > math.log(2.0)
 
     # -- decisions -------------------------------------------------------------------------
 
-    def choose(self, limit: int | None = None) -> tuple[int, int]:
-        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the budget)."""
+    def begin_request(self) -> None:
+        """A new request starts: its own probe budget starts empty."""
+        self.req_time = 0.0
+        self.req_lost = 0.0
+
+    def choose(self, limit: int | None = None, depth: int | None = None) -> tuple[int, int]:
+        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the budget), `depth`
+        is the context depth the cycle runs at (default: the latest given)."""
+        if depth is not None:
+            self.depth = depth
         rates = self.rates()
         widths = [w for w in rates if limit is None or w <= limit]
         best = max(widths, key=lambda w: rates[w][0])
@@ -192,17 +365,31 @@ class WidthChooser:
         if best == 1 and len(widths) > 1:
             self.since_probe += 1
             if self.since_probe >= self.probe_interval:
-                self.probing = True
-                self.since_probe = 0
-                best = max((w for w in widths if w > 1), key=lambda w: rates[w][0])
+                safe = self.rates(optimistic=False)
+                w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
+                loss = self.probe_loss(w)
+                t1 = self.plain_cost()
+                short = self.req_lost + loss - self.request_budget * (self.req_time + loss)
+                if short <= 0:
+                    self.probing = True
+                    self.probes += 1
+                    self.since_probe = 0
+                    self.req_lost += loss
+                    best = w
+                else:
+                    # This request cannot afford it yet: wait the steps that pay for it
+                    # (dormant meanwhile, awake a window before).
+                    wait = math.ceil(short / (self.request_budget * t1))
+                    self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
         self.capture = best > 1 or self.probe_interval - self.since_probe <= self.window
+        self.req_time += self.cycle_cost(best)
         return best, rates[best][1]
 
     def update(self, width: int, accepted: int) -> None:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
         if width <= 1:
             return
-        self._rates = None
+        self._acc_version += 1
         d = self.decay
         self.trials = [t * d for t in self.trials]
         self.hits = [h * d for h in self.hits]
@@ -217,10 +404,32 @@ class WidthChooser:
             else:
                 self.probe_interval = self.base_probe
 
+    def probe_loss(self, width: int) -> float:
+        """Seconds a probe of `width` is expected to lose against plain decoding, at the
+        current depth."""
+        curve = self.curve(optimistic=False)
+        return max(curve[width - 1] - self.expected_tokens()[width - 1] * curve[0], 0.0)
+
     def probe_cap(self, width: int) -> int:
         """The longest interval between probes of `width`: just long enough that what a
         probe loses against plain decoding is at most `probe_budget` of the time between."""
-        t1 = self.plain_cost()
-        loss = max(self.cycle_cost(width) - self.expected_tokens()[width - 1] * t1, 0.0)
-        steps = math.ceil(loss / (self.probe_budget * t1))
+        steps = math.ceil(self.probe_loss(width) / (self.probe_budget * self.plain_cost()))
         return max(self.base_probe, min(steps, self.max_probe_interval))
+
+
+def _between(cal: list[float], lo: int, hi: int, y_lo: float, y_hi: float, w: int) -> float:
+    """The cost of width `w` on the line through the measured costs of widths `lo` < `hi`,
+    spaced as the calibration spaces them (in widths where it is flat); never falling with
+    `w` beyond `hi`."""
+    x_lo, x_hi, x = cal[lo - 1], cal[hi - 1], cal[w - 1]
+    if x_hi - x_lo > 1e-12:
+        f = (x - x_lo) / (x_hi - x_lo)
+    else:
+        f = (w - lo) / (hi - lo)
+    y = y_lo + f * (y_hi - y_lo)
+    return max(y, y_hi) if w > hi else y
+
+
+def _depth_key(depth: int) -> int:
+    """Depths within ~3% of each other share cached costs (recomputed as the context grows)."""
+    return int(math.log(depth + 64) * 32)
