@@ -159,6 +159,7 @@ class WidthChooser:
         self._rates: tuple | None = None  # ((depth key, version, acceptance version), rates)
         self._acc_version = 0
         self._plain_seen = 0  # plain observations since the curve was last recomputed
+        self._plain_ratio = 0.0  # the plain steps' measured / calibrated cost then
         # How far measured costs sit from the calibration (log ratio, decayed): persistent
         # disagreement means the calibration was taken under other conditions.
         self.disagreement = 0.0
@@ -249,10 +250,12 @@ class WidthChooser:
         if own is not None:
             ratio |= {w: own.ratio[w] for w in own.widths()}
         known = sorted(ratio)
-        # Plain steps as measured; never measured yet: as the narrowest measured width
-        # compares with its calibration, else as calibrated.
-        rp = src.ratio[1] if src is not None else ratio[known[0]] if known else 1.0
+        # Plain steps as measured; never measured yet: as calibrated, but no dearer than
+        # a speculative cycle measured (which runs at least the same pass).
+        rp = src.ratio[1] if src is not None else 1.0
         plain = rp * cal[0]
+        if src is None and known:
+            plain = min(plain, min(ratio[w] * cal[w - 1] for w in known))
         out = [plain]
         for w in range(2, self.block + 1):
             x = cal[w - 1]
@@ -327,11 +330,13 @@ class WidthChooser:
             b.ratio[width] += self.smoothing * (seconds / cal - b.ratio[width])
         b.count[width] += 1
         if width == 1:
-            # Plain steps come every step while dormant: the curve follows them in batches.
+            # Plain steps come every step while dormant: the curve is recomputed when their
+            # cost moved by more than 1%, or every 16 steps.
             self._plain_seen += 1
-            if self._plain_seen < 16 and b.count[1] > 2:
+            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
+            if self._plain_seen < 16 and not moved:
                 return
-            self._plain_seen = 0
+            self._plain_seen, self._plain_ratio = 0, b.ratio[1]
         else:
             rp = self._nearest(depth_bucket(depth), lambda k: k.seen[1])
             scale = rp.ratio[1] if rp is not None else 1.0
