@@ -32,7 +32,7 @@ def serve(
         str | None,
         typer.Option(
             envvar="DFLASH_MLX_API_KEY",
-            help="Require 'Authorization: Bearer KEY' on /v1 requests.",
+            help="Require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1 requests.",
             show_default=False,
         ),
     ] = None,
@@ -56,8 +56,20 @@ def serve(
         int | None,
         typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
     ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Let web pages from this origin (e.g. http://example.com:3000) call the "
+            "server; repeatable. Loopback origins are always allowed, others never by default.",
+            show_default=False,
+        ),
+    ] = None,
+    max_body_mb: Annotated[
+        float, typer.Option(help="Largest request body in MB; larger ones get 413.")
+    ] = 32.0,
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions) locally."""
+    """Serve OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
+    (/v1/messages) APIs locally, with tool calls and reasoning."""
     try:
         run(
             model=model,
@@ -71,6 +83,8 @@ def serve(
             max_context=max_context,
             prompt_cache_size=prompt_cache_size,
             block_size=block_size,
+            cors_origins=tuple(cors_origin or ()),
+            max_body_mb=max_body_mb,
         )
     except ValueError as e:
         ui.error(str(e))
@@ -126,6 +140,8 @@ def run(
     max_context: int | None,
     prompt_cache_size: int,
     block_size: int | None = None,
+    cors_origins: tuple[str, ...] = (),
+    max_body_mb: float = 32.0,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C."""
     if demo and (model is not None or draft is not None):
@@ -142,6 +158,15 @@ def run(
         raise ValueError(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
     if block_size is not None and block_size < 1:
         raise ValueError(f"--block-size {block_size} must be >= 1")
+    if not max_body_mb > 0:
+        raise ValueError(f"--max-body-mb {max_body_mb} must be > 0")
+    for origin in cors_origins:
+        if origin != "*" and not origin.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--cors-origin {origin!r} must be an origin such as http://host:port (or *)"
+            )
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty: give a key, or leave the option out")
 
     import dflash_mlx
     from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
@@ -173,6 +198,9 @@ def run(
         api_key=api_key,
         default_max_tokens=default_max_tokens,
         context_length=max_context or context_length(target),
+        loopback_only=is_loopback(host),
+        cors_origins=cors_origins,
+        max_body_mb=max_body_mb,
     )
     engine = Engine(
         target,
@@ -189,4 +217,9 @@ def run(
     warning = exposure_warning(host, api_key)
     if warning:
         ui.note(f"warning: {warning}")
+    if api_key is not None and not api_key.isascii():
+        ui.note(
+            "note: --api-key holds non-ASCII characters; clients must send it UTF-8 encoded "
+            "(many HTTP clients only send ASCII header values)"
+        )
     server.run(sockets=[sock])

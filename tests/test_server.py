@@ -71,14 +71,19 @@ class Server:
 
 
 @contextmanager
-def serving(models_dir, **engine_kwargs) -> Iterator[Server]:
+def serving(
+    models_dir, *, target="qwen3", draft="draft", settings=None, **engine_kwargs
+) -> Iterator[Server]:
+    """A real uvicorn server on a free loopback port over its own copy of a model pair;
+    `settings`: ServerSettings fields beyond the defaults here."""
     api_key = engine_kwargs.pop("api_key", None)
-    model, tok = dflash_mlx.load(str(models_dir / "qwen3"))
-    draft = dflash_mlx.load_draft(str(models_dir / "draft"))
-    engine = Engine(model, draft, tok, **engine_kwargs)
-    settings = ServerSettings(
+    model, tok = dflash_mlx.load(str(models_dir / target))
+    drafter = dflash_mlx.load_draft(str(models_dir / draft))
+    engine = Engine(model, drafter, tok, **engine_kwargs)
+    fields = dict(
         model_id=MODEL, api_key=api_key, default_max_tokens=16, context_length=context_length(model)
     )
+    settings = ServerSettings(**{**fields, **(settings or {})})
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = create_server(engine, settings, log_level="warning")
@@ -309,7 +314,8 @@ ERRORS = [
     ("prompt over the context", TEXT, {"prompt": LONG_TEXT}, 400, "prompt", CONTEXT),
     ("token id outside the vocabulary", TEXT, {"prompt": [1, 10**6]}, 400, "prompt", VALUE),
     ("n > 1", CHAT, {"messages": MSG, "n": 2}, 400, "n", UNSUPPORTED),
-    ("tools", CHAT, {"messages": MSG, "tools": TOOLS}, 400, "tools", UNSUPPORTED),
+    ("tools, to a template without tool support", CHAT, {"messages": MSG, "tools": TOOLS}, 400,
+     "tools", "tools_unsupported"),
     ("logprobs", CHAT, {"messages": MSG, "logprobs": True}, 400, "logprobs", UNSUPPORTED),
     ("an image part", CHAT, {"messages": [{"role": "user", "content": IMAGE}]}, 400,
      "messages[0].content", UNSUPPORTED),
@@ -320,7 +326,8 @@ ERRORS = [
 def test_errors_are_openai_shaped_and_leave_the_server_working(client, server, target, draft):
     for what, path, body, status, param, code in ERRORS:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-        r = httpx.post(f"{server.base}/v1/{path}", timeout=TIMEOUT, **kw)
+        headers = {"Content-Type": "application/json"}
+        r = httpx.post(f"{server.base}/v1/{path}", timeout=TIMEOUT, headers=headers, **kw)
         assert r.status_code == status, f"{what}: {r.status_code} {r.text}"
         err = r.json()["error"]
         assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
@@ -338,12 +345,21 @@ def test_errors_are_openai_shaped_and_leave_the_server_working(client, server, t
     assert server.health()["status"] == "ok"
 
 
-def test_a_body_without_json_content_type_is_read_as_json(server):
-    body = b'{"prompt": "def", "max_tokens": 2}'  # what `curl -d` sends
+def test_a_body_must_be_sent_as_json(server):
+    """A web page can POST text/plain or a form without a CORS preflight: such bodies are
+    refused, so no page can drive the server."""
+    body = b'{"prompt": "def", "max_tokens": 2}'
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = httpx.post(
+            f"{server.base}/v1/completions", content=body, headers=headers, timeout=TIMEOUT
+        )
+        assert r.status_code == 415, (ctype, r.text)
+        assert "application/json" in r.json()["error"]["message"]
     r = httpx.post(
         f"{server.base}/v1/completions",
         content=body,
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        headers={"Content-Type": "application/json; charset=utf-8"},
         timeout=TIMEOUT,
     )
     assert r.status_code == 200, r.text

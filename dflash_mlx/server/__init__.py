@@ -1,7 +1,10 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP server over `stream_generate`.
+"""`dflash-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server over `stream_generate`.
 
-`protocol.py` holds OpenAI's wire format, `engine.py` the one worker thread that runs MLX,
-`app.py` the FastAPI routes. Imported only by the serve command (it needs FastAPI).
+`engine.py` is the one supervised worker thread that runs MLX; `core.py` the one internal
+request and result stream (tool calls and reasoning split with mlx-lm's own parsers);
+`openai_api.py` (chat and text completions), `anthropic_api.py` (Messages) and
+`responses_api.py` (Responses) translate onto it; `security.py` guards every request;
+`app.py` mounts them. Imported only by the serve command (it needs FastAPI).
 """
 
 from .app import ServerSettings, create_app, create_server

@@ -3,13 +3,16 @@
 Every generation goes through `dflash_mlx.stream_generate` on this thread, one request at a
 time in arrival order; a few `PromptCache`s keep recent conversations so that a follow-up
 request prefills only what its history does not share. Requests arrive from an asyncio
-event loop and stream `GenerationResponse`s back to it. Knows nothing about HTTP or
+event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
+dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
+has taken its place. Knows nothing about HTTP or
 OpenAI's formats: it takes token ids and `stream_generate` keyword arguments.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -19,6 +22,8 @@ from typing import Any
 
 from ..generate import GenerationResponse, encode_prompt, stream_generate
 from ..prompt_cache import PromptCache, common_prefix
+
+log = logging.getLogger("dflash_mlx.server")
 
 _END = object()  # the worker's last item on a job's queue
 
@@ -31,6 +36,10 @@ class QueueFull(Exception):
 
 class EngineClosed(Exception):
     pass
+
+
+class EngineDown(Exception):
+    """The worker died; it is being restarted."""
 
 
 class _Cancelled(Exception):
@@ -166,11 +175,36 @@ class Engine:
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.generated_tokens = 0
         self._mean_seconds = 1.0  # a running mean of request durations, for Retry-After
+        self.restarts = 0  # workers that died and were replaced
+        self.down: str | None = None  # why the worker died, until its replacement runs
         self._parked = threading.Event()  # set once the worker has stopped for good
-        self._thread = threading.Thread(target=self._work, name="dflash-mlx-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._supervise, name="dflash-mlx-supervisor", daemon=True
+        )
 
     def start(self) -> None:
         self._thread.start()
+
+    def _supervise(self) -> None:
+        """Run the worker; when it dies, refuse what waits, then start a fresh one."""
+        while True:
+            worker = threading.Thread(target=self._work, name="dflash-mlx-engine", daemon=True)
+            worker.start()
+            worker.join()
+            if self._parked.is_set() or self._closed:
+                return
+            with self._cond:
+                jobs = list(self._waiting) + ([self._running] if self._running else [])
+                self._waiting.clear()
+                self._running = None
+                self.ready = False
+                self.restarts += 1
+                self.counts["failed"] += len(jobs)
+            for job in jobs:
+                job._cancel.set()
+                job._put(EngineDown(f"the engine worker failed ({self.down}); restarting"))
+                job._put(_END)
+            time.sleep(min(0.1 * self.restarts, 2.0))  # a worker that dies at once: back off
 
     def submit(self, prompt: list[int], **params: Any) -> Job:
         """Queue a request (from the event loop); `QueueFull` when `max_queue` are waiting."""
@@ -178,6 +212,8 @@ class Engine:
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
+            if self.down is not None:
+                raise EngineDown(f"the engine worker failed ({self.down}); restarting")
             ahead = len(self._waiting) + (self._running is not None)
             if ahead > self.max_queue:
                 self.counts["rejected"] += 1
@@ -194,6 +230,7 @@ class Engine:
                 "max_queue": self.max_queue,
                 **self.counts,
                 "generated_tokens": self.generated_tokens,
+                "restarts": self.restarts,
             }
 
     def close(self, timeout: float = 30.0) -> None:
@@ -223,8 +260,16 @@ class Engine:
                 job._put(_END)
 
     def _work(self) -> None:
-        if self._warm_up:
+        try:
+            self._serve()
+        except BaseException as e:  # noqa: BLE001 - the supervisor restarts the worker
+            self.down = f"{type(e).__name__}: {e}"
+            log.error("the engine worker died", exc_info=True)
+
+    def _serve(self) -> None:
+        if self._warm_up and not self.restarts:
             self._warm()
+        self.down = None
         self.ready = True
         while True:
             with self._cond:
@@ -233,11 +278,9 @@ class Engine:
                 if self._closed:
                     break
                 job = self._running = self._waiting.popleft()
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
+            self._run(job)  # if it raises, the supervisor fails the job (still _running)
+            with self._cond:
+                self._running = None
         # MLX can abort the process (std::terminate) when a thread that ran its work ends
         # just before the interpreter exits (mlx 0.32, CPU): the worker parks instead.
         self._parked.set()

@@ -1,56 +1,31 @@
-"""OpenAI's wire format: request schemas (pydantic), response bodies and the error type.
+"""OpenAI's API: /v1/chat/completions (tools, reasoning) and /v1/completions.
 
-Owns what a request may say (types, ranges, the fields refused because they would change
-the meaning of a request) and how responses and errors are shaped, so that unchanged
-OpenAI clients read them. Knows nothing about models, queues or HTTP routing.
+Request schemas (pydantic, strict like OpenAI: what a request may say, the fields refused
+because they would change its meaning), their translation onto `core.Request`, and the
+responses and SSE chunks built from `core`'s events, shaped as OpenAI sends them so that
+unchanged clients read them. Generation, parsing and errors live in `core`.
 """
 
 from __future__ import annotations
 
+import json
 import time
-import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator
+from typing import Any, Literal
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-if TYPE_CHECKING:
-    from ..generate import GenerationResponse
-
-# Seeds are any integer (OpenAI: int64); the engine's key takes an unsigned 64-bit one.
-SEED_MODULUS = 2**64
+from . import core
+from .core import APIError, Finish, Reasoning, Text, ToolCall, new_id
 
 
-class APIError(Exception):
-    """An error the client caused or must know about; the app renders it as OpenAI JSON."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+def error_body(err: APIError) -> dict[str, Any]:
+    return {
+        "error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}
+    }
 
 
 def _unsupported(what: str) -> PydanticCustomError:
@@ -113,21 +88,17 @@ class _Request(BaseModel):
             return []
         return [value] if isinstance(value, str) else value
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """`stream_generate` keyword arguments; `max_tokens` is already resolved."""
-        top_p = 1.0 if self.top_p is None else self.top_p
-        top_k = max(self.top_k or 0, 0)
-        if top_p == 0:  # the smallest set holding mass 0 is the top token alone
-            top_p, top_k = 1.0, 1
-        return {
-            "max_tokens": max_tokens,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": self.min_p or 0.0,
-            "seed": None if self.seed is None else self.seed % SEED_MODULUS,
-            "stop": self.stop,
-        }
+    def core_request(self, **kw: Any) -> core.Request:
+        return core.Request(
+            max_tokens=self.requested_max_tokens(),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            **kw,
+        )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -137,18 +108,47 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("role")
     @classmethod
-    def _no_tool_role(cls, role: str) -> str:
-        if role in ("tool", "function"):
-            raise _unsupported(f"role {role!r}: tool calling is not supported yet")
+    def _no_function_role(cls, role: str) -> str:
+        if role == "function":
+            raise _unsupported("role 'function' (deprecated): use 'tool' messages")
         return role
 
     @field_validator("content")
@@ -163,46 +163,74 @@ class ChatMessage(BaseModel):
                     )
         return content
 
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls(cls, calls: list | None) -> list | None:
-        if calls:
-            raise _unsupported("tool_calls: tool calling is not supported yet")
-        return calls
-
-    def as_template_message(self) -> dict[str, str]:
-        """{"role", "content"} as chat templates expect (text parts joined, developer = system)."""
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates expect it (text parts joined, developer = system,
+        tool-call arguments as objects)."""
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part["text"] for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                template_call(c.id, c.function.name, c.function.arguments, f"messages[{index}]")
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def template_call(call_id: str | None, name: str, arguments: Any, param: str) -> dict[str, Any]:
+    """A call in a history message, arguments parsed (templates render them as JSON)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(
+                400,
+                f"Invalid '{param}': the arguments of the call to {name!r} are not JSON ({e})",
+                param=param,
+                code="invalid_value",
+            ) from None
+    return {
+        "id": call_id or new_id("call_"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, tools: list | None) -> list | None:
-        if tools:
-            raise _unsupported("tool calling is not supported yet: send the request without tools")
-        return tools
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "none", "auto"):
-            raise _unsupported("tool calling is not supported yet")
-        return choice
+    def _no_functions(cls, value: Any) -> Any:
+        if value:
+            raise _unsupported("'functions' / 'function_call' are deprecated: use 'tools'")
+        return value
 
     @field_validator("logprobs")
     @classmethod
@@ -231,8 +259,17 @@ class ChatCompletionRequest(_Request):
         # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [m.as_template_message() for m in self.messages]
+    def core(self) -> core.Request:
+        choice: Any = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            choice = {"name": choice.function.name}
+        return self.core_request(
+            messages=[m.as_template_message(i) for i, m in enumerate(self.messages)],
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            param="messages",
+        )
 
 
 class CompletionRequest(_Request):
@@ -281,130 +318,200 @@ class CompletionRequest(_Request):
             raise _unsupported("logprobs are not supported")
         return logprobs
 
-
-class Tally:
-    """Running totals of one request's `GenerationResponse`s: usage and DFlash timings."""
-
-    def __init__(self) -> None:
-        self.last: GenerationResponse | None = None
-        self.drafted = 0  # tokens the target verified beyond each cycle's anchor
-        self.accepted = 0
-
-    def add(self, r: GenerationResponse) -> None:
-        self.last = r
-        self.drafted += max(r.width - 1, 0)
-        self.accepted += r.accepted
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.last.finish_reason if self.last else None
-
-    def usage(self) -> dict[str, Any]:
-        r = self.last
-        prompt, completion = r.prompt_tokens, r.generation_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": r.cached_tokens},
-        }
-
-    def timings(self) -> dict[str, Any]:
-        """llama-server's `timings` keys, plus DFlash's: tau, cycles, verify width, memory."""
-        r = self.last
-        prefilled = r.prompt_tokens - r.cached_tokens
-        prompt_ms = r.time_to_first_token * 1000
-        # generation_tps counts the tokens after the first over their own time.
-        predicted_ms = (
-            (r.generation_tokens - 1) / r.generation_tps * 1000 if r.generation_tps else 0
-        )
-        return {
-            "cache_n": r.cached_tokens,
-            "prompt_n": prefilled,
-            "prompt_ms": prompt_ms,
-            "prompt_per_second": r.prompt_tps,
-            "predicted_n": r.generation_tokens,
-            "predicted_ms": predicted_ms,
-            "predicted_per_second": r.generation_tps,
-            "draft_n": self.drafted,
-            "draft_n_accepted": self.accepted,
-            "tau": r.mean_acceptance,
-            "cycles": r.cycles,
-            "verify_width": r.block_size,  # None: chosen per cycle
-            "peak_memory_gb": r.peak_memory,
-        }
+    def core(self) -> core.Request:
+        return self.core_request(prompt=self.prompt, param="prompt")
 
 
-def new_id(kind: Literal["chat", "text"]) -> str:
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+# ---------------------------------------------------------------------------------------
+# Responses
 
 
-def chat_chunk(
-    rid: str, model: str, created: int, delta: dict, finish: str | None = None
-) -> dict[str, Any]:
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _call(c: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": c.id,
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    }
+    return out if index is None else {"index": index, **out}
+
+
+def _usage(finish: Finish) -> dict[str, Any]:
+    u = finish.usage
     return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
     }
 
 
-def text_chunk(
-    rid: str, model: str, created: int, text: str, finish: str | None = None
-) -> dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+def chat_completion(rid: str, model: str, events: list[core.Event]) -> dict[str, Any]:
+    text, reasoning, calls, finish = core.merged(events)
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [_call(c) for c in calls]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": finish.reason,
     }
-
-
-def usage_chunk(rid: str, model: str, created: int, kind: str, tally: Tally) -> dict[str, Any]:
-    """The last chunk with `stream_options.include_usage`: no choices, the usage."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {
-        "id": rid,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": tally.usage(),
-        "timings": tally.timings(),
-    }
-
-
-def chat_completion(rid: str, model: str, text: str, tally: Tally) -> dict[str, Any]:
+    if finish.truncated_tool_call:
+        choice["truncated_tool_call"] = True
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": None,
-                "finish_reason": tally.finish_reason,
-            }
-        ],
-        "usage": tally.usage(),
-        "timings": tally.timings(),
+        "choices": [choice],
+        "usage": _usage(finish),
+        "timings": finish.usage.timings(),
     }
 
 
-def text_completion(rid: str, model: str, text: str, tally: Tally) -> dict[str, Any]:
+def text_completion(rid: str, model: str, events: list[core.Event]) -> dict[str, Any]:
+    text, _, _, finish = core.merged(events)
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": tally.finish_reason}
-        ],
-        "usage": tally.usage(),
-        "timings": tally.timings(),
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish.reason}],
+        "usage": _usage(finish),
+        "timings": finish.usage.timings(),
     }
+
+
+async def chat_stream(
+    gen: core.Generation, rid: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                **extra,
+            }
+        )
+
+    calls = 0
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for e in gen.events():
+            if isinstance(e, Text):
+                yield chunk({"content": e.text})
+            elif isinstance(e, Reasoning):
+                yield chunk({"reasoning_content": e.text})
+            elif isinstance(e, ToolCall):
+                yield chunk({"tool_calls": [_call(e, calls)]})
+                calls += 1
+            elif isinstance(e, Finish):
+                extra = {"timings": e.usage.timings()}
+                if e.truncated_tool_call:
+                    extra["truncated_tool_call"] = True
+                yield chunk({}, e.reason, **extra)
+                if include_usage:
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(e),
+                        }
+                    )
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # headers are sent: the error travels as an event
+        yield _sse(error_body(core.as_api_error(exc)))
+
+
+async def text_stream(
+    gen: core.Generation, rid: str, model: str, include_usage: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(text: str, finish: str | None = None, **extra) -> str:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return _sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+                **extra,
+            }
+        )
+
+    try:
+        async for e in gen.events():
+            if isinstance(e, Text):
+                yield chunk(e.text)
+            elif isinstance(e, Finish):
+                yield chunk("", e.reason, timings=e.usage.timings())
+                if include_usage:
+                    yield _sse(
+                        {
+                            "id": rid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(e),
+                        }
+                    )
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        yield _sse(error_body(core.as_api_error(exc)))
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def routes(service: core.Service, model_name) -> APIRouter:
+    """The OpenAI routes; `model_name(requested)` checks a model name and returns the one
+    to echo."""
+    router = APIRouter(prefix="/v1")
+
+    async def respond(kind: str, body, request: Request) -> Response:
+        model = model_name(body.model)
+        gen = await service.start(body.core())
+        rid = new_id("chatcmpl-" if kind == "chat" else "cmpl-")
+        if body.stream:
+            stream = chat_stream if kind == "chat" else text_stream
+            return StreamingResponse(
+                stream(gen, rid, model, body.include_usage),
+                media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )
+        events = await core.collect(gen, request.receive)
+        if not any(isinstance(e, Finish) for e in events):  # the client left
+            return Response(status_code=499)
+        build = chat_completion if kind == "chat" else text_completion
+        return JSONResponse(build(rid, model, events))
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Chat completion with tools (`stream: true` for server-sent events); reasoning in
+        `reasoning_content`, DFlash stats in `timings`."""
+        return await respond("chat", body, request)
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Text completion of `prompt` (a string or token ids); DFlash stats in `timings`."""
+        return await respond("text", body, request)
+
+    return router

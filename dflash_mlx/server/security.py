@@ -1,0 +1,206 @@
+"""Safe by default: what a request must be before any API sees it.
+
+One pure-ASGI middleware (streaming and disconnects pass through untouched) checks, in
+order: the `Host` (a server bound to loopback answers loopback names only: no DNS
+rebinding), the `Origin` (browsers' pages get nothing unless `--cors-origin` allows them;
+loopback origins are allowed), the API key (`Authorization: Bearer` or `x-api-key`,
+compared in constant time on the raw bytes, so a UTF-8 key works), the content type (POST
+bodies must be `application/json`: a web page cannot send that without a CORS preflight),
+and the body (at most `max_body_bytes`, read before anything parses it, and within
+`body_timeout` seconds). `H11Protocol` drops connections whose request headers do not
+arrive within the keep-alive timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
+
+from .core import APIError
+
+LOOPBACK_ORIGIN = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
+
+
+def is_loopback_host(host: str) -> bool:
+    host = host.strip().lower()
+    if host.startswith("["):  # [::1]:8080
+        host = host[1 : host.find("]")] if "]" in host else host[1:]
+    elif host.count(":") == 1:  # name:port
+        host = host.split(":")[0]
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class Policy:
+    loopback_only: bool  # bound to loopback: refuse other Host names
+    cors_origins: tuple[str, ...]  # besides loopback origins
+    api_key: str | None
+    max_body_bytes: int
+    body_timeout: float
+
+    def origin_allowed(self, origin: str) -> bool:
+        return (
+            origin in self.cors_origins
+            or "*" in self.cors_origins
+            or bool(re.match(LOOPBACK_ORIGIN, origin))
+        )
+
+
+class Guard:
+    def __init__(self, app, policy: Policy, render: Callable[[APIError, str], object]):
+        self.app = app
+        self.policy = policy
+        self.render = render  # (error, path) -> an ASGI response in the API's own shape
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            receive = await self._check(scope, receive)
+        except APIError as err:
+            return await self.render(err, scope["path"])(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    async def _check(self, scope, receive):
+        p = self.policy
+        headers: dict[bytes, bytes] = {}
+        for k, v in scope["headers"]:
+            headers.setdefault(k, v)
+        host = headers.get(b"host", b"").decode("latin-1")
+        if p.loopback_only and not is_loopback_host(host):
+            raise APIError(
+                403,
+                f"Host {host!r} is not allowed: this server listens on loopback and answers "
+                "only loopback names (localhost, 127.0.0.1, [::1]).",
+                kind="permission_error",
+                code="host_not_allowed",
+            )
+        origin = headers.get(b"origin", b"").decode("latin-1")
+        if origin and not p.origin_allowed(origin):
+            raise APIError(
+                403,
+                f"Origin {origin!r} is not allowed: start the server with --cors-origin "
+                f"{origin} to let that page use it.",
+                kind="permission_error",
+                code="origin_not_allowed",
+            )
+        if p.api_key and scope["path"].startswith("/v1"):
+            self._check_key(headers)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if ctype != b"application/json":
+                shown = ctype.decode("latin-1") or "none"
+                raise APIError(
+                    415,
+                    f"The request body must be JSON sent as 'Content-Type: application/json' "
+                    f"(got {shown}); with curl add -H 'Content-Type: application/json'.",
+                    code="unsupported_media_type",
+                )
+            return await self._read_body(headers, receive)
+        return receive
+
+    def _check_key(self, headers: dict[bytes, bytes]) -> None:
+        expected = self.policy.api_key.encode("utf-8")
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        given = token.strip() if scheme.lower() == b"bearer" else b""
+        given = given or headers.get(b"x-api-key", b"").strip()
+        # Both compared, always: no early exit tells a prober which header was close.
+        if hmac.compare_digest(given, expected):
+            return
+        what = "no API key" if not given else "an incorrect API key"
+        raise APIError(
+            401,
+            f"You provided {what}: pass it as 'Authorization: Bearer KEY' or 'x-api-key: KEY' "
+            "(the server's --api-key).",
+            kind="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive):
+        """The whole body, read within the limits, replayed to the app."""
+        limit = self.policy.max_body_bytes
+        too_large = APIError(
+            413,
+            f"The request body exceeds the server's limit of {limit / 1e6:g} MB (--max-body-mb).",
+            kind="request_too_large",
+            code="request_too_large",
+        )
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size, more = [], 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), self.policy.body_timeout)
+            except asyncio.TimeoutError:
+                raise APIError(
+                    408,
+                    f"The request body did not arrive within {self.policy.body_timeout:g} s.",
+                    code="request_timeout",
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise APIError(400, "The client disconnected while sending the body.")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+
+class H11Protocol(_UvicornH11):
+    """uvicorn's h11 protocol, plus a deadline for request headers: a client that opens a
+    connection (or starts a request) and never finishes its headers is disconnected after
+    the keep-alive timeout, instead of holding the connection open forever."""
+
+    _header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # still no complete request headers
+            self._await_headers()
+        elif self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def connection_lost(self, exc) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        if self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.timeout_keep_alive, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
