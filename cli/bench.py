@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dflash_mlx.errors import BadArgument
+
 from . import bench_ui, ui
 
 EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
@@ -23,12 +25,30 @@ def parse_widths(text: str | None) -> list[int | str] | None:
             widths.append("auto")
             continue
         if not part.isdigit() or int(part) < 1:
-            raise ValueError(
+            raise BadArgument(
                 f"--verify-widths {text!r}: {part!r} is not a width (use integers >= 1 "
                 "or auto, e.g. 1,2,3,4,5,8,16,auto)"
             )
         widths.append(int(part))
     return list(dict.fromkeys(widths))
+
+
+def parse_contexts(text: str | None) -> list[int] | None:
+    """`--context`: "1024,3072" -> [1024, 3072] (prompt tokens); None -> the prompts as they are."""
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower().replace("_", "")
+        scale = 1024 if part.endswith("k") else 1
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise BadArgument(
+                f"--context {text!r}: {part!r} is not a token count (use integers >= 1 or "
+                "1k-style counts, e.g. 512,2k,8k)"
+            )
+        out.append(int(digits) * scale)
+    return list(dict.fromkeys(out))
 
 
 def run(
@@ -45,15 +65,17 @@ def run(
     seed: int,
     json_out: Path | None,
     calibrate: bool = False,
+    context: str | None = None,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
+    contexts = parse_contexts(context)
     if prompts is not None and suite is not None:
-        raise ValueError("pass either --prompts or --suite, not both")
+        raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
-        raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+        raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and (model is None or draft is None):
-        raise ValueError("--model and --draft are required (or --demo for the demonstration pair)")
+        raise BadArgument("--model and --draft are required (or --demo for the demonstration pair)")
 
     import dflash_mlx
     from dflash_mlx.bench_prompts import load_suite, read_prompts
@@ -98,6 +120,7 @@ def run(
             seed=seed,
             model_id="demo target" if demo else model,
             draft_id="demo draft" if demo else draft,
+            contexts=contexts,
             progress=progress,
         )
     finally:

@@ -126,16 +126,20 @@ def _table(suite: SuiteSummary) -> Table:
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
-    for name in ["run", "tok/s", "min–max", "speedup", "τ", "prefill", "TTFT", "peak"]:
+    eff = any(r.efficiency is not None for r in suite.runs)
+    names = ["run", "tok/s", "min–max", "speedup", "τ"] + (["eff."] if eff else [])
+    for name in names + ["prefill", "TTFT", "peak"]:
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
     for r in suite.runs:
         t = r.generation_tps
+        ideal = [f"{r.efficiency:.0%}" if r.efficiency is not None else ""] if eff else []
         table.add_row(
             _run_label(r),
             _tps(t.median),
             f"{_tps(t.min)}–{_tps(t.max)}",
             _speedup(r.speedup.median) if r.width is not None else Text("1.00×", "dim"),
             f"{r.tau:.2f}",
+            *ideal,
             _tps(r.prompt_tps.median),
             f"{r.time_to_first_token.median * 1000:.0f} ms",
             _memory(r.peak_memory),
@@ -238,7 +242,9 @@ def report(result: BenchResult) -> None:
     """The whole report on stdout: header, tables, acceptance chart, losslessness verdict.
 
     tok/s is generation speed (tokens after the first over their time), median over repeats;
-    speedup is against mlx-lm in the same repeat; prefill is prompt tokens/s.
+    speedup is against mlx-lm in the same repeat; eff. is the speedup as a share of what tau
+    and the calibrated pass costs allow (tau * t_plain / (t_verify(W) + t_draft(L))); prefill
+    is prompt tokens/s.
     """
     parts = [_header(result), Text(""), *_tables(result)]
     for extra in (_auto_comparison(result), _acceptance_chart(result)):

@@ -88,6 +88,11 @@ class RunSummary:
     peak_memory: float  # GB, the largest of any run
     generation_tokens: int  # over all prompts and repeats
     cycles: int
+    # The speedup a width would give if the engine cost nothing beyond its passes:
+    # tau * t_plain / (t_verify(W) + t_draft(L)) from the calibrated costs at the suite's
+    # depth, and the measured speedup as a fraction of it (None: auto, or no costs).
+    ideal_speedup: float | None = None
+    efficiency: float | None = None
 
 
 @dataclass
@@ -212,8 +217,17 @@ def _pooled(lists: list[list[int]]) -> list[int]:
     return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
 
 
-def summarise(name: str, runs: list[str], records: list[RunRecord], n_prompts: int) -> SuiteSummary:
-    """Per run: each figure computed over all prompts of one repeat, then spread over repeats."""
+def summarise(
+    name: str,
+    runs: list[str],
+    records: list[RunRecord],
+    n_prompts: int,
+    cost_ratios: dict[str, float] | None = None,
+) -> SuiteSummary:
+    """Per run: each figure computed over all prompts of one repeat, then spread over repeats.
+
+    `cost_ratios[run]`: t_plain / (t_verify(W) + t_draft(L)) for a fixed-width run, from which
+    its ideal speedup and efficiency are given."""
     repeats = sorted({r.repeat for r in records})
     by_run = {
         run: [[r for r in records if r.run == run and r.repeat == k] for k in repeats]
@@ -227,13 +241,17 @@ def summarise(name: str, runs: list[str], records: list[RunRecord], n_prompts: i
         accepted = _pooled([r.accepted_per_position for r in mine])
         drafted = _pooled([r.drafted_per_position for r in mine])
         cycles = sum(r.cycles for r in mine)
+        tau = _ratio(cycles + sum(accepted), cycles)
+        speedup = Spread.of([_ratio(t, b) for t, b in zip(tps, base)])
+        ideal = (cost_ratios or {}).get(run)
+        ideal = tau * ideal if ideal is not None and tau > 0 else None
         out.append(
             RunSummary(
                 run=run,
                 width=mine[0].width,
                 generation_tps=Spread.of(tps),
-                speedup=Spread.of([_ratio(t, b) for t, b in zip(tps, base)]),
-                tau=_ratio(cycles + sum(accepted), cycles),
+                speedup=speedup,
+                tau=tau,
                 acceptance_rates=[_ratio(a, d) for a, d in zip(accepted, drafted)],
                 prompt_tps=Spread.of([_prefill_tps(g) for g in groups]),
                 time_to_first_token=Spread.of(
@@ -242,6 +260,8 @@ def summarise(name: str, runs: list[str], records: list[RunRecord], n_prompts: i
                 peak_memory=max(r.peak_memory for r in mine),
                 generation_tokens=sum(r.generation_tokens for r in mine),
                 cycles=cycles,
+                ideal_speedup=ideal,
+                efficiency=_ratio(speedup.median, ideal) if ideal else None,
             )
         )
     return SuiteSummary(name, n_prompts, out)

@@ -5,13 +5,17 @@ sampler) and DFlash through the public `dflash_mlx.generate` at each verify widt
 same encoded prompts, after a warm-up. The order of the runs rotates with every prompt and
 repeat, so slow drift (heat, other processes) spreads over all of them. At temperature 0
 every DFlash run must reproduce the baseline's tokens; a difference is recorded with the
-prompt and the first differing position. Returns dataclasses that serialise to JSON; never
+prompt and the first differing position. With `contexts`, every prompt is also run padded
+(in front, with the other prompts' text) or cut to each of those token counts, one group per
+count. Each fixed width's efficiency is its measured speedup over what its calibrated pass
+costs and its tau allow. Returns dataclasses that serialise to JSON; never
 prints: progress goes to an optional callback.
 """
 
 from __future__ import annotations
 
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -36,6 +40,7 @@ from .bench_results import (
 )
 from .decode import PREFILL_STEP
 from .draft import DFlashDraft
+from .errors import BadArgument
 from .generate import encode_prompt
 
 WARMUP_TOKENS = 32
@@ -92,18 +97,18 @@ def _check(
         if w == AUTO:
             continue
         if not isinstance(w, int) or w < 1:
-            raise ValueError(f"verify width {w!r} must be an integer >= 1 or {AUTO!r}")
+            raise BadArgument(f"verify width {w!r} must be an integer >= 1 or {AUTO!r}")
         if w > limit:
-            raise ValueError(
+            raise BadArgument(
                 f"verify width {w} exceeds "
                 + (f"the draft's block size {limit}" if draft is not None else "1 (no draft)")
             )
     if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens {max_tokens!r} must be an integer >= 1")
+        raise BadArgument(f"max_tokens {max_tokens!r} must be an integer >= 1")
     if temperature < 0:
-        raise ValueError(f"temperature {temperature} must be >= 0")
+        raise BadArgument(f"temperature {temperature} must be >= 0")
     if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats {repeats!r} must be an integer >= 1")
+        raise BadArgument(f"repeats {repeats!r} must be an integer >= 1")
 
 
 def _baseline(model, ids: list[int], max_tokens: int, sampler, eos: frozenset[int]):
@@ -134,6 +139,39 @@ def _first_difference(expected: list[int], got: list[int]) -> int | None:
     return None if len(expected) == len(got) else min(len(expected), len(got))
 
 
+def at_context(ids: list[int], filler: list[int], n: int) -> list[int]:
+    """`ids` padded in front to `n` tokens with `filler` (repeated as needed), or cut to its
+    last `n` tokens: the prompt's own end, where the reply starts, is kept."""
+    if n < 1:
+        raise BadArgument(f"context {n} must be >= 1 tokens")
+    if len(ids) >= n:
+        return ids[len(ids) - n :]
+    need = n - len(ids)
+    if not filler:
+        filler = ids
+    reps = -(-need // len(filler))
+    return (filler * reps)[len(filler) * reps - need :] + ids
+
+
+def _cost_ratios(model, draft, runs, depth: int) -> dict[str, float]:
+    """t_plain / (t_verify(W) + t_draft(L)) of each fixed-width run at `depth`, from the
+    pair's calibrated costs (measured now if not cached)."""
+    from .calibrate import load_or_measure
+
+    try:
+        curves = load_or_measure(model, draft)
+    except OSError:  # no writable cache: no efficiency figures
+        return {}
+    verify, drafting = curves.at(depth)
+    rows = draft.config.block_size  # the bench runs the draft's whole block at fixed widths
+    out = {}
+    for name, width in runs:
+        if isinstance(width, int):
+            cost = verify[width - 1] + (drafting[rows - 1] if width > 1 else 0.0)
+            out[name] = verify[0] / cost
+    return out
+
+
 def run_benchmark(
     model: nn.Module,
     draft: DFlashDraft | None,
@@ -149,6 +187,7 @@ def run_benchmark(
     warmup_tokens: int = WARMUP_TOKENS,
     model_id: str | None = None,
     draft_id: str | None = None,
+    contexts: Sequence[int] | None = None,
     progress: Progress | None = None,
 ) -> BenchResult:
     """Measure the baseline and DFlash at each verify width on `prompts`, side by side.
@@ -158,9 +197,14 @@ def run_benchmark(
     default. `chat` sends text prompts through the chat
     template (default: when the tokenizer has one); message prompts always use it. Each
     run generates up to `max_tokens` tokens; every figure is reported over `repeats`.
+    `contexts`: token counts each prompt is padded or cut to (one suite per count, named
+    "<n> tokens") instead of its own length.
     """
     if not prompts:
-        raise ValueError("no prompts to benchmark")
+        raise BadArgument("no prompts to benchmark")
+    for n in contexts or ():
+        if not isinstance(n, int) or n < 1:
+            raise BadArgument(f"context {n!r} must be an integer >= 1 (tokens)")
     widths = list(dict.fromkeys(widths)) if widths else [AUTO]
     _check(widths, draft, max_tokens, temperature, repeats)
     if chat is None:
@@ -172,6 +216,16 @@ def run_benchmark(
         )
         for p in prompts
     ]
+    if contexts:
+        # The other prompts' text (no chat template) fills the context in front of each.
+        filler = [t for p in prompts for t in encode_prompt(tokenizer, p.summary)]
+        grouped = [
+            (BenchPrompt(f"{n} tokens", i, p.text, p.messages), at_context(ids, filler, n))
+            for n in dict.fromkeys(contexts)
+            for i, (p, ids) in enumerate(zip(prompts, encoded))
+        ]
+        prompts = [p for p, _ in grouped]
+        encoded = [ids for _, ids in grouped]
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
     runs: list[tuple[str, int | str | None]] = [(BASELINE, None)] + [
         (AUTO if w == AUTO else f"W={w}", w) for w in widths
@@ -195,7 +249,8 @@ def run_benchmark(
                 drafted_per_position=[],
                 finish_reason="stop" if tokens and tokens[-1] in eos else "length",
             )
-        # Looked up at call time: the public API, exactly as users call it.
+        # Looked up at call time: the public API, exactly as users call it. Greedy runs
+        # pass no seed: a seeded request keeps its widths from learning wall-clock costs.
         r = dflash_mlx.generate(
             model,
             draft,
@@ -203,7 +258,7 @@ def run_benchmark(
             ids,
             max_tokens=n,
             temperature=temperature,
-            seed=run_seed,
+            seed=run_seed if temperature > 0 else None,
             block_size=None if width == AUTO else width,
         )
         t_gen = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps > 0 else 0.0
@@ -255,6 +310,13 @@ def run_benchmark(
 
     suites = list(dict.fromkeys(p.suite for p in prompts))
     names = [name for name, _ in runs]
+
+    def ratios(group: list[list[int]]) -> dict[str, float] | None:
+        if draft is None:
+            return None
+        depth = round(statistics.mean(len(ids) for ids in group)) + max_tokens // 2
+        return _cost_ratios(model, draft, runs, depth)
+
     return BenchResult(
         environment=environment(),
         models={
@@ -275,15 +337,20 @@ def run_benchmark(
             "warmup_tokens": min(max_tokens, warmup_tokens),
             "prefill_step": PREFILL_STEP,
             "suites": suites,
+            "contexts": list(dict.fromkeys(contexts)) if contexts else None,
         },
         prompts=[{**p.to_dict(), "prompt_tokens": len(ids)} for p, ids in zip(prompts, encoded)],
         suites=[
             summarise(
-                s, names, [r for r in records if r.suite == s], sum(p.suite == s for p in prompts)
+                s,
+                names,
+                [r for r in records if r.suite == s],
+                sum(p.suite == s for p in prompts),
+                ratios([ids for p, ids in zip(prompts, encoded) if p.suite == s]),
             )
             for s in suites
         ],
-        overall=summarise("overall", names, records, len(prompts)),
+        overall=summarise("overall", names, records, len(prompts), ratios(encoded)),
         mismatches=mismatches,
         records=records,
         comparisons=auto_comparisons(names, records),

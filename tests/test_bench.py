@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 import dflash_mlx
 from dflash_mlx.cli.main import app
 from dflash_mlx.bench_prompts import SUITES, BenchPrompt, load_suite, read_prompts
-from dflash_mlx.benchmark import BASELINE, quantization, run_benchmark
+from dflash_mlx.benchmark import BASELINE, at_context, quantization, run_benchmark
 from dflash_mlx.generate import encode_prompt
 
 MAX_TOKENS = 8
@@ -38,6 +38,8 @@ SUMMARY_KEYS = {
     "peak_memory",
     "generation_tokens",
     "cycles",
+    "ideal_speedup",
+    "efficiency",
 }
 
 
@@ -314,3 +316,43 @@ def test_the_random_demo_pair_is_built_once_and_cached(tmp_path):
     assert (target_dir / "model.safetensors").stat().st_mtime_ns == stamp, "built only once"
     load(target_dir)
     assert load_draft(draft_dir).config.block_size == 16
+
+
+def test_a_prompt_is_padded_in_front_or_cut_to_a_context_keeping_its_end():
+    ids, filler = [7, 8, 9], [1, 2]
+    assert at_context(ids, filler, 8) == [2, 1, 2, 1, 2, 7, 8, 9]
+    assert at_context(ids, filler, 2) == [8, 9]
+    assert at_context(ids, [], 5) == [8, 9, 7, 8, 9]
+    with pytest.raises(ValueError, match="context 0"):
+        at_context(ids, filler, 0)
+
+
+def test_bench_at_given_contexts_runs_each_prompt_at_each_length(target, draft, monkeypatch, tmp_path):
+    from dflash_mlx import calibrate
+    from dflash_mlx.adaptive import CostCurves
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    block = draft.config.block_size
+    verify = tuple(1.0 + 0.5 * (w - 1) for w in range(1, block + 1))
+    curves = CostCurves(verify, tuple(0.05 * n for n in range(block)))
+    monkeypatch.setattr(calibrate, "load_or_measure", lambda *a, **k: curves)
+    result = bench(target, draft, contexts=[40, 90])
+    assert [s.suite for s in result.suites] == ["40 tokens", "90 tokens"]
+    assert sorted(p["prompt_tokens"] for p in result.prompts) == [40, 40, 90, 90]
+    assert result.lossless is True and result.settings["contexts"] == [40, 90]
+    for suite in result.suites:
+        base, w1, w4 = suite.runs
+        assert base.efficiency is None and w1.ideal_speedup == pytest.approx(w1.tau)
+        # tau * t_plain / (t_verify(4) + t_draft(L)): the bench drafts the whole block.
+        assert w4.ideal_speedup == pytest.approx(w4.tau * 1.0 / (2.5 + 0.05 * (block - 1)))
+        assert w4.efficiency == pytest.approx(w4.speedup.median / w4.ideal_speedup)
+
+
+def test_context_option_parses_token_counts_and_refuses_others():
+    from dflash_mlx.cli.bench import parse_contexts
+
+    assert parse_contexts("512, 2k,8K,512") == [512, 2048, 8192]
+    assert parse_contexts(None) is None
+    for bad in ("0", "two", "1.5k", "-3"):
+        with pytest.raises(ValueError, match="not a token count"):
+            parse_contexts(bad)
