@@ -223,6 +223,15 @@ def test_token_id_prompts_and_sampling_seeds_are_honoured(client, target, draft)
     assert client.chat.completions.create(**kw).choices[0].message.content == first
 
 
+def test_a_vanishing_temperature_is_greedy_decoding(client, target, draft):
+    ref = reference(target, draft, USER, 12)
+    for temperature in (1e-39, 1e-6):  # 1/T overflows: sampled as written, it is garbage
+        out = client.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=12, temperature=temperature, seed=1
+        )
+        assert out.choices[0].message.content == ref.text, temperature
+
+
 def test_stop_strings_are_never_emitted_even_across_chunk_boundaries(client, target, draft):
     model, tok = target
     pieces = [
