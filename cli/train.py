@@ -11,6 +11,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from dflash_mlx.errors import BadArgument
+
 from . import ui
 
 MASK_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]")
@@ -26,7 +28,7 @@ def default_mask_token(tokenizer) -> int:
         value = getattr(tokenizer, attr, None)
         if isinstance(value, int):
             return value
-    raise ValueError("no mask token found in the tokenizer; pass --mask-token-id")
+    raise BadArgument("no mask token found in the tokenizer; pass --mask-token-id")
 
 
 def run(
@@ -53,26 +55,31 @@ def run(
         draft_config_for,
         init_draft,
         read_examples,
+        split_held_out,
         train,
     )
 
     st = TrainSettings(**settings)
     if out.exists() and any(out.iterdir()) and not (resume or force):
-        raise ValueError(f"output folder {out} is not empty; pass --resume or --force")
+        raise BadArgument(f"output folder {out} is not empty; pass --resume or --force")
     with ui.loading("target", target):
         model, tokenizer = dflash_mlx.load(target)
     regen = None
     if regenerate:
         regen = _regenerator(model, tokenizer, regen_tokens)
     with ui.loading("training data", str(data)):
-        examples, skipped = read_examples(data, tokenizer, seq_len=st.seq_len, regenerate=regen)
+        examples, skipped = read_examples(
+            data,
+            tokenizer,
+            seq_len=st.seq_len,
+            regenerate=regen,
+            reply_room=min(regen_tokens, st.seq_len // 2) if regenerate else 0,
+        )
     for line in skipped[:20]:
         ui.note(line)
     if len(skipped) > 20:
         ui.note(f"… and {len(skipped) - 20} more skipped lines")
-    n_held = min(st.eval_prompts, max(1, len(examples) // 20)) if len(examples) > 1 else 0
-    held = [e.tokens[: e.start or 16] for e in examples[len(examples) - n_held :]]
-    examples = examples[: len(examples) - n_held] or examples
+    examples, held = split_held_out(examples, st.eval_prompts, st.seed)
 
     if resume:
         config = json.loads((out / "config.json").read_text())
@@ -141,21 +148,20 @@ def run(
 
 
 def _regenerator(model, tokenizer, max_tokens: int):
-    """The target writes each response (greedy), as the paper's recipe does."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
+    """The target writes the responses (greedy, mlx-lm's batched decoding), as the paper's
+    recipe does; the labels are the target's own next tokens anyway, computed in training."""
+    from mlx_lm.generate import batch_generate
 
-    eos = set(getattr(tokenizer, "eos_token_ids", ()) or ())
-
-    def regenerate(ids: list[int]) -> list[int]:
-        out = []
-        steps = generate_step(
-            mx.array(ids), model, max_tokens=max_tokens, sampler=lambda x: x.argmax(-1)
+    def regenerate(prompts: list[list[int]]) -> list[list[int]]:
+        r = batch_generate(
+            model,
+            tokenizer,
+            prompts,
+            max_tokens=max_tokens,
+            return_token_ids=True,
+            completion_batch_size=64,
+            prefill_batch_size=16,
         )
-        for t, _ in steps:
-            out.append(int(t))
-            if out[-1] in eos:
-                break
-        return out
+        return [list(t) for t in r.token_ids]
 
     return regenerate

@@ -32,19 +32,19 @@ from .target import TargetAdapter
 @dataclass
 class TrainSettings:
     steps: int = 1000
-    batch: int = 4  # sequences per step
+    batch: int = 8  # sequences per step
     seq_len: int = 512
-    lr: float = 6e-4
+    lr: float = 2e-3
     warmup: float = 0.04  # fraction of the steps
-    anchors_per_seq: int = 16
-    loss_gamma: float = 7.0  # w_k = exp(-(k - 1) / gamma)
+    anchors_per_seq: int = 32
+    loss_gamma: float | None = None  # w_k = exp(-(k - 1) / gamma); None: by block size
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 100
     save_every: int = 100
-    eval_prompts: int = 4
-    eval_tokens: int = 32
+    eval_prompts: int = 8
+    eval_tokens: int = 128
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "anchors_per_seq"):
@@ -54,8 +54,13 @@ class TrainSettings:
             raise ValueError(f"lr {self.lr} must be > 0")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup {self.warmup} must be a fraction in [0, 1)")
-        if not self.loss_gamma > 0:
+        if self.loss_gamma is not None and not self.loss_gamma > 0:
             raise ValueError(f"loss_gamma {self.loss_gamma} must be > 0")
+
+
+def gamma_for_block(block_size: int) -> float:
+    """The paper's loss decay per block size (7 for 16, 5 for 10, 4 for 8), interpolated."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, 0.45 * block_size))
 
 
 @dataclass
@@ -148,63 +153,79 @@ def read_examples(
     tokenizer,
     *,
     seq_len: int,
-    regenerate: Callable[[list[int]], list[int]] | None = None,
+    regenerate: Callable[[list[list[int]]], list[list[int]]] | None = None,
+    reply_room: int = 0,
 ) -> tuple[list[Example], list[str]]:
     """Examples from JSONL (`{"text"}`, `{"prompt"}`, `{"messages"}`) or a folder of them.
 
     Bad lines are skipped and reported (file:line and why), never silently. With
-    `regenerate` the target writes the responses: after a `{"prompt"}` (chat template) or a
-    `{"text"}` (raw, e.g. the start of a file); without it, `{"text"}` is trained on as it
-    is and `{"prompt"}` lines are skipped."""
+    `regenerate` (prompts -> the target's replies, all at once so it can batch) the target
+    writes the responses: after a `{"prompt"}` (chat template) or a `{"text"}` (raw, e.g. a
+    stretch of a file); without it, `{"text"}` is trained on as it is and `{"prompt"}`
+    lines are skipped. A prompt to regenerate from keeps its last `seq_len - reply_room`
+    tokens, so that a long prompt still leaves room for the reply."""
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise ValueError(f"training data {path}: no JSONL file found")
-    examples, skipped = [], []
+    if regenerate is not None and not 0 <= reply_room < seq_len:
+        raise ValueError(f"reply room {reply_room} tokens must be below seq_len {seq_len}")
+    pending: list[tuple[str, Example]] = []
+    skipped = []
     for f in files:
         for i, line in enumerate(f.read_text().splitlines(), start=1):
             if not line.strip():
                 continue
             where = f"{f}:{i}"
             try:
-                ex = _example(json.loads(line), tokenizer, regenerate)
+                ex = _example(json.loads(line), tokenizer, regenerate is not None)
             except (ValueError, TypeError, KeyError) as e:
                 skipped.append(f"{where}: skipped ({e})")
                 continue
-            ex.tokens = ex.tokens[:seq_len]
-            if len(ex.tokens) - ex.start < 2:
-                skipped.append(f"{where}: skipped (fewer than 2 response tokens)")
-                continue
-            examples.append(ex)
+            if ex.start < 0:  # a prompt the target continues: cut from the left
+                ex.tokens = ex.tokens[-(seq_len - reply_room) :]
+            pending.append((where, ex))
+    prompts = [ex for _, ex in pending if ex.start < 0]
+    if prompts:
+        replies = regenerate([ex.tokens for ex in prompts])
+        for ex, reply in zip(prompts, replies, strict=True):
+            ex.start = len(ex.tokens)
+            ex.tokens = ex.tokens + list(reply)
+    examples = []
+    for where, ex in pending:
+        ex.tokens = ex.tokens[:seq_len]
+        if len(ex.tokens) - ex.start < 2:
+            skipped.append(f"{where}: skipped (fewer than 2 response tokens)")
+            continue
+        examples.append(ex)
     if not examples:
         raise ValueError(f"training data {path}: no usable example ({len(skipped)} skipped)")
     return examples, skipped
 
 
-def _example(obj, tokenizer, regenerate) -> Example:
+def _example(obj, tokenizer, regenerate: bool) -> Example:
+    """An example, or (start -1) a prompt whose reply the target is still to write."""
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     if isinstance(obj.get("text"), str):
         ids = tokenizer.encode(obj["text"])
-        if regenerate is not None:  # the text is a raw prompt the target continues
-            return Example(ids + regenerate(ids), len(ids))
+        if regenerate:  # the text is a raw prompt the target continues
+            return Example(ids, -1)
         return Example(ids, 0)
     if isinstance(obj.get("messages"), list) and obj["messages"]:
         msgs = obj["messages"]
         if msgs[-1].get("role") != "assistant":
-            if regenerate is None:
+            if not regenerate:
                 raise ValueError("messages must end with an assistant turn (or use --regenerate)")
-            ids = encode_prompt(tokenizer, msgs)
-            return Example(ids + regenerate(ids), len(ids))
+            return Example(encode_prompt(tokenizer, msgs), -1)
         prompt = encode_prompt(tokenizer, msgs[:-1])
         full = tokenizer.apply_chat_template(msgs, tokenize=True)
         if isinstance(full, dict) or hasattr(full, "input_ids"):
             full = full["input_ids"]
         return Example(list(full), min(len(prompt), len(full)))
     if isinstance(obj.get("prompt"), str):
-        if regenerate is None:
+        if not regenerate:
             raise ValueError('a {"prompt"} line needs --regenerate to get a response')
-        ids = encode_prompt(tokenizer, [{"role": "user", "content": obj["prompt"]}])
-        return Example(ids + regenerate(ids), len(ids))
+        return Example(encode_prompt(tokenizer, [{"role": "user", "content": obj["prompt"]}]), -1)
     raise ValueError('expected "text", "prompt" or "messages"')
 
 
@@ -275,8 +296,23 @@ def _schedule(settings: TrainSettings):
     return optim.join_schedules([optim.linear_schedule(0.0, settings.lr, warm), cosine], [warm])
 
 
+def split_held_out(
+    examples: list[Example], n: int, seed: int = 0
+) -> tuple[list[Example], list[list[int]]]:
+    """(training examples, `n` held-out prompts): whole examples drawn (seeded) from across
+    the data, so the estimate does not hang on whichever file came last; the prompts are
+    what came before each held-out reply."""
+    if n < 1 or len(examples) < 2:
+        return examples, []
+    n = min(n, max(1, len(examples) // 20))
+    held = set(np.random.default_rng((seed, 1)).choice(len(examples), size=n, replace=False))
+    train_set = [e for i, e in enumerate(examples) if i not in held]
+    return train_set, [examples[i].tokens[: examples[i].start or 16] for i in sorted(held)]
+
+
 def held_out_tau(target_model, draft, tokenizer, prompts: list[list[int]], tokens: int) -> float:
-    """Mean tokens per verify of greedy decoding with the real engine, full block."""
+    """Mean tokens per verify of greedy decoding with the real engine, full block: the τ
+    `dflash-mlx generate` reports, pooled over the prompts (verified tokens / cycles)."""
     cycles = committed = 0
     for ids in prompts:
         r = generate(
@@ -311,7 +347,8 @@ def train(
     bind_draft(draft, target_model)
     ids = draft.config.target_layer_ids
     optimizer = optim.AdamW(learning_rate=_schedule(settings), weight_decay=settings.weight_decay)
-    log = log or TrainLog(settings=asdict(settings))
+    gamma = settings.loss_gamma or gamma_for_block(draft.config.block_size)
+    log = log or TrainLog(settings={**asdict(settings), "loss_gamma": gamma})
     start = 0
     state_dir = out / "training_state"
     if resume:
@@ -321,7 +358,7 @@ def train(
     def step_fn(tokens, lengths, seq_index, anchors):
         feats, nxt = block_targets(target, tokens, ids)
         loss, grads = loss_and_grad(
-            draft, feats, nxt, tokens, seq_index, anchors, lengths, settings.loss_gamma
+            draft, feats, nxt, tokens, seq_index, anchors, lengths, gamma
         )
         grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
         optimizer.update(draft, grads)

@@ -14,12 +14,15 @@ from dflash_mlx.cli.main import app
 from dflash_mlx import generate, load_draft
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.tiny import CORPUS
+from dflash_mlx.cli.train import _regenerator
 from dflash_mlx.train import (
+    Example,
     TrainSettings,
     draft_config_for,
     held_out_tau,
     init_draft,
     read_examples,
+    split_held_out,
     train,
 )
 
@@ -33,9 +36,8 @@ def regen_data(target, tmp_path_factory):
     """Prompts whose responses the target writes itself (the paper's recipe)."""
     model, tok = target
 
-    def regenerate(ids):
-        steps = generate_step(mx.array(ids), model, max_tokens=40, sampler=lambda x: x.argmax(-1))
-        return [int(t) for t, _ in steps]
+    def regenerate(prompts):
+        return [target_greedy(model, ids, 40) for ids in prompts]
 
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS))
@@ -63,26 +65,23 @@ def test_training_blocks_see_exactly_what_inference_shows(target, sliding):
     block[:, 0] = seq[0, anchors]
     batch = draft.training_logits(feats, mx.array([0, 0, 0]), anchors, block)
     for i, s in enumerate(anchors.tolist()):
-        draft.reset()
-        draft.add_context(feats[:, :s])
-        engine = draft.block_logits(seq[0, s : s + 1], 8)
+        state = draft.make_state()
+        draft.add_context(feats[:, :s], state)
+        engine = draft.block_logits(seq[0, s : s + 1], 8, None, state)
         assert mx.allclose(batch[i], engine, atol=1e-4).item(), f"anchor {s}"
 
 
-def test_short_training_lowers_loss_and_raises_engine_tau(target, regen_data, tmp_path):
+def test_short_training_with_the_defaults_lowers_loss_and_raises_engine_tau(
+    target, regen_data, tmp_path
+):
+    """The default learning rate, schedule and γ (by block size) distil a useful draft in a
+    few dozen steps (a small batch keeps the test fast)."""
     model, tok = target
     draft, cfg = fresh_draft(model)
     prompts = [e.tokens[: e.start] for e in regen_data[:4]]
     before = held_out_tau(model, draft, tok, prompts, 32)
     settings = TrainSettings(
-        steps=120,
-        batch=4,
-        seq_len=96,
-        anchors_per_seq=8,
-        lr=3e-3,
-        loss_gamma=4.0,
-        eval_every=1000,
-        save_every=1000,
+        steps=60, batch=4, anchors_per_seq=8, seq_len=96, eval_every=1000, save_every=1000
     )
     log = train(model, tok, draft, cfg, regen_data, settings, tmp_path / "d")
     first = np.mean([s["loss"] for s in log.steps[:5]])
@@ -90,6 +89,7 @@ def test_short_training_lowers_loss_and_raises_engine_tau(target, regen_data, tm
     after = held_out_tau(model, draft, tok, prompts, 32)
     assert last < 0.6 * first, (first, last)
     assert after > before + 0.25, (before, after)
+    assert log.settings["loss_gamma"] == 4.0, "block 8 takes the paper's γ = 4"
     # The saved draft is a published-format checkpoint the engine loads, still lossless.
     loaded = load_draft(tmp_path / "d")
     ids = prompts[0]
@@ -194,3 +194,48 @@ def test_cli_trains_a_loadable_draft_and_refuses_a_used_folder(models_dir, tmp_p
     assert len(log["steps"]) == 4 and log["evals"]
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 2 and "not empty" in again.stderr
+
+
+def test_long_regenerate_prompts_are_cut_from_the_left(target, tmp_path):
+    model, tok = target
+    long_text = "".join(CORPUS[:6]) * 3
+    ids = tok.encode(long_text)
+    assert len(ids) > 64
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"text": long_text}) + "\n" + json.dumps({"text": "x = "}))
+    seen = []
+
+    def regenerate(prompts):
+        seen.extend(prompts)
+        return [target_greedy(model, p, 24) for p in prompts]
+
+    examples, skipped = read_examples(path, tok, seq_len=64, regenerate=regenerate, reply_room=24)
+    assert not skipped and len(examples) == 2
+    long = examples[0]
+    assert seen[0] == ids[-40:], "the prompt keeps its last seq_len - reply_room tokens"
+    assert long.start == 40 and long.tokens[:40] == ids[-40:]
+    assert long.tokens[40:] == target_greedy(model, ids[-40:], 24)
+    with pytest.raises(ValueError, match="reply room 64 tokens must be below seq_len 64"):
+        read_examples(path, tok, seq_len=64, regenerate=regenerate, reply_room=64)
+
+
+def test_batched_regeneration_writes_the_targets_greedy_replies(target):
+    model, tok = target
+    prompts = [tok.encode(p) for p in PROMPTS[:5]]
+    replies = _regenerator(model, tok, 16)(prompts)
+    eos = set(tok.eos_token_ids)
+    for ids, reply in zip(prompts, replies, strict=True):
+        want = target_greedy(model, ids, 16)
+        cut = next((i for i, t in enumerate(want) if t in eos), len(want))
+        assert reply == want[:cut]
+
+
+def test_held_out_prompts_come_from_across_the_data_and_leave_training():
+    examples = [Example(list(range(i, i + 30)), 10) for i in range(200)]
+    kept, held = split_held_out(examples, 8, seed=0)
+    assert len(held) == 8 and len(kept) == 192
+    firsts = {h[0] for h in held}
+    assert all(len(h) == 10 for h in held), "a held-out prompt is what precedes its reply"
+    assert not firsts & {e.tokens[0] for e in kept}
+    assert min(firsts) < 100 < max(firsts), "spread over the data, not its last lines"
+
