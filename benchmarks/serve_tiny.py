@@ -7,7 +7,12 @@ demo pair (`dflash_mlx.demo`, random: gibberish, tau ~ 1), then:
   * load        - `--rounds` times, `--clients` concurrent chat requests of `--tokens`
                   greedy tokens each; requests/s per round and per-request latency p50/p95;
   * second turn - a two-turn conversation: prompt tokens of turn 2, how many came from the
-                  prompt cache and how many were prefilled. A reply is sent back as text
+                  prompt cache and how many were prefilled.
+  * shared prefix - an agent's case: a new conversation whose system prompt (`--prefix`
+                  tokens, default 4000) another conversation already sent; time to first
+                  token of the second conversation against the first, both measured by
+                  the server (`timings.prompt_ms`) and by the client (first streamed
+                  chunk), median of `--rounds`. A reply is sent back as text
                   and re-tokenized; the random pair's replies (invalid UTF-8 shown as U+FFFD)
                   mostly re-tokenize differently, so their tokens are prefilled again.
 The worker serves one request at a time, so latency under load is mostly queueing.
@@ -35,12 +40,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prefix", type=int, default=4000)
     args = ap.parse_args()
 
     target_dir, draft_dir = demo_pair()
     model, tok = dflash_mlx.load(str(target_dir))
     engine = Engine(model, dflash_mlx.load_draft(str(draft_dir)), tok)
-    settings = ServerSettings(model_id="demo", context_length=context_length(model))
+    # Room for the shared-prefix phase (the random pair has no trained context length).
+    context = max(context_length(model) or 0, args.prefix + 512)
+    settings = ServerSettings(model_id="demo", context_length=context)
     server = create_server(engine, settings, log_level="warning")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -98,8 +106,49 @@ def main() -> None:
         f"prompt cache, {t['prompt_n']} prefilled (the new message, and whatever of the reply "
         "re-tokenizes differently from the tokens generated: much of a random reply does)"
     )
+
+    shared_prefix(client, tok, args.prefix, args.rounds)
     server.should_exit = True
     thread.join(timeout=30)
+
+
+def shared_prefix(client: openai.OpenAI, tok, n: int, rounds: int) -> None:
+    words = "Tools: read_file(path), write_file(path, text), run(cmd), search(query). " * n
+    system = tok.decode(tok.encode(words)[:n])  # about n tokens of a system prompt
+
+    def ttft(question: str) -> tuple[float, float, dict]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        tic = time.perf_counter()
+        first = None
+        stream = client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=2, temperature=0, stream=True
+        )
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content is not None:
+                if chunk.choices[0].delta.content:
+                    first = time.perf_counter() - tic
+            timings = chunk.model_extra.get("timings") or {}
+        return timings["prompt_ms"], (first or time.perf_counter() - tic) * 1000, timings
+
+    a_server, a_client, b_server, b_client = [], [], [], []
+    for r in range(rounds):
+        tag = f"{r}-{time.time_ns()}"  # new conversations each round, same system prompt
+        system = f"[{tag}] " + system[len(f"[{tag}] ") :]  # a prefix no earlier round shares
+        s, c, _ = ttft(f"Conversation A{r}: list the files.")
+        a_server.append(s)
+        a_client.append(c)
+        s, c, t = ttft(f"Conversation B{r}: run the tests.")
+        b_server.append(s)
+        b_client.append(c)
+    med = statistics.median
+    print(
+        f"shared prefix: {t['cache_n'] + t['prompt_n']}-token prompts sharing a ~{n}-token "
+        f"system prompt; conversation B reused {t['cache_n']} cached tokens and prefilled "
+        f"{t['prompt_n']}. TTFT (server) A {med(a_server):.0f} ms, B {med(b_server):.0f} ms "
+        f"({med(a_server) / max(med(b_server), 1e-9):.1f}x); (client) A {med(a_client):.0f} ms, "
+        f"B {med(b_client):.0f} ms ({med(a_client) / max(med(b_client), 1e-9):.1f}x); "
+        f"median of {rounds}"
+    )
 
 
 if __name__ == "__main__":

@@ -476,6 +476,13 @@ def test_serve_refuses_bad_options_with_exit_code_2(models_dir):
     runner = CliRunner()
     result = runner.invoke(cli_app, ["serve", "--demo", *pair])
     assert result.exit_code == 2 and "--demo" in result.output
+    for bad, named in (
+        (["--cors-origin", "evil.example"], "--cors-origin"),
+        (["--max-body-mb", "0"], "--max-body-mb"),
+        (["--api-key", " "], "--api-key"),
+    ):
+        result = runner.invoke(cli_app, ["serve", *pair, *bad])
+        assert result.exit_code == 2 and named in result.output, result.output
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
