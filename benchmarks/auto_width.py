@@ -46,7 +46,19 @@ def main() -> None:
     ap.add_argument("--accuracy", default="0,0.5,0.8,0.95")
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--stock-blas", action="store_true", help="do not preload OpenBLAS")
+    ap.add_argument(
+        "--stale", action="store_true", help="decode on curves calibrated under stock BLAS"
+    )
+    ap.add_argument("--calibrate-to", help=argparse.SUPPRESS)  # internal: the stale curves
+    ap.add_argument("--curves", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.stale and args.curves is None and args.calibrate_to is None:
+        out = Path(tempfile.mkdtemp(prefix="dflash-stale-")) / "curves.json"
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        cmd = [sys.executable, *sys.argv, "--stock-blas", "--calibrate-to", str(out)]
+        if subprocess.call(cmd, env=env):
+            sys.exit("stale calibration failed")
+        sys.exit(subprocess.call([sys.executable, *sys.argv, "--curves", str(out)]))
     if not args.stock_blas and OPENBLAS.exists() and "LD_PRELOAD" not in os.environ:
         env = {**os.environ, "LD_PRELOAD": str(OPENBLAS)}
         sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
@@ -78,9 +90,9 @@ def run(args) -> None:
             self.p = p
             self.script: list[int] = []
 
-        def block_logits(self, anchor, length, rows=None):
+        def block_logits(self, anchor, length, rows, state):
             rows = length - 1 if rows is None else rows
-            pos = self.context_end  # the anchor's position
+            pos = state.context_end  # the anchor's position
             vocab = self.config.vocab_size
             want = []
             for i in range(1, rows + 1):
@@ -90,7 +102,7 @@ def run(args) -> None:
                 want.append(t)
             want = mx.array(want)
             # The real draft pass, so the cost is a draft's; its output is then ignored.
-            h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None])
+            h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None], state)
             real = self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
             return mx.eye(vocab)[want] * 30.0 + 0.0 * real
 
@@ -115,6 +127,24 @@ def run(args) -> None:
     widths = [int(w) for w in args.widths.split(",")]
     drafts = {p: OracleDraft(base, p) for p in accuracies}
 
+    if args.calibrate_to:
+        import json
+
+        curves = load_or_measure(model, base)
+        Path(args.calibrate_to).write_text(json.dumps([list(curves.verify), list(curves.draft)]))
+        return
+    if args.curves:
+        import json
+
+        import dflash_mlx.calibrate
+        import dflash_mlx.generate
+        from dflash_mlx.adaptive import CostCurves
+
+        verify, drafting = json.loads(Path(args.curves).read_text())
+        stale = CostCurves(tuple(verify), tuple(drafting))
+        for module in (dflash_mlx.calibrate, dflash_mlx.generate):
+            module.load_or_measure = lambda *a, **k: stale
+        print("decoding on a STALE calibration (measured under stock BLAS)")
     tic = time.perf_counter()
     curves = load_or_measure(model, base)
     print(

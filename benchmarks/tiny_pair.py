@@ -39,11 +39,12 @@ class PerfectDraft(DFlashDraft):
         self.update(base.parameters())
         self.script = mx.array(script + [0] * 64)
 
-    def block_logits(self, anchor, length, rows=None):
+    def block_logits(self, anchor, length, rows, state):
         rows = length - 1 if rows is None else rows
-        pos = self.context_end  # the anchor's position
+        pos = state.context_end  # the anchor's position
         want = self.script[pos + 1 : pos + 1 + rows]
-        h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None])  # keep the draft's cost
+        # The real draft pass, so that the cost is a draft's.
+        h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None], state)
         onehot = mx.eye(self.config.vocab_size)[want] * 30.0
         return onehot + 0.0 * self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
 

@@ -1,9 +1,12 @@
 """Measured cost curves of a target/draft pair on the running device (SPEC 5.4).
 
 Times the target's verify pass at widths 1..block and the draft's pass at blocks 1..block,
-after a warm-up, and caches the curves per (device, model pair, mlx version) under the user
-cache directory (`$DFLASH_MLX_CACHE`, else `$XDG_CACHE_HOME/dflash-mlx`, else
-`~/.cache/dflash-mlx`). Knows nothing about acceptance or decoding policy.
+after a warm-up, at a few context depths (`DEPTHS`, within the model's context), and caches
+the curves per (device, model pair, mlx version, conditions) under the user cache directory
+(`$DFLASH_MLX_CACHE`, else `$XDG_CACHE_HOME/dflash-mlx`, else `~/.cache/dflash-mlx`). The
+conditions are what the speed depends on beyond the device: the BLAS library loaded in this
+process, and on macOS the power source (Low Power Mode follows it); when they change, the
+pair is calibrated again. Knows nothing about acceptance or decoding policy.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +31,48 @@ from .adaptive import CostCurves
 from .draft import DFlashDraft
 from .loading import bind_draft
 from .paths import cache_dir
-from .sampling import SamplingParams
+from .sampling import SamplingParams, propose
 from .target import TargetAdapter
 
-CONTEXT = 128  # tokens of context the passes are timed at
+CONTEXT = 128  # tokens of context the shallowest passes are timed at
+DEPTHS = (CONTEXT, 2048, 8192)  # context depths calibrated (those within the model's context)
+_CONDITIONS_TTL = 30.0  # seconds a reading of the conditions is trusted
+_conditions: tuple[float, dict] | None = None
+
+
+def _blas_library() -> str | None:
+    """The BLAS shared library mapped into this process (Linux), e.g. an LD_PRELOADed
+    OpenBLAS: it changes what wide passes cost on a CPU."""
+    try:
+        with open("/proc/self/maps") as f:
+            libs = {line.split()[-1] for line in f if "blas" in line.lower() and "/" in line}
+    except OSError:
+        return None
+    return ",".join(sorted(os.path.basename(p) for p in libs)) or None
+
+
+def _power_source() -> str | None:
+    """macOS: "AC Power" or "Battery Power" (Low Power Mode, throttling follow it)."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        out = subprocess.run(
+            ["pmset", "-g", "ps"], capture_output=True, text=True, timeout=2
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    first = out.splitlines()[0] if out else ""
+    return first.split("'")[1] if first.count("'") >= 2 else None
+
+
+def conditions() -> dict:
+    """What the calibration was measured under besides the device and the models (read at
+    most every 30 seconds)."""
+    global _conditions
+    now = time.monotonic()
+    if _conditions is None or now - _conditions[0] > _CONDITIONS_TTL:
+        _conditions = (now, {"blas": _blas_library(), "power": _power_source()})
+    return _conditions[1]
 
 
 def device_description() -> str:
@@ -62,6 +105,7 @@ def calibration_key(model: nn.Module, draft: DFlashDraft) -> dict:
             model, {"type": t.model_type, "layers": t.num_layers, "quantization": quant}
         ),
         "draft": _fingerprint(draft, {"config": repr(draft.config)}),
+        "conditions": conditions(),
     }
 
 
@@ -90,22 +134,25 @@ def measure(
     draft: DFlashDraft,
     *,
     repeats: int = 3,
+    depths: tuple[int, ...] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
-    """Time verify passes of 1..block tokens and draft passes of 1..block rows."""
+    """Time verify passes of 1..block tokens and draft passes of 1..block rows, at each of
+    `depths` tokens of context (default: `DEPTHS` within the model's context)."""
     bind_draft(draft, model)
     target = TargetAdapter.of(model)
     block = draft.config.block_size
     ids = draft.config.target_layer_ids
+    depths = depths or calibration_depths(model, draft)
     cache = target.make_cache()
-    prompt = mx.random.randint(0, draft.config.vocab_size, (1, CONTEXT), key=mx.random.key(0))
-    _, feats = target.forward(prompt, cache, ids)
-    draft.reset()
-    draft.add_context(feats)
-    mx.eval([c.state for c in cache], draft.state)
+    prompt = mx.random.randint(0, draft.config.vocab_size, (1, depths[-1]), key=mx.random.key(0))
+    _, feats = target.forward(prompt[:, : depths[0]], cache, ids)
+    state = draft.make_state()
+    draft.add_context(feats, state)
+    mx.eval([c.state for c in cache], state.arrays)
     anchor = mx.array([1], dtype=mx.int32)
     greedy = SamplingParams()
-    steps, done = 2 * block, 0
+    steps, done = 2 * block * len(depths), 0
 
     def verify(w: int) -> None:
         saved = target.snapshot(cache)
@@ -114,9 +161,9 @@ def measure(
         target.rewind(cache, keep=0, total=w, snapshot=saved)
 
     def drafting(n: int) -> None:
-        tokens, _ = draft.propose(anchor, n, n - 1, greedy, mx.random.key(0))
+        tokens, _ = propose(draft, state, anchor, n, n - 1, greedy, None)
         mx.eval(tokens)
-        draft.commit(None)
+        state.commit(None)
 
     def plain(chain: int = 8) -> None:
         # Plain decoding as the engine runs it: each step chained on the device token,
@@ -130,21 +177,44 @@ def measure(
         mx.eval(y)
         target.rewind(cache, keep=0, total=chain, snapshot=saved)
 
-    verify_t, draft_t = [_median_time(plain, repeats) / 8], [0.0]
-    for w in range(2, block + 1):
-        verify_t.append(_median_time(lambda w=w: verify(w), repeats))
-        done += 1
-        if progress is not None:
-            progress(done, steps)
-    fixed = draft.config.is_dflash2  # drafts its whole block whatever W is
-    for n in range(2, block + 1):
-        length = block if fixed else n
-        draft_t.append(_median_time(lambda n=length: drafting(n), repeats))
-        done += 1
-        if progress is not None:
-            progress(done, steps)
-    draft.reset()
-    return CostCurves(tuple(verify_t), tuple(draft_t))
+    def curves() -> tuple[tuple[float, ...], tuple[float, ...]]:
+        nonlocal done
+        verify_t, draft_t = [_median_time(plain, repeats) / 8], [0.0]
+        for w in range(2, block + 1):
+            verify_t.append(_median_time(lambda w=w: verify(w), repeats))
+            done += 1
+            if progress is not None:
+                progress(done, steps)
+        fixed = draft.config.is_dflash2  # drafts its whole block whatever W is
+        for n in range(2, block + 1):
+            length = block if fixed else n
+            draft_t.append(_median_time(lambda n=length: drafting(n), repeats))
+            done += 1
+            if progress is not None:
+                progress(done, steps)
+        return tuple(verify_t), tuple(draft_t)
+
+    tables = [curves()]
+    for lo, hi in zip(depths, depths[1:]):
+        for start in range(lo, hi, 512):  # deepen the context, in prefill-sized chunks
+            _, feats = target.forward(prompt[:, start : min(start + 512, hi)], cache, ids)
+            draft.add_context(feats, state)
+            mx.eval([c.state for c in cache], state.arrays)
+        tables.append(curves())
+    (verify_t, draft_t), *deeper = tables
+    return CostCurves(verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper))
+
+
+def calibration_depths(model: nn.Module, draft: DFlashDraft) -> tuple[int, ...]:
+    """The depths of `DEPTHS` a block still fits after, within the target's and the draft's
+    context."""
+    block = draft.config.block_size
+    limits = [
+        getattr(getattr(model, "args", None), "max_position_embeddings", None),
+        draft.config.max_position_embeddings,
+    ]
+    limit = min((int(n) for n in limits if n), default=DEPTHS[-1] + 2 * block)
+    return tuple(d for d in DEPTHS if d + 2 * block <= limit) or (min(CONTEXT, limit // 2),)
 
 
 def load_or_measure(
@@ -154,11 +224,12 @@ def load_or_measure(
     refresh: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
-    """Cached curves for this pair on this device and mlx version, measured when missing."""
+    """Cached curves for this pair on this device, mlx version and conditions, measured
+    when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them)."""
     bind_draft(draft, model)
     # Remembered on the draft for this process, so a request costs no fingerprinting.
     known = draft.__dict__.setdefault("_dflash_cost_curves", {})
-    memo = (id(model), mx.__version__)
+    memo = (id(model), mx.__version__, tuple(sorted(conditions().items())))
     if not refresh and memo in known:
         return known[memo]
     key = calibration_key(model, draft)
@@ -167,7 +238,12 @@ def load_or_measure(
         try:
             data = json.loads(path.read_text())
             if data.get("key") == key:
-                curves = CostCurves(tuple(data["verify"]), tuple(data["draft"]))
+                curves = CostCurves(
+                    tuple(data["verify"]),
+                    tuple(data["draft"]),
+                    depths=tuple(data["depths"]),
+                    deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
+                )
                 known[memo] = curves
                 return curves
         except (ValueError, KeyError, TypeError):
@@ -181,6 +257,8 @@ def load_or_measure(
                 "key": key,
                 "verify": list(curves.verify),
                 "draft": list(curves.draft),
+                "depths": list(curves.depths),
+                "deeper": [[list(v), list(d)] for v, d in curves.deeper],
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
             indent=1,

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .errors import BadArgument
 from .generate import GenerationResponse, stream_generate
 from .prompt_cache import PromptCache
 
@@ -83,10 +84,9 @@ class ReplyStats:
             self.prompt_tps = r.prompt_tps
             self.time_to_first_token = r.time_to_first_token
         self.responses += 1
-        if r.width > 0:
-            self.committed += r.accepted + 1
-            self.drafted += r.width - 1
-            self.accepted += r.accepted
+        self.committed = r.stats.committed
+        self.drafted = r.drafted_tokens
+        self.accepted = r.accepted_tokens
         self.generation_tokens = r.generation_tokens
         self.generation_tps = r.generation_tps
         self.mean_acceptance = r.mean_acceptance
@@ -165,7 +165,7 @@ class ChatSession:
         if has_template is None:  # a plain Hugging Face tokenizer
             has_template = getattr(tokenizer, "chat_template", None) is not None
         if not has_template:
-            raise ValueError(
+            raise BadArgument(
                 f"{model_id or 'this model'}: the tokenizer has no chat template, so it cannot "
                 "chat (use a chat/instruct model, or `dflash-mlx generate --raw`)"
             )
@@ -218,7 +218,7 @@ class ChatSession:
     ) -> Iterator[GenerationResponse]:
         """Add a user message and stream the reply."""
         if not text.strip():
-            raise ValueError("empty message")
+            raise BadArgument("empty message")
         restore = (list(self.messages), list(self.replies))
         self.messages.append({"role": "user", "content": text})
         yield from self._reply(restore, prompt_progress)
@@ -228,7 +228,7 @@ class ChatSession:
     ) -> Iterator[GenerationResponse]:
         """Replace the last reply with a new one (a new sample when temperature > 0)."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
-            raise ValueError("nothing to retry yet: send a message first")
+            raise BadArgument("nothing to retry yet: send a message first")
         restore = (list(self.messages), list(self.replies))
         self.messages.pop()
         self.replies.pop()
@@ -275,11 +275,11 @@ class ChatSession:
         elif suffix in (".md", ".markdown"):
             text = self.to_markdown()
         else:
-            raise ValueError(f"{path.name}: save as .json or .md (Markdown)")
+            raise BadArgument(f"{path.name}: save as .json or .md (Markdown)")
         try:
             path.write_text(text, encoding="utf-8")
         except OSError as e:
-            raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+            raise BadArgument(f"cannot write {path}: {e.strerror or e}") from None
         return path
 
     # -- internals --------------------------------------------------------------------
@@ -291,7 +291,6 @@ class ChatSession:
     ) -> Iterator[GenerationResponse]:
         stats = ReplyStats()
         parts: list[str] = []
-        started = False
         try:
             ids = self._render()
             s = self.settings
@@ -310,19 +309,16 @@ class ChatSession:
                 prompt_progress=prompt_progress,
                 prompt_cache=self.cache,
             )
-            started = True
             try:
                 for r in stream:
                     stats.add(r)
                     parts.append(r.text)
                     yield r
             finally:
-                stream.close()  # on Ctrl-C too: the engine records its state in the cache
+                # On Ctrl-C too: a reply stopped between cycles commits its state to the
+                # cache; one stopped anywhere else (a prefill cut midway) leaves it empty.
+                stream.close()
         finally:
-            if started and stats.responses == 0:
-                # Stopped before the first token: a prefill cut midway leaves the cache
-                # holding positions its recorded tokens do not describe. Start afresh.
-                self.cache.clear()
             self._finish(stats, "".join(parts), restore)
 
     def _finish(
@@ -346,7 +342,7 @@ class ChatSession:
                 self.conversation(), add_generation_prompt=True, **self.template_kwargs
             )
         except Exception as e:  # jinja2 errors, and templates that raise on their own rules
-            raise ValueError(f"the chat template cannot render this conversation: {e}") from e
+            raise BadArgument(f"the chat template cannot render this conversation: {e}") from e
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
         if isinstance(ids, str):
@@ -358,14 +354,14 @@ class ChatSession:
 
 
 def parse_setting(name: str, value: Any, *, block_limit: int | None = None) -> tuple[str, Any]:
-    """(`ChatSettings` field, parsed value) for `/set NAME VALUE`; ValueError when bad.
+    """(`ChatSettings` field, parsed value) for `/set NAME VALUE`; BadArgument when bad.
 
     `block_limit` is the largest verify width (the draft's block size, 1 without a draft);
     None checks only that a width is a positive integer.
     """
     key = SETTING_NAMES.get(str(name).strip().lower())
     if key is None:
-        raise ValueError(f"unknown setting {name!r}; one of: {', '.join(_shown_names())}")
+        raise BadArgument(f"unknown setting {name!r}; one of: {', '.join(_shown_names())}")
     text = str(value).strip().lower()
     if key == "block_size":
         if text in ("auto", "none"):
@@ -378,7 +374,7 @@ def parse_setting(name: str, value: Any, *, block_limit: int | None = None) -> t
                 rule = "auto or 1: there is no draft"
             else:
                 rule = f"auto, or a verify width 1..{block_limit} (the draft's block size)"
-            raise ValueError(f"block_size {value!r}: {rule}")
+            raise BadArgument(f"block_size {value!r}: {rule}")
         return key, int(text)
     try:
         if key == "seed":
@@ -392,7 +388,7 @@ def parse_setting(name: str, value: Any, *, block_limit: int | None = None) -> t
         if not ok:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{_shown(key)} {value!r}: {_RULES[key]}") from None
+        raise BadArgument(f"{_shown(key)} {value!r}: {_RULES[key]}") from None
     return key, v
 
 

@@ -4,7 +4,8 @@ One operation, three implementations: `dynamic_conv_reference` (pure MLX, the sp
 code), `dynamic_conv_metal` (one custom Metal kernel for the whole conv), and the
 dispatcher `dynamic_conv`, which takes the kernel on an Apple GPU and the reference
 elsewhere. `DynamicConv` is the checkpoint module (`attention_conv` / `mlp_conv`) with its
-cross-block state rows. Knows nothing about attention, drafts or decoding.
+cross-block state rows (`ConvRows`, held per request). Knows nothing about attention,
+drafts or decoding.
 """
 
 from __future__ import annotations
@@ -114,12 +115,21 @@ def dynamic_conv(
     return dynamic_conv_reference(x, base, delta, state)
 
 
-class _Rows:
-    """Plain holder (not a module attribute MLX would treat as a parameter)."""
+class ConvRows:
+    """One request's cross-block rows of one `DynamicConv` (part of a `DraftState`)."""
 
     def __init__(self) -> None:
         self.state: list[mx.array | None] = [None, None]  # x_{-1} for prepare / finish
         self.last: list[mx.array | None] = [None, None]  # inputs of the latest block
+
+    def commit(self, index: int | None) -> None:
+        """Keep the inputs at block index `index` (the last accepted row) as the next
+        block's `x_{-1}`; `None` forgets them (new prompt, or a cycle without a draft)."""
+        if index is None or self.last[0] is None:
+            self.state = [None, None]
+        else:
+            self.state = [self.last[0][:, index], self.last[1][:, index]]
+        self.last = [None, None]
 
 
 class DynamicConv(nn.Module):
@@ -138,30 +148,22 @@ class DynamicConv(nn.Module):
         # Identity taps (x_t passes through) until a checkpoint says otherwise.
         self.base_kernel = mx.zeros((2, taps, dim)).at[:, 0].add(1.0)
         self.kernel_projection = nn.Linear(dim, 2 * taps * dim // group, bias=False)
-        self._rows = _Rows()
         self.carry_state = False
 
     def deltas(self, u: mx.array) -> mx.array:
         B, L, D = u.shape
         return self.kernel_projection(u).reshape(B, L, 2, self.taps, D // self.group)
 
-    def _conv(self, which: int, x: mx.array, delta: mx.array) -> mx.array:
-        self._rows.last[which] = x
-        state = self._rows.state[which] if self.carry_state else None
+    def _conv(self, which: int, x: mx.array, delta: mx.array, rows: ConvRows | None) -> mx.array:
+        state = None
+        if rows is not None:
+            rows.last[which] = x
+            state = rows.state[which] if self.carry_state else None
         return dynamic_conv(x, self.base_kernel[which], delta[:, :, which], state)
 
-    def prepare(self, u: mx.array, delta: mx.array) -> mx.array:
-        return self._conv(0, u, delta)
+    def prepare(self, u: mx.array, delta: mx.array, rows: ConvRows | None = None) -> mx.array:
+        """`rows`: the request's cross-block rows (None in training: zero before index 0)."""
+        return self._conv(0, u, delta, rows)
 
-    def finish(self, y: mx.array, delta: mx.array) -> mx.array:
-        return self._conv(1, y, delta)
-
-    def commit(self, index: int | None) -> None:
-        """Keep the inputs at block index `index` (the last accepted row) as the next
-        block's `x_{-1}`; `None` forgets them (new prompt, or a cycle without a draft)."""
-        rows = self._rows
-        if index is None or rows.last[0] is None:
-            rows.state = [None, None]
-        else:
-            rows.state = [rows.last[0][:, index], rows.last[1][:, index]]
-        rows.last = [None, None]
+    def finish(self, y: mx.array, delta: mx.array, rows: ConvRows | None = None) -> mx.array:
+        return self._conv(1, y, delta, rows)

@@ -1,23 +1,38 @@
-"""The decode cycle (SPEC 1): prefill -> draft -> verify -> accept -> rewind, in token ids.
+"""The decode cycle (SPEC 1), in token ids:
 
-Owns the order of operations and what each side's cache holds after every cycle. Yields one
-`Cycle` per verify pass with the tokens it commits. Knows nothing about text, stop strings
-or timing: `generate.py` does that.
+    prefill -> (choose -> draft -> verify -> accept -> commit)*
+
+`speculative_decode` is that loop and each step is one small function below, all of them
+working on the request's own state (`Request`: target cache, `DraftState`, committed
+tokens); the models hold none of it. Bookkeeping sits beside the cycle, not inside it:
+`_Clock` charges each cycle its wall time for the width chooser, `_follow_capture` moves a
+dormant draft's context, `resume` and `Request.saved` exchange state with a `PromptCache`.
+Yields one `Cycle` per verify pass with the tokens it commits. Knows nothing about text,
+stop strings or statistics: `generate.py` does that.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
-from .draft import DFlashDraft
-from .prompt_cache import PromptCache, common_prefix
-from .sampling import SamplingParams, greedy_accept, probabilities, rejection_accept, sample
+from .draft import DFlashDraft, DraftState
+from .prompt_cache import CachedState, PromptCache, common_prefix
+from .sampling import (
+    PositionKeys,
+    SamplingParams,
+    greedy_accept,
+    probabilities,
+    propose,
+    rejection_accept,
+    sample,
+)
 from .target import TargetAdapter
 
 PREFILL_STEP = 512
@@ -25,6 +40,10 @@ PREFILL_STEP = 512
 # Fallback verify-width cap for quantized targets, before anything is measured on the
 # device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
 QUANTIZED_VERIFY_CAP = 5
+
+# MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
+# buffers of a long decode (growing caches, verify passes of every width) are returned.
+CLEAR_CACHE_EVERY = 256
 
 
 @dataclass
@@ -38,18 +57,46 @@ class Cycle:
 
 
 @dataclass
-class _Context:
-    """Whether the draft's context fell behind the committed positions.
+class Request:
+    """Everything one request's decoding reads and changes."""
 
-    While the width chooser finds speculation not worth it, plain steps skip feature
-    capture ("dormant"): the context keeps what it had (the prompt, say) and, a window of
-    steps before the draft runs again, resumes at the current position, the skipped
-    stretch left as a gap (`DFlashDraft.skip_to`: RoPE keeps the true distances).
-    """
-
+    target: TargetAdapter
+    draft: DFlashDraft | None
+    params: SamplingParams
+    keys: PositionKeys
+    prompt: list[int]
+    cache: list  # the target's cache
+    state: DraftState | None  # the draft's context and conv rows
+    reused: int  # prompt positions the caches held when the request started
+    ids: list[int] | None  # target layers the draft reads
+    keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
+    generated: list[int] = field(default_factory=list)
+    pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
+    # The draft's context fell behind (dormant: plain steps capture no features).
     stale: bool = False
-    # Recurrent targets with a prompt cache: their state after the latest committed cycle.
-    snapshot: tuple[int, dict[int, tuple]] | None = None
+    # Recurrent states: before the prompt's last token, and after the latest cycle.
+    prompt_snapshot: tuple[int, dict] | None = None
+    latest_snapshot: tuple[int, dict] | None = None
+
+    def feed_draft(self) -> None:
+        """Give the draft the features of committed positions it has not seen yet."""
+        if self.pending:
+            self.draft.add_context(mx.concatenate(self.pending, axis=1), self.state)
+            self.pending.clear()
+
+    def saved(self) -> CachedState:
+        """The state as of the last committed cycle, for the next request to resume from
+        (the caches may hold positions after it: they are trimmed on reuse)."""
+        end = len(self.prompt) + len(self.generated) - 1
+        return CachedState(
+            owner=(self.target.model, self.draft),
+            tokens=self.prompt + self.generated,
+            target_cache=self.cache,
+            draft=self.state,
+            pending=list(self.pending),
+            draft_end=end if self.stale else None,
+            snapshots=[s for s in (self.prompt_snapshot, self.latest_snapshot) if s],
+        )
 
 
 class _Step(NamedTuple):
@@ -58,7 +105,7 @@ class _Step(NamedTuple):
     n: mx.array  # drafted tokens accepted
     out: mx.array  # tokens to emit (accepted drafts, then the target's own)
     feats: mx.array | None  # target features of the fed positions (None: not captured)
-    saved: dict  # recurrent states before the pass (for rewind)
+    saved: tuple[dict, dict]  # recurrent states before the pass, and its inputs (to rewind)
     width: int
     built: float  # seconds its launch took on the host
     chained: bool  # launched before the previous cycle's result reached the host
@@ -89,11 +136,12 @@ def speculative_decode(
     *,
     max_tokens: int,
     params: SamplingParams,
-    key: mx.array,
+    seed: int = 0,
     width: int,
     draft_block: int,
     eos_ids: frozenset[int] = frozenset(),
     chooser: WidthChooser | None = None,
+    learn_costs: bool = True,
     prefill_step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
@@ -102,272 +150,328 @@ def speculative_decode(
 
     `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
     number of rows L >= W the draft runs. With a `chooser`, (W, L) are chosen each cycle
-    instead and the chooser learns from every verify. Stops after EOS or `max_tokens`.
-    With a `prompt_cache`, the state of its previous request is reused from the longest
-    common prefix on, and this request's state is left in it.
+    instead; it learns acceptance from every verify and, with `learn_costs`, the wall time
+    of every cycle. Random draws follow `seed` and the generated position (SPEC 4). Stops
+    after EOS or `max_tokens`. With a `prompt_cache`, the state of its previous request is
+    reused from the longest common prefix on; this request's state is committed back when
+    it ends or is closed between cycles, and not at all when it fails.
     """
     assert 1 <= width <= max(draft_block, 1)
-    ids = draft.config.target_layer_ids if draft is not None else None
-    cache, start = _reuse(prompt_cache, target, draft, prompt)
-    ctx = _Context()
-    keep = prompt_cache is not None and target.recurrent  # recurrent state snapshots
-    tokens = mx.array(prompt, dtype=mx.int32)[None]
-    total = len(prompt)
-
-    def prefill(lo: int, hi: int):
-        """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk."""
-        logits = None
-        while lo < hi:
-            n = min(prefill_step, hi - lo)
-            logits, feats = target.forward(tokens[:, lo : lo + n], cache, ids)
-            if draft is not None:
-                draft.add_context(feats)
-            lo += n
-            if lo < total:
-                mx.eval([c.state for c in cache] + (draft.state if draft is not None else []))
-                mx.clear_cache()
-                if progress is not None:
-                    progress(lo, total)
-        return logits
-
-    generated: list[int] = []
-    pending: list[mx.array] = []  # features of committed positions the draft has not seen
+    lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(target.model, draft)
+    with mx.stream(generation_stream):
+        cache, state, start = resume(target, draft, prompt, saved)
+    req = Request(
+        target,
+        draft,
+        params,
+        PositionKeys(seed),
+        list(prompt),
+        cache,
+        state,
+        start,
+        draft.config.target_layer_ids if draft is not None else None,
+        keep_snapshots=prompt_cache is not None and target.recurrent,
+    )
     try:
-        # All but the last token first, as mlx-lm does: only their caches are evaluated,
-        # so the LM head never runs over the prompt (vocabulary x prompt logits).
-        prefill(start, total - 1)
-        if keep:
-            # Recurrent state cannot be trimmed later: keep it as it is before the last token.
-            prompt_snapshot = (total - 1, target.snapshot(cache))
-        logits = prefill(total - 1, total)
-    except BaseException:
-        # Interrupted mid-prefill: the reused caches no longer match any token history.
-        if prompt_cache is not None:
-            prompt_cache.clear()
-        raise
-    if progress is not None:
-        progress(total, total)
-    try:
-        yield from _generate(
-            target,
-            draft,
-            cache,
+        with mx.stream(generation_stream):
+            logits = prefill_prompt(req, prefill_step, progress)
+        yield from _cycles(
+            req,
             logits,
-            ids,
-            generated,
-            pending,
-            ctx,
-            start,
-            total,
             max_tokens=max_tokens,
-            params=params,
-            key=key,
             width=width,
             draft_block=draft_block,
             eos_ids=eos_ids,
             chooser=chooser,
-            keep_snapshots=keep,
+            clock=_Clock(chooser if learn_costs else None),
         )
-    finally:
-        # Whatever ended generation, the caches hold at least the committed positions of
-        # prompt + generated (extra ones are trimmed away on reuse).
+    except GeneratorExit:  # closed between two cycles: every committed position is known
         if prompt_cache is not None:
-            if draft is not None and pending:
-                draft.add_context(mx.concatenate(pending, axis=1))
-            if draft is not None and ctx.stale:
-                # Nothing of the dormant stretch was captured: it stays a gap up to where
-                # the committed positions end.
-                draft.skip_to(total + len(generated) - 1)
-            prompt_cache.owner = (target.model, draft)
-            prompt_cache.tokens = prompt + generated
-            prompt_cache.target_cache = cache
-            prompt_cache.draft_caches = draft._caches if draft is not None else None
-            if keep:
-                prompt_cache.snapshots = [prompt_snapshot] + (
-                    [ctx.snapshot] if ctx.snapshot else []
-                )
-            if draft is not None:
-                prompt_cache.draft_base = draft.context_base
-                prompt_cache.draft_gaps = list(draft.gaps)
+            prompt_cache.commit(lease, req.saved())
+        raise
+    if prompt_cache is not None:
+        prompt_cache.commit(lease, req.saved())
 
 
-def _reuse(
-    pc: PromptCache | None, target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int]
-) -> tuple[list, int]:
-    """A cache holding the first `start` prompt positions, and `start` (0: a fresh cache);
-    the draft's context is left ending at position `start` too."""
+def _cycles(
+    req: Request,
+    logits: mx.array,
+    *,
+    max_tokens: int,
+    width: int,
+    draft_block: int,
+    eos_ids: frozenset[int],
+    chooser: WidthChooser | None,
+    clock: _Clock,
+) -> Iterator[Cycle]:
+    """The cycles after prefill. The next cycle is always launched before the current one
+    is handed to the caller, so detokenizing and rendering overlap with device work."""
+    n_prompt = len(req.prompt)
+
+    def launch(anchor: mx.array, a: int, chained: bool) -> _Step:
+        """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
+        on the device (`chained`: before the previous cycle's result reached the host)."""
+        tic = time.perf_counter()
+        w, rows, capture = choose(chooser, width, draft_block, budget=max_tokens - a - 1)
+        with mx.stream(generation_stream):
+            if req.draft is not None:
+                _follow_capture(req, capture, n_prompt + a)
+                if w > 1 and len(req.pending) > 1:
+                    # Catching up on the positions decoded plainly is paid once, when
+                    # speculation resumes: run it apart so it is not taken for what every
+                    # cycle of this width costs.
+                    req.feed_draft()
+                    mx.async_eval(req.state.arrays)
+                    tic = time.perf_counter()
+            drafts, q = make_drafts(req, anchor, a, w, rows)
+            logits, feats, saved = verify(req, anchor, drafts, capture)
+            n, out = accept(req, drafts, q, logits, a)
+            mx.async_eval(n, out)
+        # On a CPU much of the work runs inside async_eval: the launch time is part of
+        # what the cycle costs, wherever it falls between host syncs.
+        return _Step(n, out, feats, saved, w, time.perf_counter() - tic, chained)
+
+    with mx.stream(generation_stream):
+        anchor = first_token(req, logits)
+    step = launch(anchor, 0, chained=True) if max_tokens > 1 else None
+    tok = anchor.item()
+    clock.sync()
+    req.generated.append(tok)
+    yield Cycle([tok], 0, 0, req.reused)
+    if tok in eos_ids or step is None:
+        return
+    prev_w = 0
+    while True:
+        nxt = None
+        if step.width == 1:
+            # A plain step accepts nothing, so it commits with no host decision and the
+            # next step is chained on the device token before waiting, as mlx-lm does.
+            with mx.stream(generation_stream):
+                commit(req, step, 0)
+            if req.keep_snapshots:  # before the next step feeds another token
+                fed = n_prompt + len(req.generated)
+                req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+            if len(req.generated) + 1 < max_tokens:
+                nxt = launch(step.out[:1], len(req.generated), chained=True)
+            n, new = 0, step.out.tolist()  # the host sync
+        else:
+            n, new = step.n.item(), step.out.tolist()  # the host sync
+        clock.charge(step, prev_w, nxt)
+        if step.width > 1:
+            new = new[: n + 1] if req.params.greedy else new[:n] + new[-1:]
+            with mx.stream(generation_stream):
+                commit(req, step, n)
+            if chooser is not None:
+                chooser.update(step.width, n)
+        new, cut = _cut_at_eos(new, eos_ids)
+        if (len(req.generated) + len(new)) // CLEAR_CACHE_EVERY > len(
+            req.generated
+        ) // CLEAR_CACHE_EVERY:
+            mx.clear_cache()
+        req.generated.extend(new)
+        if req.keep_snapshots and step.width > 1 and not cut:
+            # Everything but the last emitted token was fed (after an EOS cut, more was).
+            fed = n_prompt + len(req.generated) - 1
+            req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+        done = new[-1] in eos_ids or len(req.generated) >= max_tokens
+        if not done and nxt is None:
+            last = mx.array(new[-1:], dtype=mx.int32)
+            nxt = launch(last, len(req.generated) - 1, chained=False)
+        yield Cycle(new, n, step.width)
+        if done:
+            return
+        step, prev_w = nxt, step.width
+
+
+# -- the steps of the cycle -----------------------------------------------------------------
+
+
+def resume(
+    target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int], saved: CachedState | None
+) -> tuple[list, DraftState | None, int]:
+    """The target cache and draft state holding the first `start` prompt positions, and
+    `start` (0: fresh ones), from what a previous request left in a `PromptCache`."""
     fresh = target.make_cache()
-    if draft is not None:
-        draft.reset()
-    if pc is None or pc.target_cache is None or pc.owner != (target.model, draft):
-        return fresh, 0
+    if saved is None:
+        return fresh, draft.make_state() if draft is not None else None, 0
     # Positions of all but the last known token are committed; one prompt token must be
     # left to prefill, for the logits of the first new token.
-    start = min(common_prefix(pc.tokens[: len(pc.tokens) - 1], prompt), len(prompt) - 1)
+    start = min(common_prefix(saved.tokens[: len(saved.tokens) - 1], prompt), len(prompt) - 1)
+    state = saved.draft
     if draft is not None:
-        draft.reset(pc.draft_caches, pc.draft_base, pc.draft_gaps)
-        start = min(start, draft.context_end)
-    cache = pc.target_cache
+        if saved.pending:
+            draft.add_context(mx.concatenate(saved.pending, axis=1), state)
+        if saved.draft_end is not None:
+            # Nothing of the dormant stretch was captured: a gap up to the committed end.
+            state.skip_to(saved.draft_end)
+        state.commit(None)  # a new chain of blocks: no cross-block conv row
+        start = min(start, state.context_end)
+    cache = saved.target_cache
     if target.recurrent:
-        usable = [(n, snap) for n, snap in pc.snapshots if n <= start]
+        usable = [(n, snap) for n, snap in saved.snapshots if n <= start]
         if not usable:
-            if draft is not None:
-                draft.reset()
-            return fresh, 0
+            return fresh, draft.make_state() if draft is not None else None, 0
         start, snap = max(usable, key=lambda x: x[0])
         target.restore(cache, snap)
     for i, c in enumerate(cache):
         if i not in target.replay_ids:
             c.trim(c.offset - start)
     if draft is not None:
-        draft.trim_to(start)
-    return cache, start
+        state.trim_to(start)
+    return cache, state, start
 
 
-def _generate(
-    target: TargetAdapter,
-    draft: DFlashDraft | None,
-    cache: list,
-    logits: mx.array,
-    ids: list[int] | None,
-    generated: list[int],
-    pending: list[mx.array],
-    ctx: _Context,
-    reused: int,
-    n_prompt: int,
-    *,
-    max_tokens: int,
-    params: SamplingParams,
-    key: mx.array,
-    width: int,
-    draft_block: int,
-    eos_ids: frozenset[int],
-    chooser: WidthChooser | None,
-    keep_snapshots: bool = False,
-) -> Iterator[Cycle]:
-    """The cycles after prefill; every emitted token is appended to `generated`, the
-    features the draft has not consumed yet stay in `pending`, `ctx` follows which
-    positions the draft's context holds (and, with `keep_snapshots`, the recurrent state
-    after the latest committed cycle)."""
-    key, sub = mx.random.split(key)
+def prefill(
+    req: Request, lo: int, hi: int, step: int, progress: Callable[[int, int], None] | None
+) -> mx.array | None:
+    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk."""
+    total = len(req.prompt)
+    tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
+    logits, done = None, lo
+    while done < hi:
+        n = min(step, hi - done)
+        logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, req.ids)
+        if req.draft is not None:
+            req.draft.add_context(feats, req.state)
+        done += n
+        if done < total:
+            arrays = [c.state for c in req.cache] + (req.state.arrays if req.state else [])
+            mx.eval(arrays)
+            mx.clear_cache()
+            if progress is not None:
+                progress(done, total)
+    return logits
+
+
+def prefill_prompt(
+    req: Request, step: int, progress: Callable[[int, int], None] | None
+) -> mx.array:
+    """The prompt from where the reused caches end; logits of its last token."""
+    total = len(req.prompt)
+    # All but the last token first, as mlx-lm does: only their caches are evaluated, so
+    # the LM head never runs over the prompt (vocabulary x prompt logits).
+    prefill(req, req.reused, total - 1, step, progress)
+    if req.keep_snapshots:
+        # Recurrent state cannot be trimmed later: keep it as it is before the last token.
+        req.prompt_snapshot = (total - 1, req.target.snapshot(req.cache))
+    logits = prefill(req, total - 1, total, step, progress)
+    if progress is not None:
+        progress(total, total)
+    return logits
+
+
+def first_token(req: Request, logits: mx.array) -> mx.array:
+    """The target's own token after the prompt (generated index 0), `(1,)` int32."""
     last = logits[0, -1:]
-    first = mx.argmax(last, axis=-1) if params.greedy else sample(probabilities(last, params), sub)
-    anchor = first.astype(mx.int32).reshape(1)
+    if req.params.greedy:
+        tok = mx.argmax(last, axis=-1)
+    else:
+        tok = sample(probabilities(last, req.params), req.keys(PositionKeys.FINAL, 0, 1)[0])
+    return tok.astype(mx.int32).reshape(1)
 
-    def launch(anchor: mx.array, position: int, budget: int, chained: bool):
-        """Build one cycle's draft + verify graph and start it on the device (`position`:
-        the anchor's; `chained`: before the previous cycle's result reached the host)."""
-        nonlocal key
-        tic = time.perf_counter()
-        w, rows = min(width, budget), draft_block
-        capture = ids
-        if chooser is not None:
-            w, rows = chooser.choose(limit=budget)
-            if not chooser.capture:
-                capture = None
-                if not ctx.stale and pending:
-                    draft.add_context(mx.concatenate(pending, axis=1))
-                    pending.clear()
-                ctx.stale = True
-            elif ctx.stale:
-                # Waking from a dormant stretch: the context resumes at this position.
-                draft.skip_to(position)
-                ctx.stale = False
-        k_draft = k_accept = None
-        if not params.greedy:
-            key, k_draft, k_accept = mx.random.split(key, 3)
-        drafts = mx.zeros((0,), dtype=mx.int32)
-        q = None
-        if w > 1:
-            if pending:
-                draft.add_context(mx.concatenate(pending, axis=1))
-                if len(pending) > 1:
-                    # Catching up on the positions decoded plainly is paid once, when
-                    # speculation resumes: run it apart so it is not taken for what
-                    # every cycle of this width costs.
-                    mx.async_eval(draft.state)
-                    tic = time.perf_counter()
-                pending.clear()
-            drafts, q = draft.propose(anchor, rows, w - 1, params, k_draft)
-            drafts = drafts.astype(mx.int32)
-        saved = target.snapshot(cache)
-        logits, feats = target.forward(mx.concatenate([anchor, drafts])[None], cache, capture)
-        if params.greedy:
-            n, out = greedy_accept(drafts, logits[0])
-        else:
-            n, final = rejection_accept(drafts, q, probabilities(logits[0], params), k_accept)
-            out = mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
-        mx.async_eval(n, out)
-        # On a CPU much of the work runs inside async_eval: the launch time is part of
-        # what the cycle costs, wherever it falls between host syncs.
-        return _Step(n, out, feats, saved, w, time.perf_counter() - tic, chained)
 
-    # The next cycle is always launched before the current one is handed to the caller,
-    # so detokenizing and rendering overlap with device work.
-    step = launch(anchor, n_prompt, max_tokens - 1, chained=True) if max_tokens > 1 else None
-    tok = anchor.item()
-    synced = time.perf_counter()
-    generated.append(tok)
-    yield Cycle([tok], 0, 0, reused)
-    emitted = 1
-    if tok in eos_ids or step is None:
-        return
-    prev_w = 0
-    while True:
-        n, out, feats, saved, w, built, chained = step
-        nxt = None
-        if w == 1:
-            # A plain step accepts nothing, so its bookkeeping needs no host decision and
-            # the next step can be chained on the device token before waiting, as mlx-lm's
-            # own decoding loop does.
-            n = 0
-            if draft is not None:
-                if feats is not None:
-                    pending.append(feats)
-                draft.commit(None)
-            if keep_snapshots:  # before the next step feeds another token
-                ctx.snapshot = (n_prompt + emitted, target.snapshot(cache))
-            if emitted + 1 < max_tokens:
-                nxt = launch(out[:1], n_prompt + emitted, max_tokens - emitted - 1, chained=True)
-            new = out.tolist()
-        else:
-            n = n.item()  # the one host sync of the cycle
-            new = out.tolist()
+def choose(
+    chooser: WidthChooser | None, width: int, draft_block: int, budget: int
+) -> tuple[int, int, bool]:
+    """Verify width W, draft block L, and whether the pass captures features for the draft."""
+    if chooser is None:
+        return min(width, budget), draft_block, True
+    w, rows = chooser.choose(limit=budget)
+    return w, rows, chooser.capture
+
+
+def make_drafts(
+    req: Request, anchor: mx.array, a: int, w: int, rows: int
+) -> tuple[mx.array, mx.array | None]:
+    """The draft's `w - 1` proposals after the anchor at generated index `a` (none for
+    W = 1), and when sampling the distributions `q` they were drawn from."""
+    if w == 1:
+        return mx.zeros((0,), dtype=mx.int32), None
+    req.feed_draft()
+    keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
+    drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys)
+    return drafts.astype(mx.int32), q
+
+
+def verify(
+    req: Request, anchor: mx.array, drafts: mx.array, capture: bool
+) -> tuple[mx.array, mx.array | None, tuple[dict, dict]]:
+    """The target on `[anchor, drafts]`: logits `(W, V)`, the features the draft reads
+    (when `capture`), and what a rewind needs (recurrent states before, inputs of the pass)."""
+    before = req.target.snapshot(req.cache)
+    tokens = mx.concatenate([anchor, drafts])[None]
+    logits, feats = req.target.forward(tokens, req.cache, req.ids if capture else None)
+    return logits[0], feats, (before, req.target.recorded_calls())
+
+
+def accept(
+    req: Request, drafts: mx.array, q: mx.array | None, logits: mx.array, a: int
+) -> tuple[mx.array, mx.array]:
+    """`(n, out)`: drafts accepted, and the tokens to emit (`out[:n]` accepted drafts, then
+    the target's own token, last). Greedy prefix matching or rejection sampling (SPEC 4)."""
+    if req.params.greedy:
+        return greedy_accept(drafts, logits)
+    w = logits.shape[0]
+    n, final = rejection_accept(
+        drafts,
+        q,
+        probabilities(logits, req.params),
+        req.keys(PositionKeys.ACCEPT, a + 1, w - 1),
+        req.keys(PositionKeys.FINAL, a + 1, w),
+    )
+    return n, mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
+
+
+def commit(req: Request, step: _Step, n: int) -> None:
+    """Keep the first `n + 1` verified positions: the target rewinds the rest (SPEC 5.3), the
+    draft gets their features and its conv rows at block index `n`."""
+    if step.width > 1:
+        before, calls = step.saved
+        req.target.rewind(req.cache, n + 1, step.width, before, calls)
+    if req.draft is not None:
+        if step.feats is not None:
+            req.pending.append(step.feats[:, : n + 1])
+        req.state.commit(n if step.width > 1 else None)
+
+
+# -- bookkeeping beside the cycle ------------------------------------------------------------
+
+
+def _cut_at_eos(new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """The tokens up to the first EOS, and whether committed tokens followed it."""
+    for j, t in enumerate(new):
+        if t in eos_ids:
+            return new[: j + 1], j + 1 < len(new)
+    return new, False
+
+
+def _follow_capture(req: Request, capture: bool, position: int) -> None:
+    """Dormancy: while plain steps capture no features the draft's context stays behind
+    (the prompt, say); when capture resumes, at the anchor's `position`, the skipped
+    stretch becomes a gap (`DraftState.skip_to`: RoPE keeps the true distances)."""
+    if not capture:
+        if not req.stale:
+            req.feed_draft()
+        req.stale = True
+    elif req.stale:
+        req.state.skip_to(position)
+        req.stale = False
+
+
+class _Clock:
+    """What each cycle cost, host sync to host sync, with each launch counted for the cycle
+    it built (a chained launch falls in the interval before its own), for the chooser."""
+
+    def __init__(self, chooser: WidthChooser | None):
+        self.chooser = chooser
+        self.synced = 0.0
+
+    def sync(self) -> None:
+        self.synced = time.perf_counter()
+
+    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> None:
         now = time.perf_counter()
-        if chooser is not None and prev_w:
-            # What this cycle cost: the time from the previous sync to this one, with each
-            # launch counted for the cycle it built (a chained launch falls in the interval
-            # before its own).
-            spent = now - synced + (built if chained else 0.0)
-            chooser.observe(w, spent - (nxt.built if nxt is not None else 0.0))
-        synced = now
-        if w > 1:
-            new = new[: n + 1] if params.greedy else new[:n] + new[-1:]
-            target.rewind(cache, keep=n + 1, total=w, snapshot=saved)
-            if draft is not None:
-                pending.append(feats[:, : n + 1])
-                draft.commit(n)
-            if chooser is not None:
-                chooser.update(w, n)
-        cut = False
-        for j, t in enumerate(new):
-            if t in eos_ids:
-                cut, new = j + 1 < len(new), new[: j + 1]
-                break
-        emitted += len(new)
-        if keep_snapshots and w > 1 and not cut:
-            # Everything but the last emitted token was fed (after an EOS cut, more was).
-            ctx.snapshot = (n_prompt + emitted - 1, target.snapshot(cache))
-        generated.extend(new)
-        done = new[-1] in eos_ids or emitted >= max_tokens
-        if not done and nxt is None:
-            nxt = launch(
-                mx.array(new[-1:], dtype=mx.int32),
-                n_prompt + emitted - 1,
-                max_tokens - emitted,
-                chained=False,
-            )
-        yield Cycle(new, n, w)
-        if done:
-            return
-        step, prev_w = nxt, w
+        if self.chooser is not None and prev_w:
+            spent = now - self.synced + (step.built if step.chained else 0.0)
+            self.chooser.observe(step.width, spent - (nxt.built if nxt is not None else 0.0))
+        self.synced = now

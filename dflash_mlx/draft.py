@@ -1,7 +1,8 @@
 """The DFlash draft model (SPEC 2): one forward pass drafts a whole block.
 
-Owns the draft's layers, its KV-injection attention and its context cache (projected K/V of
-committed target features). Attribute names equal the checkpoint's weight names. Knows
+Owns the draft's layers, its KV-injection attention and the per-request `DraftState` it
+reads and extends (context cache of projected K/V of committed target features, skipped
+positions, DFlash 2 conv rows). Attribute names equal the checkpoint's weight names. Knows
 nothing about tokenizers, sampling or the target beyond two bound callables: the target's
 token embedding and its LM head.
 """
@@ -18,8 +19,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DraftConfig
-from .conv import DynamicConv
-from .sampling import SamplingParams, probabilities, sample
+from .conv import ConvRows, DynamicConv
+from .errors import BadArgument
 from .selector import CandidateSelector
 
 
@@ -160,24 +161,112 @@ class DraftLayer(nn.Module):
     def convs(self) -> list[DynamicConv]:
         return [self.attention_conv, self.mlp_conv] if "attention_conv" in self else []
 
-    def __call__(self, x: mx.array, cache: ContextCache | BlockContext) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        cache: ContextCache | BlockContext,
+        rows: Sequence[ConvRows] | None = None,
+    ) -> mx.array:
+        """`rows`: the request's cross-block rows of this layer's two convs (DFlash 2)."""
         if "attention_conv" not in self:
             h = x + self.self_attn(self.input_layernorm(x), cache)
             return h + self.mlp(self.post_attention_layernorm(h))
         ac, mc = self.attention_conv, self.mlp_conv
+        ar, mr = rows if rows is not None else (None, None)
         u = self.input_layernorm(x)
         d = ac.deltas(u)
-        h = x + ac.finish(self.self_attn(ac.prepare(u, d), cache), d)
+        h = x + ac.finish(self.self_attn(ac.prepare(u, d, ar), cache), d, ar)
         v = self.post_attention_layernorm(h)
         d = mc.deltas(v)
-        return h + mc.finish(self.mlp(mc.prepare(v, d)), d)
+        return h + mc.finish(self.mlp(mc.prepare(v, d, mr)), d, mr)
+
+
+class DraftState:
+    """One request's state of a draft, passed in as mlx-lm models receive their `cache`.
+
+    Holds the context cache of every layer (projected K/V of committed target features),
+    `base` (the target position of the first row), `gaps` (`(row, positions)`: target
+    positions skipped just before context row `row`, see `skip_to`) and the DFlash 2 conv
+    rows. The draft itself keeps only weights, so one loaded draft serves any number of
+    requests, each with its own `DraftState` (`DFlashDraft.make_state`).
+    """
+
+    def __init__(self, layers: int, convs: int, base: int = 0):
+        self.caches = [ContextCache() for _ in range(layers)]
+        self.conv = [ConvRows() for _ in range(convs)]
+        self.base = base
+        self.gaps: list[tuple[int, int]] = []
+
+    @property
+    def context_length(self) -> int:
+        """Rows in the context cache (from target position `base`, see `gaps`)."""
+        return self.caches[0].offset if self.caches else 0
+
+    @property
+    def context_end(self) -> int:
+        """The target position the next context row stands for."""
+        return self.base + self.context_length + sum(g for _, g in self.gaps)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """The context cache's arrays (to evaluate between prefill chunks)."""
+        return [a for c in self.caches if c.keys is not None for a in (c.keys, c.values)]
+
+    def _set_gap(self) -> None:
+        total = sum(g for _, g in self.gaps)
+        for c in self.caches:
+            c.gap = total
+
+    def skip_to(self, position: int) -> None:
+        """Positions from `context_end` up to `position` will have no row (their features
+        were not captured); the next row added stands for `position`."""
+        end = self.context_end
+        if position < end:
+            raise ValueError(f"cannot skip back from position {end} to {position}")
+        if position == end:
+            return
+        rows = self.context_length
+        if self.gaps and self.gaps[-1][0] == rows:
+            self.gaps[-1] = (rows, self.gaps[-1][1] + position - end)
+        else:
+            self.gaps.append((rows, position - end))
+        self._set_gap()
+
+    def trim_to(self, position: int) -> None:
+        """Drop rows and gaps so that the context ends at target position `position`."""
+        end = self.context_end
+        while end > position and end > self.base:
+            rows = self.context_length
+            if self.gaps and self.gaps[-1][0] == rows:  # a gap is the last thing
+                row, skipped = self.gaps.pop()
+                cut = min(skipped, end - position)
+                if skipped > cut:
+                    self.gaps.append((row, skipped - cut))
+            else:
+                cut = min(rows - (self.gaps[-1][0] if self.gaps else 0), end - position)
+                for c in self.caches:
+                    c.trim(cut)
+            end -= cut
+        self._set_gap()
+        if position < self.base:
+            self.__init__(len(self.caches), len(self.conv), base=position)
+        elif position > end:
+            self.skip_to(position)
+
+    def commit(self, accepted: int | None) -> None:
+        """After a verify: `accepted` drafts were kept (None: no draft pass this cycle)."""
+        for rows in self.conv:
+            rows.commit(accepted)
 
 
 class DFlashDraft(nn.Module):
     """A DFlash draft (v1, or v2 when the config has the DFlash 2 fields).
 
-    Call `bind` with the target's embedding and head before use (`dflash_mlx.generate`
-    does). Per cycle the engine calls `add_context`, `propose`, then `commit`.
+    Weights and pure functions only: every call that reads or extends the context takes
+    the request's `DraftState`. Call `bind` with the target's embedding and head before use
+    (`dflash_mlx.generate` does). Per cycle the engine calls `add_context`, runs the block
+    (`block_logits`, or `block_hidden` + `logits`), then commits the state. Sampling the
+    proposals is `sampling.propose`'s job.
     """
 
     def __init__(self, cfg: DraftConfig):
@@ -196,8 +285,6 @@ class DFlashDraft(nn.Module):
         # borrowed, never part of the draft's parameters or checkpoint.
         self._embed: Callable[[mx.array], mx.array] | None = None
         self._lm_head: Callable[[mx.array], mx.array] | None = None
-        self._caches: list[ContextCache] = []
-        self.reset()
         if cfg.is_dflash2:
             self.conv_state = "carry" if cfg.conv_cross_block_state else "zero"
 
@@ -217,71 +304,9 @@ class DFlashDraft(nn.Module):
     def is_bound(self) -> bool:
         return self._embed is not None
 
-    def reset(
-        self,
-        caches: list[ContextCache] | None = None,
-        base: int = 0,
-        gaps: Sequence[tuple[int, int]] = (),
-    ) -> None:
-        """Start a new context: empty, or `caches` kept from an earlier request. `base` is
-        the target position of the first row, `gaps` the `(row, positions)` skipped before
-        a row (see `skip_to`)."""
-        self._caches = caches if caches is not None else [ContextCache() for _ in self.layers]
-        self.context_base = base
-        self._gaps = [tuple(g) for g in gaps]
-        self._set_gap()
-        self.commit(None)
-
-    @property
-    def gaps(self) -> list[tuple[int, int]]:
-        """`(row, positions)`: target positions skipped just before context row `row`."""
-        return list(self._gaps)
-
-    def _set_gap(self) -> None:
-        total = sum(g for _, g in self._gaps)
-        for c in self._caches:
-            c.gap = total
-
-    @property
-    def context_end(self) -> int:
-        """The target position the next context row stands for."""
-        return self.context_base + self.context_length + sum(g for _, g in self._gaps)
-
-    def skip_to(self, position: int) -> None:
-        """Positions from `context_end` up to `position` will have no row (their features
-        were not captured); the next row added stands for `position`."""
-        end = self.context_end
-        if position < end:
-            raise ValueError(f"cannot skip back from position {end} to {position}")
-        if position == end:
-            return
-        rows = self.context_length
-        if self._gaps and self._gaps[-1][0] == rows:
-            self._gaps[-1] = (rows, self._gaps[-1][1] + position - end)
-        else:
-            self._gaps.append((rows, position - end))
-        self._set_gap()
-
-    def trim_to(self, position: int) -> None:
-        """Drop rows and gaps so that the context ends at target position `position`."""
-        end = self.context_end
-        while end > position and end > self.context_base:
-            rows = self.context_length
-            if self._gaps and self._gaps[-1][0] == rows:  # a gap is the last thing
-                row, skipped = self._gaps.pop()
-                cut = min(skipped, end - position)
-                if skipped > cut:
-                    self._gaps.append((row, skipped - cut))
-            else:
-                cut = min(rows - (self._gaps[-1][0] if self._gaps else 0), end - position)
-                for c in self._caches:
-                    c.trim(cut)
-            end -= cut
-        self._set_gap()
-        if position < self.context_base:
-            self.reset(base=position)
-        elif position > end:
-            self.skip_to(position)
+    def make_state(self, base: int = 0) -> DraftState:
+        """An empty context whose first row will stand for target position `base`."""
+        return DraftState(len(self.layers), len(self._convs()), base)
 
     def _convs(self) -> list[DynamicConv]:
         return [c for layer in self.layers for c in layer.convs()]
@@ -296,40 +321,26 @@ class DFlashDraft(nn.Module):
     @conv_state.setter
     def conv_state(self, mode: str) -> None:
         if mode not in ("carry", "zero"):
-            raise ValueError(f"conv_state {mode!r}: expected 'carry' or 'zero'")
+            raise BadArgument(f"conv_state {mode!r}: expected 'carry' or 'zero'")
         if not self.config.is_dflash2:
-            raise ValueError("conv_state applies to DFlash 2 drafts only")
+            raise BadArgument("conv_state applies to DFlash 2 drafts only")
         for c in self._convs():
             c.carry_state = mode == "carry"
 
-    def commit(self, accepted: int | None) -> None:
-        """After a verify: `accepted` drafts were kept (None: no draft pass this cycle)."""
-        for c in self._convs():
-            c.commit(accepted)
-
-    @property
-    def state(self) -> list[mx.array]:
-        """The context cache's arrays (to evaluate between prefill chunks)."""
-        return [a for c in self._caches if c.keys is not None for a in (c.keys, c.values)]
-
-    @property
-    def context_length(self) -> int:
-        """Rows in the context cache (from target position `context_base`, see `gaps`)."""
-        return self._caches[0].offset if self._caches else 0
-
-    def add_context(self, features: mx.array) -> None:
+    def add_context(self, features: mx.array, state: DraftState) -> None:
         """Append target features `(1, m, len(target_layer_ids) * D)` of committed positions."""
         c = self.hidden_norm(self.fc(features))
-        for layer, cache in zip(self.layers, self._caches):
+        for layer, cache in zip(self.layers, state.caches):
             layer.self_attn.add_context(c, cache)
 
-    def hidden(self, block_ids: mx.array) -> mx.array:
+    def hidden(self, block_ids: mx.array, state: DraftState) -> mx.array:
         """Final normed hidden states of the block rows, `(1, L, D)`."""
         if self._embed is None:
             raise RuntimeError("the draft is not bound to a target; call bind() first")
         x = self._embed(block_ids)
-        for layer, cache in zip(self.layers, self._caches):
-            x = layer(x, cache)
+        for i, (layer, cache) in enumerate(zip(self.layers, state.caches)):
+            rows = state.conv[2 * i : 2 * i + 2] if state.conv else None
+            x = layer(x, cache, rows)
         return self.norm(x)
 
     def logits(self, h: mx.array) -> mx.array:
@@ -364,35 +375,22 @@ class DFlashDraft(nn.Module):
             x = layer(x, BlockContext(k[seq_index], v[seq_index], anchors))
         return self.logits(self.norm(x)[:, 1:]).astype(mx.float32)
 
-    def _block_rows(self, anchor: mx.array, length: int, rows: int) -> mx.array:
+    def block_hidden(self, anchor: mx.array, length: int, rows: int, state: DraftState) -> mx.array:
         """Final normed hidden states of block indices `1..rows`, `(rows, D)`."""
         mask = mx.full((length - 1,), self.config.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor.reshape(1), mask])[None]
-        return self.hidden(block)[0, 1 : rows + 1]
+        return self.hidden(block, state)[0, 1 : rows + 1]
 
-    def block_logits(self, anchor: mx.array, length: int, rows: int | None = None) -> mx.array:
-        """Logits for block indices `1..rows` (default `length-1`), `(rows, V)`, float32.
+    def block_logits(
+        self, anchor: mx.array, length: int, rows: int | None, state: DraftState
+    ) -> mx.array:
+        """Logits for block indices `1..rows` (None: `length-1`), `(rows, V)`, float32.
 
         The draft attends over all `length` rows; only the rows the verifier will check
         go through the LM head, the draft's most expensive matmul on large vocabularies.
         """
         rows = length - 1 if rows is None else rows
-        return self.logits(self._block_rows(anchor, length, rows)).astype(mx.float32)
-
-    def propose(
-        self, anchor: mx.array, length: int, rows: int, params: SamplingParams, key: mx.array
-    ) -> tuple[mx.array, mx.array | None]:
-        """Draft tokens for block indices `1..rows` and, when sampling, the distributions
-        `q` `(rows, V)` they were drawn from (SPEC 4)."""
-        if "candidate_selector" in self:
-            h = self._block_rows(anchor, length, rows)
-            logits = self.logits(h).astype(mx.float32)
-            return self.candidate_selector.walk(logits, h, anchor, params.temperature, key)
-        logits = self.block_logits(anchor, length, rows)
-        if params.greedy:
-            return mx.argmax(logits, axis=-1), None
-        q = probabilities(logits, params)
-        return sample(q, key), q
+        return self.logits(self.block_hidden(anchor, length, rows, state)).astype(mx.float32)
 
 
 def embedding_scale_for(model_type: str, hidden_size: int) -> float:

@@ -1,9 +1,11 @@
 """Target/draft distributions and the acceptance rules (SPEC 4).
 
 Owns: turning logits into the exact distribution a request samples from (top-k / top-p /
-min-p truncation with mlx-lm's own filters, then temperature), greedy prefix matching, and
+min-p truncation with mlx-lm's own filters, then temperature), the random keys of a seeded
+request (one per generated position and purpose: `PositionKeys`), drawing the draft's
+proposals (`propose`, including DFlash 2's selector walk), greedy prefix matching, and
 speculative rejection sampling. Everything stays on the device; callers read back only the
-accepted count and the tokens. Knows nothing about models or caches.
+accepted count and the tokens. Models are called, never changed.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from .errors import BadArgument
 
 
 @dataclass(frozen=True)
@@ -23,13 +27,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature {self.temperature!r} must be a number >= 0")
+            raise BadArgument(f"temperature {self.temperature!r} must be a number >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]")
+            raise BadArgument(f"top_p {self.top_p!r} must be in (0, 1]")
         if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise ValueError(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
+            raise BadArgument(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p {self.min_p!r} must be in [0, 1]")
+            raise BadArgument(f"min_p {self.min_p!r} must be in [0, 1]")
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +64,100 @@ def sample(probs: mx.array, key: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs), key=key)
 
 
+def sample_rows(probs: mx.array, keys: mx.array) -> mx.array:
+    """One draw from each row `i` of `probs` `(n, V)` with its own key `keys[i]`."""
+    if probs.shape[0] == 0:
+        return mx.zeros((0,), dtype=mx.int32)
+    return mx.stack([sample(probs[i], keys[i]) for i in range(probs.shape[0])])
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class PositionKeys:
+    """The random keys of one seeded request, one per (generated position, purpose).
+
+    The draw that decides generated position `i` (the draft's proposal for it, the
+    acceptance test of that proposal, or the target's own token there) uses a key that is
+    a function of the seed, `i` and the purpose alone: never of which cycle, width or
+    earlier draw it falls in (SPEC 4). Keys are threefry keys (two uint32) built on the host.
+    """
+
+    DRAFT, ACCEPT, FINAL = 1, 2, 3
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._base = _mix(int(seed) & _MASK64)
+
+    def __call__(self, purpose: int, start: int, n: int) -> mx.array:
+        """Keys `(n, 2)` for positions `start .. start + n - 1`."""
+        out = []
+        for i in range(start, start + n):
+            x = _mix(self._base ^ _mix(4 * i + purpose))
+            out.append([x >> 32, x & 0xFFFFFFFF])
+        return mx.array(out, dtype=mx.uint32).reshape(n, 2)
+
+
+def propose(
+    draft, state, anchor: mx.array, length: int, rows: int, params: SamplingParams, keys
+) -> tuple[mx.array, mx.array | None]:
+    """The draft's tokens for block indices `1..rows` and, when sampling, the distributions
+    `q` `(rows, V)` they were drawn from (SPEC 4). `keys` `(rows, 2)`: one per row."""
+    if "candidate_selector" in draft:
+        h = draft.block_hidden(anchor, length, rows, state)
+        logits = draft.logits(h).astype(mx.float32)
+        return selector_walk(draft.candidate_selector, logits, h, anchor, params.temperature, keys)
+    logits = draft.block_logits(anchor, length, rows, state)
+    if params.greedy:
+        return mx.argmax(logits, axis=-1), None
+    q = probabilities(logits, params)
+    return sample_rows(q, keys), q
+
+
+def selector_walk(
+    selector,
+    logits: mx.array,
+    hidden: mx.array,
+    anchor: mx.array,
+    temperature: float = 0.0,
+    keys: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """DFlash 2's walk (SPEC 3.2): proposals `(T,)` and, when sampling, their `q` `(T, V)`.
+
+    Greedy takes `argmax_b S_t(prev, b)`; sampling draws from
+    `softmax_b(S_t(prev, b) / temperature)` over the candidates, slot `t` with `keys[t]`.
+    """
+    cands, table = selector.pair_table(logits, hidden, anchor)
+    T, k = cands.shape
+    idx = mx.array(0)  # slot 1's predecessor rows are all the anchor
+    picks, probs = [], []
+    for t in range(T):
+        row = table[t, idx]  # (k,)
+        if temperature > 0:
+            scaled = row / temperature
+            probs.append(mx.softmax(scaled))
+            idx = mx.random.categorical(scaled, key=keys[t])
+        else:
+            idx = mx.argmax(row)
+        picks.append(idx)
+    picks = mx.stack(picks)
+    tokens = mx.take_along_axis(cands, picks[:, None], axis=-1)[:, 0]
+    if temperature == 0:
+        return tokens, None
+    q = mx.put_along_axis(
+        mx.zeros((T, logits.shape[-1]), dtype=mx.float32), cands, mx.stack(probs), axis=-1
+    )
+    return tokens, q
+
+
 def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """Longest prefix of `drafts` (W-1,) equal to the target's argmax (W, V).
 
@@ -74,7 +172,7 @@ def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
 
 
 def rejection_accept(
-    drafts: mx.array, q: mx.array, p: mx.array, key: mx.array
+    drafts: mx.array, q: mx.array, p: mx.array, accept_keys: mx.array, final_keys: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Speculative sampling over one verified block.
 
@@ -82,20 +180,20 @@ def rejection_accept(
     the anchor and at each draft. Accept `d_i` with probability `min(1, p_{i-1}(d_i) /
     q_i(d_i))`; at the first rejection draw from `normalize(max(0, p_{i-1} - q_i))` (or
     `p_{i-1}` when that has no mass); after W-1 acceptances draw a bonus from `p_{W-1}`.
-    Returns `(n, token)`: emit `drafts[:n]` then `token`.
+    `accept_keys[i]` (W-1, 2) draws the test of `d_{i+1}`, `final_keys[n]` (W, 2) the token
+    after `n` acceptances. Returns `(n, token)`: emit `drafts[:n]` then `token`.
     """
-    k_accept, k_final = mx.random.split(key)
     W = p.shape[0]
     if W == 1:
-        return mx.array(0), sample(p[0], k_final)
+        return mx.array(0), sample(p[0], final_keys[0])
     rows = mx.arange(W - 1)
     p_d = p[rows, drafts]
     q_d = q[rows, drafts]
-    u = mx.random.uniform(shape=(W - 1,), key=k_accept)
+    u = mx.stack([mx.random.uniform(key=accept_keys[i]) for i in range(W - 1)])
     accept = (u * q_d < p_d).astype(mx.int32)  # u < p/q without dividing by q
     n = mx.cumprod(accept).sum()
     residual = mx.maximum(p[:-1] - q, 0.0)
     mass = residual.sum(axis=-1, keepdims=True)
     residual = mx.where(mass > 1e-9, residual / mx.maximum(mass, 1e-30), p[:-1])
     final = mx.concatenate([residual, p[-1:]], axis=0)  # row i: where we stop after i accepts
-    return n, sample(final[n], k_final)
+    return n, sample(final[n], final_keys[n])

@@ -3,9 +3,10 @@
 For mask slot t with draft logits `U_t`, candidates `C_t = top-k(U_t)` and the draft's final
 normed hidden state `h_t`, a successor `b` following a predecessor `a` scores
 `S_t(a, b) = U_t(b) + sum_r A(a)_r H(h_t)_r B(b)_r`. All k x k pair scores of every slot are
-computed in one batched pass; only the walk over the table is sequential. Sampling returns
-the proposal distribution over the full vocabulary (candidate indices mapped back to token
-ids) so rejection sampling stays exact. Knows nothing about the draft's layers or caches.
+computed in one batched pass; only the walk over the table is sequential, and it lives with
+the other draws in `sampling.selector_walk` (which returns the proposal distribution over
+the full vocabulary, candidate indices mapped back to token ids, so rejection sampling
+stays exact). Knows nothing about the draft's layers or caches.
 """
 
 from __future__ import annotations
@@ -40,39 +41,3 @@ class CandidateSelector(nn.Module):
         h = self.hidden_projection(hidden).astype(mx.float32)  # (T, r)
         pair = (a * h[:, None]) @ b.transpose(0, 2, 1)  # (T, k, k)
         return cands, u[:, None, :] + pair
-
-    def walk(
-        self,
-        logits: mx.array,
-        hidden: mx.array,
-        anchor: mx.array,
-        temperature: float = 0.0,
-        key: mx.array | None = None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Proposals `(T,)` and, when sampling, their distributions `q` `(T, V)`.
-
-        Greedy takes `argmax_b S_t(prev, b)`; sampling draws from
-        `softmax_b(S_t(prev, b) / temperature)` over the candidates.
-        """
-        cands, table = self.pair_table(logits, hidden, anchor)
-        T, k = cands.shape
-        idx = mx.array(0)  # slot 1's predecessor rows are all the anchor
-        picks, probs = [], []
-        keys = mx.random.split(key, T) if temperature > 0 else None
-        for t in range(T):
-            row = table[t, idx]  # (k,)
-            if temperature > 0:
-                scaled = row / temperature
-                probs.append(mx.softmax(scaled))
-                idx = mx.random.categorical(scaled, key=keys[t])
-            else:
-                idx = mx.argmax(row)
-            picks.append(idx)
-        picks = mx.stack(picks)
-        tokens = mx.take_along_axis(cands, picks[:, None], axis=-1)[:, 0]
-        if temperature == 0:
-            return tokens, None
-        q = mx.put_along_axis(
-            mx.zeros((T, logits.shape[-1]), dtype=mx.float32), cands, mx.stack(probs), axis=-1
-        )
-        return tokens, q

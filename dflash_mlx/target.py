@@ -17,6 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from .errors import BadCheckpoint
+
 
 class _Recorder:
     """Per-forward scratch the wrapped layers write into (references only, no compute)."""
@@ -69,7 +71,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     if layers is None:
         layers = getattr(_inner_lm(model).model, "layers", None)
     if not layers:
-        raise ValueError(
+        raise BadCheckpoint(
             f"cannot find the decoder layers of target {type(model).__module__}; "
             "expected an mlx-lm causal LM with `.layers`"
         )
@@ -125,7 +127,7 @@ class TargetAdapter:
         """A prompt cache every entry of which we can rewind; refuses targets we cannot."""
         cache = make_prompt_cache(self.model)
         if len(cache) != self.num_layers:
-            raise ValueError(
+            raise BadCheckpoint(
                 f"target {self.model_type!r} has {self.num_layers} layers but "
                 f"{len(cache)} cache entries; speculative decoding needs one per layer"
             )
@@ -135,7 +137,7 @@ class TargetAdapter:
                 # the layer's own window mask computes the same attention.
                 cache[i] = c = KVCache()
             if not (isinstance(c, ArraysCache) or c.is_trimmable()):
-                raise ValueError(
+                raise BadCheckpoint(
                     f"target {self.model_type!r}: layer {i} uses {type(c).__name__}, which "
                     "can be neither trimmed nor replayed, so drafts could not be rewound"
                 )
@@ -180,22 +182,36 @@ class TargetAdapter:
         """Recurrent states before a verify pass (array references: MLX arrays are values)."""
         return {i: (list(cache[i].cache), *cache[i].state[1:]) for i in self._rec.replay_ids}
 
-    def rewind(self, cache: list[Any], keep: int, total: int, snapshot: dict[int, tuple]) -> None:
-        """Undo the last `total - keep` positions of the latest forward pass.
+    def recorded_calls(self) -> dict[int, tuple]:
+        """The recurrent layers' inputs in the latest forward pass (kept by a cycle for its
+        rewind, so that another request's pass in between cannot replace them)."""
+        return dict(self._rec.calls)
+
+    def rewind(
+        self,
+        cache: list[Any],
+        keep: int,
+        total: int,
+        snapshot: dict[int, tuple],
+        calls: dict[int, tuple] | None = None,
+    ) -> None:
+        """Undo the last `total - keep` positions of a forward pass.
 
         Trimmable caches drop them; recurrent caches go back to `snapshot` and re-run their
-        layer over the first `keep` inputs it saw (SPEC 5.3).
+        layer over the first `keep` inputs it saw (SPEC 5.3): `calls`, as `recorded_calls`
+        returned them after that pass (default: the latest pass).
         """
         drop = total - keep
         if drop <= 0:
             return
+        calls = self._rec.calls if calls is None else calls
         for i, c in enumerate(cache):
             if i in snapshot:
                 continue
             c.trim(drop)
         self.restore(cache, snapshot)
         for i in snapshot if keep > 0 else ():
-            x, args, kwargs = self._rec.calls[i]
+            x, args, kwargs = calls[i]
             args = tuple(_slice_mask(a, keep) for a in args)
             kwargs = {k: _slice_mask(v, keep) for k, v in kwargs.items()}
             type(self.layers[i]).__mro__[1].__call__(self.layers[i], x[:, :keep], *args, **kwargs)
@@ -205,7 +221,7 @@ class TargetAdapter:
 def _slice_mask(a: Any, keep: int) -> Any:
     if isinstance(a, mx.array):
         if a.ndim != 2:
-            raise ValueError(
+            raise BadCheckpoint(
                 f"cannot replay a recurrent layer called with a {a.ndim}-d array argument "
                 "(expected a (batch, length) mask or none)"
             )

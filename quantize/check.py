@@ -9,8 +9,7 @@ import mlx.nn as nn
 
 from dflash_mlx.bench_prompts import load_suite
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.generate import encode_prompt
-from dflash_mlx.train import held_out_tau
+from dflash_mlx.generate import DecodeStats, encode_prompt, generate
 
 from .draft import parameter_bytes
 
@@ -33,6 +32,17 @@ class DraftComparison:
         return self.bytes_original - self.bytes_quantized
 
 
+def greedy_tau(model: nn.Module, draft: DFlashDraft, tokenizer, prompts, tokens: int) -> float:
+    """Tau of greedy decoding at the draft's full block, pooled over the prompts (the
+    engine's own statistics: verified tokens / cycles)."""
+    pooled = DecodeStats()
+    for ids in prompts:
+        block = draft.config.block_size
+        r = generate(model, draft, tokenizer, ids, max_tokens=tokens, block_size=block)
+        pooled = pooled.merge(r.stats)
+    return pooled.tau
+
+
 def compare_drafts(
     model: nn.Module,
     tokenizer,
@@ -53,8 +63,8 @@ def compare_drafts(
         for p in chosen
     ]
     return DraftComparison(
-        tau_original=held_out_tau(model, original, tokenizer, ids, max_tokens),
-        tau_quantized=held_out_tau(model, quantized, tokenizer, ids, max_tokens),
+        tau_original=greedy_tau(model, original, tokenizer, ids, max_tokens),
+        tau_quantized=greedy_tau(model, quantized, tokenizer, ids, max_tokens),
         bytes_original=parameter_bytes(original),
         bytes_quantized=parameter_bytes(quantized),
         prompts=len(chosen),

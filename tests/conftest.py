@@ -6,6 +6,7 @@ The builders live in `dflash_mlx.tiny` (shared with demos and benchmarks).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,16 @@ def private_cache(tmp_path_factory):
         os.environ.pop("DFLASH_MLX_CACHE", None)
     else:
         os.environ["DFLASH_MLX_CACHE"] = old
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_pair_state():
+    """Each test module starts with no width chooser learnt by another module's requests
+    through the same session-scoped pair (tests must not depend on their order)."""
+    generate = sys.modules.get("dflash_mlx.generate")
+    if generate is not None:
+        generate._PAIRS.clear()
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -321,7 +321,8 @@ def test_ctrl_c_before_the_first_token_drops_the_message(session, monkeypatch, t
     interrupt_after(0, monkeypatch)
     _, err = drive(session, "hello", tmp_path=tmp_path)
     monkeypatch.undo()
-    assert session.messages == [] and session.context_tokens == 0
+    # The engine's state may stay cached (it is consistent, and reused only by prefix).
+    assert session.messages == []
     assert "the message was not kept" in err
     drive(session, "hello", tmp_path=tmp_path)
     assert len(session.messages) == 2

@@ -39,8 +39,8 @@ class ScriptedDraft(DFlashDraft):
         self.calls = 0
         self.pos = 0
 
-    def block_logits(self, anchor, length, rows=None):
-        pos = self.pos = self.context_end
+    def block_logits(self, anchor, length, rows, state):
+        pos = self.pos = state.context_end
         assert self.script[pos] == anchor.item(), "draft context length out of sync"
         vocab = self.config.vocab_size
         want = []
@@ -285,7 +285,7 @@ def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
             ids,
             max_tokens=n,
             params=SamplingParams(),
-            key=mx.random.key(0),
+            seed=0,
             width=16,
             draft_block=16,
             chooser=chooser,
@@ -325,8 +325,9 @@ def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, dr
     ch, log = dormant_chooser()
     out1 = [t for c in auto_decode(model, d, turn1, 60, ch, pc) for t in c.tokens]
     assert out1 == ref1 and not log[-1][1], "the request should end dormant"
-    assert d.context_end == len(turn1) + len(out1) - 1 and d.gaps, "the dormant stretch: a gap"
-    assert d.context_length >= len(turn1), "the prompt's context was kept"
+    kept = pc.state
+    assert kept.draft_end == len(turn1) + len(out1) - 1, "the dormant stretch: a gap"
+    assert kept.draft.context_length >= len(turn1), "the prompt's context was kept"
     turn2 = turn1 + out1 + tok.encode(" print")
     ref2 = target_greedy(model, turn2, 40)
     d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99

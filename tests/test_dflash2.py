@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx import LoadError, generate, load_draft
+from dflash_mlx import LoadError, generate, load_draft, sampling
 from dflash_mlx.config import DraftConfig
 from dflash_mlx.conv import (
     CONV_KERNEL_SOURCE,
@@ -23,15 +23,21 @@ from dflash_mlx.conv import (
 )
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.loading import bind_draft
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.sampling import SamplingParams, propose, selector_walk
 from dflash_mlx.selector import CandidateSelector
 
 from .conftest import build_draft, draft_config
 from .test_decode import PROMPTS, target_greedy
 from .test_sampling import (
+    JOINT_PARAMS,
+    TableDraft,
     build_tiny_vocab_pair,
     chi_square_rejects,
+    exact_joint,
     exact_second_token,
+    greedy_table,
+    joint_counts,
+    joint_rejects,
     second_token_counts,
 )
 
@@ -221,7 +227,7 @@ def test_greedy_walk_equals_brute_force(seed):
     sel = random_selector(seed)
     logits = mx.random.normal((6, 40)) * 3
     hidden = mx.random.normal((6, 32))
-    tokens, q = sel.walk(logits, hidden, mx.array([3]))
+    tokens, q = selector_walk(sel, logits, hidden, mx.array([3]))
     assert q is None
     assert tokens.tolist() == brute_force_walk(sel, logits, hidden, 3)
 
@@ -237,7 +243,7 @@ def test_walk_follows_the_pair_term_not_the_per_slot_argmax():
     sel.predecessor_codebook, sel.successor_codebook = mx.array(pred), mx.array(succ)
     logits = mx.array([[0, 1.0, 0.5, 0.2, -5, -5, -5, -5], [0, 0, 0, 0, 0, 0, 0, 0.0]])
     hidden = mx.array([[1.0, 0.0], [0.0, 0.0]])
-    tokens, _ = sel.walk(logits, hidden, mx.array([5]))
+    tokens, _ = selector_walk(sel, logits, hidden, mx.array([5]))
     assert mx.argmax(logits[0]).item() == 1
     assert tokens[0].item() == 2, "... although token 1 has the higher logit"
 
@@ -245,7 +251,8 @@ def test_walk_follows_the_pair_term_not_the_per_slot_argmax():
 def test_sampled_walk_returns_q_on_token_ids():
     sel = random_selector(3)
     logits = mx.random.normal((4, 40)) * 2
-    tokens, q = sel.walk(logits, mx.random.normal((4, 32)), mx.array([1]), 0.8, mx.random.key(0))
+    keys = mx.random.split(mx.random.key(0), 4)
+    tokens, q = selector_walk(sel, logits, mx.random.normal((4, 32)), mx.array([1]), 0.8, keys)
     assert q.shape == (4, 40)
     assert mx.allclose(q.sum(-1), mx.ones(4), atol=1e-5).item()
     assert ((q > 0).sum(-1) <= 5).all().item()
@@ -297,16 +304,17 @@ def test_identity_conv_and_zero_selector_propose_like_dflash1(target, draft2):
     sel = d2.candidate_selector
     sel.predecessor_codebook = mx.zeros_like(sel.predecessor_codebook)
     sel.successor_codebook = mx.zeros_like(sel.successor_codebook)
+    states = []
     for d in (d1, d2):
         bind_draft(d, model)
-        d.reset()
+        states.append(d.make_state())
         mx.random.seed(4)
-        d.add_context(mx.random.normal((1, 12, 128)))
+        d.add_context(mx.random.normal((1, 12, 128)), states[-1])
     greedy = SamplingParams()
     for anchor in (3, 17, 200):
         a = mx.array([anchor])
-        t1, _ = d1.propose(a, 16, 15, greedy, mx.random.key(0))
-        t2, _ = d2.propose(a, 16, 15, greedy, mx.random.key(0))
+        t1, _ = propose(d1, states[0], a, 16, 15, greedy, None)
+        t2, _ = propose(d2, states[1], a, 16, 15, greedy, None)
         assert t1.tolist() == t2.tolist()
 
 
@@ -315,27 +323,27 @@ def test_conv_state_after_partial_full_and_no_acceptance(target, draft2):
     bind_draft(draft2, model)
     draft2.conv_state = "carry"
     try:
-        draft2.reset()
+        st = draft2.make_state()
         mx.random.seed(6)
-        draft2.add_context(mx.random.normal((1, 9, 128)))
-        conv = draft2.layers[1].mlp_conv
+        draft2.add_context(mx.random.normal((1, 9, 128)), st)
+        rows = st.conv[3]  # layer 1's mlp_conv
         a = mx.array([7])
-        draft2.propose(a, 16, 15, SamplingParams(), mx.random.key(0))
-        rows_in, rows_out = conv._rows.last
-        draft2.commit(3)  # partial acceptance: the row at block index 3
-        assert mx.array_equal(conv._rows.state[0], rows_in[:, 3]).item()
-        assert mx.array_equal(conv._rows.state[1], rows_out[:, 3]).item()
-        draft2.propose(a, 16, 15, SamplingParams(), mx.random.key(0))
-        rows_in, _ = conv._rows.last
-        draft2.commit(0)  # full rejection: the anchor's row
-        assert mx.array_equal(conv._rows.state[0], rows_in[:, 0]).item()
+        propose(draft2, st, a, 16, 15, SamplingParams(), None)
+        rows_in, rows_out = rows.last
+        st.commit(3)  # partial acceptance: the row at block index 3
+        assert mx.array_equal(rows.state[0], rows_in[:, 3]).item()
+        assert mx.array_equal(rows.state[1], rows_out[:, 3]).item()
+        propose(draft2, st, a, 16, 15, SamplingParams(), None)
+        rows_in, _ = rows.last
+        st.commit(0)  # full rejection: the anchor's row
+        assert mx.array_equal(rows.state[0], rows_in[:, 0]).item()
         # The carried row changes what the next block computes at index 0.
-        carried = draft2.block_logits(a, 16)
-        draft2.commit(None)
-        zeroed = draft2.block_logits(a, 16)
+        carried = draft2.block_logits(a, 16, None, st)
+        st.commit(None)
+        zeroed = draft2.block_logits(a, 16, None, st)
         assert not mx.allclose(carried, zeroed, atol=1e-4).item()
-        draft2.reset()  # a new prompt: zero again
-        assert all(c._rows.state == [None, None] for la in draft2.layers for c in la.convs())
+        fresh = draft2.make_state()  # a new prompt: zero again
+        assert all(r.state == [None, None] for r in fresh.conv)
     finally:
         draft2.conv_state = "zero"
 
@@ -376,15 +384,41 @@ def test_sampled_dflash2_matches_target_distribution(tiny_vocab_pair2):
 def test_sampling_test_detects_q_left_on_candidate_indices(tiny_vocab_pair2, monkeypatch):
     """Drop the candidate-index -> token-id mapping of q: the same test must fail."""
     model, draft = tiny_vocab_pair2
-    real_walk = CandidateSelector.walk
+    real_walk = sampling.selector_walk
 
-    def unmapped(self, logits, hidden, anchor, temperature=0.0, key=None):
-        tokens, q = real_walk(self, logits, hidden, anchor, temperature, key)
+    def unmapped(sel, logits, hidden, anchor, temperature=0.0, keys=None):
+        tokens, q = real_walk(sel, logits, hidden, anchor, temperature, keys)
         # q as the candidates' probabilities in candidate order, at ids 0..k-1
-        vals = mx.sort(q, axis=-1)[:, ::-1][:, : self.top_k]
-        wrong = mx.concatenate([vals, mx.zeros((q.shape[0], q.shape[1] - self.top_k))], -1)
+        vals = mx.sort(q, axis=-1)[:, ::-1][:, : sel.top_k]
+        wrong = mx.concatenate([vals, mx.zeros((q.shape[0], q.shape[1] - sel.top_k))], -1)
         return tokens, wrong
 
-    monkeypatch.setattr(CandidateSelector, "walk", unmapped)
+    monkeypatch.setattr(sampling, "selector_walk", unmapped)
     counts, _ = second_token_counts(model, draft, SamplingParams(temperature=1.0), 2500)
     assert chi_square_rejects(counts, exact_second_token(model, 1.0, 0, 1.0))
+
+
+def test_selector_walk_past_slot_1_keeps_the_joint_distribution(tiny_vocab_pair2, monkeypatch):
+    """DFlash 2 at width 4: slots 2 and 3 are drawn from the walk's q (the pair term of
+    their predecessor), each tested, with the bonus after; the joint distribution of the
+    first five tokens must be the target's. With q left on candidate indices for slots
+    after the first only, the same test must fail."""
+    model, draft = tiny_vocab_pair2
+    table = TableDraft(draft, greedy_table(model))
+    counts, by_accepted = joint_counts(model, table, JOINT_PARAMS, 3000)
+    assert min(by_accepted) > 50, f"every acceptance length must occur: {by_accepted}"
+    exact = exact_joint(model, 1.0, 3, 1.0)
+    assert not joint_rejects(counts, exact)
+
+    real_walk = sampling.selector_walk
+
+    def later_slots_unmapped(sel, logits, hidden, anchor, temperature=0.0, keys=None):
+        tokens, q = real_walk(sel, logits, hidden, anchor, temperature, keys)
+        k = sel.top_k
+        vals = mx.sort(q, axis=-1)[:, ::-1][:, :k]
+        wrong = mx.concatenate([vals, mx.zeros((q.shape[0], q.shape[1] - k))], -1)
+        return tokens, mx.concatenate([q[:1], wrong[1:]])
+
+    monkeypatch.setattr(sampling, "selector_walk", later_slots_unmapped)
+    counts, _ = joint_counts(model, table, JOINT_PARAMS, 2000)
+    assert joint_rejects(counts, exact), "a wrong q after slot 1 was not detected"

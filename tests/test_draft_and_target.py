@@ -15,13 +15,13 @@ from .conftest import draft_config
 
 
 def block_logits_after(draft: DFlashDraft, feats: mx.array, chunks: list[int]) -> mx.array:
-    draft.reset()
+    st = draft.make_state()
     start = 0
     for n in chunks:
-        draft.add_context(feats[:, start : start + n])
+        draft.add_context(feats[:, start : start + n], st)
         start += n
-    assert draft.context_length == feats.shape[1]
-    return draft.block_logits(mx.array([5]), draft.config.block_size)
+    assert st.context_length == feats.shape[1]
+    return draft.block_logits(mx.array([5]), draft.config.block_size, None, st)
 
 
 def test_incremental_context_equals_whole_context(target, draft):
@@ -57,23 +57,25 @@ def test_skipped_positions_keep_true_rope_distances(target, draft):
     feats = mx.random.normal((1, 12, 2 * 64))
     block = draft.config.block_size
     plain = block_logits_after(draft, feats, [12])
-    draft.reset(base=40)
-    draft.add_context(feats)
-    assert draft.context_end == 52
-    assert mx.allclose(plain, draft.block_logits(mx.array([5]), block), atol=1e-4).item()
-    draft.reset()
-    draft.add_context(feats[:, :5])
-    draft.skip_to(9)  # positions 5..8 decoded without capturing features
-    draft.add_context(feats[:, 5:])
-    assert draft.context_end == 16 and draft.gaps == [(5, 4)]
-    gapped = draft.block_logits(mx.array([5]), block)
+    st = draft.make_state(base=40)
+    draft.add_context(feats, st)
+    assert st.context_end == 52
+    shifted = draft.block_logits(mx.array([5]), block, None, st)
+    assert mx.allclose(plain, shifted, atol=1e-4).item()
+    st = draft.make_state()
+    draft.add_context(feats[:, :5], st)
+    st.skip_to(9)  # positions 5..8 decoded without capturing features
+    draft.add_context(feats[:, 5:], st)
+    assert st.context_end == 16 and st.gaps == [(5, 4)]
+    gapped = draft.block_logits(mx.array([5]), block, None, st)
     assert not mx.allclose(plain, gapped, atol=1e-3).item(), "the gap was ignored"
     # The same rows, each placed at its position one by one, draft the same block.
-    draft.reset()
+    st = draft.make_state()
     for i in range(12):
-        draft.skip_to(i + (4 if i >= 5 else 0))
-        draft.add_context(feats[:, i : i + 1])
-    assert mx.allclose(gapped, draft.block_logits(mx.array([5]), block), atol=1e-4).item()
+        st.skip_to(i + (4 if i >= 5 else 0))
+        draft.add_context(feats[:, i : i + 1], st)
+    one_by_one = draft.block_logits(mx.array([5]), block, None, st)
+    assert mx.allclose(gapped, one_by_one, atol=1e-4).item()
 
 
 def test_trimming_a_gapped_context_to_a_position(target, draft):
@@ -82,29 +84,30 @@ def test_trimming_a_gapped_context_to_a_position(target, draft):
     feats = mx.zeros((1, 10, 2 * 64))
 
     def build():
-        draft.reset(base=100)
-        draft.add_context(feats[:, :4])  # 100..103
-        draft.skip_to(110)  # 104..109 skipped
-        draft.add_context(feats[:, 4:])  # 110..115
-        assert draft.context_end == 116
+        st = draft.make_state(base=100)
+        draft.add_context(feats[:, :4], st)  # 100..103
+        st.skip_to(110)  # 104..109 skipped
+        draft.add_context(feats[:, 4:], st)  # 110..115
+        assert st.context_end == 116
+        return st
 
-    build()
-    draft.trim_to(113)  # drops rows 113..115
-    assert (draft.context_length, draft.gaps, draft.context_end) == (7, [(4, 6)], 113)
-    build()
-    draft.trim_to(107)  # into the gap: all rows after it go, the gap shrinks
-    assert (draft.context_length, draft.gaps, draft.context_end) == (4, [(4, 3)], 107)
-    build()
-    draft.trim_to(102)
-    assert (draft.context_length, draft.gaps, draft.context_end) == (2, [], 102)
-    build()
-    draft.trim_to(50)  # before the context's start: an empty context from there
-    assert (draft.context_length, draft.gaps, draft.context_end) == (0, [], 50)
-    build()
-    draft.trim_to(120)  # beyond its end: the missing positions become a gap
-    assert (draft.context_length, draft.gaps, draft.context_end) == (10, [(4, 6), (10, 4)], 120)
+    st = build()
+    st.trim_to(113)  # drops rows 113..115
+    assert (st.context_length, st.gaps, st.context_end) == (7, [(4, 6)], 113)
+    st = build()
+    st.trim_to(107)  # into the gap: all rows after it go, the gap shrinks
+    assert (st.context_length, st.gaps, st.context_end) == (4, [(4, 3)], 107)
+    st = build()
+    st.trim_to(102)
+    assert (st.context_length, st.gaps, st.context_end) == (2, [], 102)
+    st = build()
+    st.trim_to(50)  # before the context's start: an empty context from there
+    assert (st.context_length, st.gaps, st.context_end) == (0, [], 50)
+    st = build()
+    st.trim_to(120)  # beyond its end: the missing positions become a gap
+    assert (st.context_length, st.gaps, st.context_end) == (10, [(4, 6), (10, 4)], 120)
     with pytest.raises(ValueError, match="cannot skip back"):
-        draft.skip_to(119)
+        st.skip_to(119)
 
 
 def test_causal_sliding_layer_masks_future_block_rows(target):
@@ -115,10 +118,11 @@ def test_causal_sliding_layer_masks_future_block_rows(target):
     bind_draft(d, model)
     assert d.layers[0].self_attn.causal and d.layers[0].self_attn.window == 4
     mx.random.seed(2)
-    d.add_context(mx.random.normal((1, 10, 128)))
+    st = d.make_state()
+    d.add_context(mx.random.normal((1, 10, 128)), st)
     # With a causal block, row 1's output cannot depend on the tokens after it.
-    h1 = d.hidden(mx.array([[5, 1, 1, 1, 1, 1, 1, 1]]))
-    h2 = d.hidden(mx.array([[5, 1, 9, 9, 9, 9, 9, 9]]))
+    h1 = d.hidden(mx.array([[5, 1, 1, 1, 1, 1, 1, 1]]), st)
+    h2 = d.hidden(mx.array([[5, 1, 9, 9, 9, 9, 9, 9]]), st)
     assert mx.allclose(h1[:, :2], h2[:, :2], atol=1e-5).item()
     assert not mx.allclose(h1[:, 2:], h2[:, 2:], atol=1e-3).item()
 

@@ -21,10 +21,10 @@ from .test_decode import PROMPTS, target_greedy
 
 def block_logits(draft, model, seed=0):
     bind_draft(draft, model)
-    draft.reset()
+    state = draft.make_state()
     mx.random.seed(seed)
-    draft.add_context(mx.random.normal((1, 24, 128)))
-    return draft.block_logits(mx.array([9]), draft.config.block_size)
+    draft.add_context(mx.random.normal((1, 24, 128)), state)
+    return draft.block_logits(mx.array([9]), draft.config.block_size, None, state)
 
 
 def relative_error(a: mx.array, b: mx.array) -> float:

@@ -66,14 +66,20 @@ def numpy_target_probs(logits: np.ndarray, t: float, top_k: int, top_p: float) -
     return out / out.sum()
 
 
-def always_accept(drafts, q, p, key):
+def always_accept(drafts, q, p, accept_keys, final_keys):
     """A broken rule: trusts the draft blindly."""
-    return mx.array(drafts.size), mx.random.categorical(mx.log(p[-1]), key=key)
+    return mx.array(drafts.size), mx.random.categorical(mx.log(p[-1]), key=final_keys[-1])
 
 
-def ratio_inverted(drafts, q, p, key):
+def ratio_inverted(drafts, q, p, accept_keys, final_keys):
     """A broken rule: accepts with min(1, q/p) instead of min(1, p/q)."""
-    return rejection_accept(drafts, p[:-1], mx.concatenate([q, p[-1:]]), key)
+    return rejection_accept(drafts, p[:-1], mx.concatenate([q, p[-1:]]), accept_keys, final_keys)
+
+
+def split_keys(key, w):
+    """Keys for one verified block of width `w`: `w - 1` accept tests, `w` final draws."""
+    keys = mx.random.split(key, 2 * w - 1)
+    return keys[: w - 1], keys[w - 1 :]
 
 
 # -- the rule on its own --------------------------------------------------------------------
@@ -85,7 +91,7 @@ def first_token_counts(p, q, rule, draws, seed=0):
     for _ in range(draws):
         key, kd, ka = mx.random.split(key, 3)
         drafts = mx.random.categorical(mx.log(q), key=kd).astype(mx.int32)
-        n, tok = rule(drafts, q, p, ka)
+        n, tok = rule(drafts, q, p, *split_keys(ka, p.shape[0]))
         first = drafts[0] if n.item() >= 1 else tok
         counts[first.item()] += 1
     return counts
@@ -116,7 +122,8 @@ def test_residual_without_mass_falls_back_to_p():
     p = mx.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
     q = mx.array([[0.5, 0.5, 0.0]])  # q == p: the residual is empty, every draft accepted
     for s in range(50):
-        n, tok = rejection_accept(mx.array([s % 2], dtype=mx.int32), q, p, mx.random.key(s))
+        drafts = mx.array([s % 2], dtype=mx.int32)
+        n, tok = rejection_accept(drafts, q, p, *split_keys(mx.random.key(s), 2))
         assert n.item() == 1
 
 
@@ -172,7 +179,7 @@ def second_token_counts(model, draft, params, draws):
             PROMPT,
             max_tokens=3,
             params=params,
-            key=mx.random.key(seed),
+            seed=seed,
             width=4,
             draft_block=4,
         )
@@ -221,3 +228,194 @@ def test_seeded_sampling_is_reproducible(target, draft):
     c = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=8, block_size=4)
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens, "a different seed should sample differently"
+
+
+# -- the whole acceptance chain: every accept test, the residuals and the bonus -------------
+
+JOINT = 5  # generated positions: the first token, one width-4 cycle (3 drafts), the bonus
+
+
+class TableDraft(DFlashDraft):
+    """Proposes, after anchor `a`, the target's greedy continuation of `PROMPT + [a]`, as
+    soft logits (the proposal is sampled, often right, often not). A function of the anchor
+    only, so that drafts are accepted 0..3 at a time and every path of the rule is taken."""
+
+    def __init__(self, base: DFlashDraft, table: dict[int, list[int]], sharpness: float = 3.0):
+        super().__init__(base.config)
+        self.update(base.parameters())
+        self.bind(base._embed, base._lm_head)
+        self.table, self.sharpness = table, sharpness
+        self._anchor = 0
+
+    def _table_logits(self, rows: int) -> mx.array:
+        want = (self.table[self._anchor] + [0] * rows)[:rows]
+        return mx.eye(V)[mx.array(want)] * self.sharpness
+
+    def block_logits(self, anchor, length, rows, state):
+        self._anchor = anchor.item()
+        return self._table_logits(length - 1 if rows is None else rows)
+
+    def block_hidden(self, anchor, length, rows, state):  # DFlash 2: the selector reads both
+        self._anchor = anchor.item()
+        return super().block_hidden(anchor, length, rows, state)
+
+    def logits(self, h):
+        return self._table_logits(h.shape[0])
+
+
+def greedy_table(model) -> dict[int, list[int]]:
+    table = {}
+    for a in range(V):
+        seq = PROMPT + [a]
+        for _ in range(3):
+            seq.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+        table[a] = seq[len(PROMPT) + 1 :]
+    return table
+
+
+def exact_joint(model, t, top_k, top_p, n=JOINT) -> dict[tuple[int, ...], float]:
+    """P(x_0 .. x_{n-1} | PROMPT) over every sequence the truncation allows, exactly."""
+    probs = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(probs)
+        logits = np.array(model(mx.array([PROMPT + list(s) for s in prefixes]))[:, -1])
+        nxt = {}
+        for s, row in zip(prefixes, logits.astype(np.float64)):
+            p = numpy_target_probs(row, t, top_k, top_p)
+            for x in np.nonzero(p)[0]:
+                nxt[s + (int(x),)] = probs[s] * p[x]
+        probs = nxt
+    return probs
+
+
+def joint_counts(model, draft, params, draws) -> tuple[dict, list[int]]:
+    """Counts of the first `JOINT` tokens over `draws` seeds (width 4), and how many drafts
+    the first cycle accepted, by count 0..3."""
+    target = TargetAdapter.of(model)
+    counts: dict[tuple[int, ...], int] = {}
+    by_accepted = [0, 0, 0, 0]
+    for seed in range(draws):
+        cycles = decode.speculative_decode(
+            target,
+            draft,
+            PROMPT,
+            max_tokens=JOINT,
+            params=params,
+            seed=seed,
+            width=4,
+            draft_block=4,
+        )
+        tokens, first = [], None
+        for c in cycles:
+            tokens += c.tokens
+            if c.width and first is None:
+                first = c
+        assert first.width == 4
+        by_accepted[first.accepted] += 1
+        key = tuple(tokens[:JOINT])
+        counts[key] = counts.get(key, 0) + 1
+    return counts, by_accepted
+
+
+def joint_rejects(counts: dict, exact: dict) -> bool:
+    if any(k not in exact for k in counts):
+        return True  # a sequence the target can never produce
+    keys = sorted(exact)
+    return chi_square_rejects(
+        np.array([counts.get(k, 0) for k in keys], dtype=np.int64),
+        np.array([exact[k] for k in keys]),
+    )
+
+
+JOINT_PARAMS = SamplingParams(temperature=1.0, top_k=3)
+
+
+@pytest.fixture(scope="module")
+def table_pair(tiny_vocab_pair):
+    model, draft = tiny_vocab_pair
+    return model, TableDraft(draft, greedy_table(model))
+
+
+def test_joint_distribution_of_a_whole_width_4_cycle_is_the_targets(table_pair):
+    """Positions 1..3 are the three drafts of one cycle (accept tests 1, 2 and 3, the
+    residual after a rejection at any of them) and position 4 the bonus when all three
+    were accepted: their joint distribution with the first token must be the target's."""
+    model, draft = table_pair
+    counts, by_accepted = joint_counts(model, draft, JOINT_PARAMS, 3000)
+    assert min(by_accepted) > 100, f"every acceptance length must occur: {by_accepted}"
+    assert not joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
+
+
+def later_drafts_accepted_blindly(drafts, q, p, accept_keys, final_keys):
+    """A broken rule: tests the first draft only; the ones after it are trusted."""
+    n, tok = rejection_accept(drafts, q, p, accept_keys, final_keys)
+    full = mx.random.categorical(mx.log(p[-1]), key=final_keys[-1])
+    return mx.where(n >= 1, drafts.size, n), mx.where(n >= 1, full, tok)
+
+
+def bonus_from_the_wrong_row(drafts, q, p, accept_keys, final_keys):
+    """A broken rule: the bonus token is drawn at the last draft's position, not after it."""
+    if p.shape[0] == 1:  # a plain step has no bonus
+        return rejection_accept(drafts, q, p, accept_keys, final_keys)
+    return rejection_accept(drafts, q, mx.concatenate([p[:-1], p[-2:-1]]), accept_keys, final_keys)
+
+
+def residual_of_the_first_row(drafts, q, p, accept_keys, final_keys):
+    """A broken rule: after a rejection at any position, position 1's residual."""
+    w = p.shape[0]
+    if w == 1:
+        return rejection_accept(drafts, q, p, accept_keys, final_keys)
+    rows = mx.arange(w - 1)
+    u = mx.stack([mx.random.uniform(key=accept_keys[i]) for i in range(w - 1)])
+    n = mx.cumprod((u * q[rows, drafts] < p[rows, drafts]).astype(mx.int32)).sum()
+    residual = mx.maximum(p[:1] - q[:1], 0.0)
+    residual = mx.broadcast_to(residual / residual.sum(), q.shape)
+    final = mx.concatenate([residual, p[-1:]])
+    return n, mx.random.categorical(mx.log(final[n]), key=final_keys[n])
+
+
+@pytest.mark.parametrize(
+    "rule", [later_drafts_accepted_blindly, bonus_from_the_wrong_row, residual_of_the_first_row]
+)
+def test_the_joint_test_detects_rules_wrong_only_after_the_first_draft(
+    table_pair, monkeypatch, rule
+):
+    """Each rule is right at the first drafted position, which is all the second-token test
+    above can see; the joint test must reject each."""
+    model, draft = table_pair
+    monkeypatch.setattr(decode, "rejection_accept", rule)
+    counts, _ = joint_counts(model, draft, JOINT_PARAMS, 2000)
+    assert joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0)), rule.__name__
+
+
+def test_rejections_draw_from_the_residual_not_from_p():
+    """q != p, so drafts are rejected: the token emitted at a rejection follows
+    normalize(max(0, p - q)) exactly, and a rule that draws from p there is caught."""
+    p, q = synthetic_pq(1)
+    residual = np.maximum(np.array(p[0]) - np.array(q[0]), 0)
+    residual /= residual.sum()
+
+    def counts_after_rejection(rule, draws=3000):
+        counts = np.zeros(p.shape[1], dtype=np.int64)
+        key = mx.random.key(5)
+        rejected = 0
+        for _ in range(draws):
+            key, kd, ka = mx.random.split(key, 3)
+            drafts = mx.random.categorical(mx.log(q), key=kd).astype(mx.int32)
+            n, tok = rule(drafts, q, p, *split_keys(ka, p.shape[0]))
+            if n.item() == 0:
+                rejected += 1
+                counts[tok.item()] += 1
+        return counts, rejected
+
+    counts, rejected = counts_after_rejection(rejection_accept)
+    assert rejected > 500, "the test needs real rejections"
+    assert not chi_square_rejects(counts, residual), counts
+
+    def from_p(drafts, q, p, accept_keys, final_keys):
+        n, tok = rejection_accept(drafts, q, p, accept_keys, final_keys)
+        plain = mx.random.categorical(mx.log(p[0]), key=final_keys[0])
+        return n, mx.where(n == 0, plain, tok)
+
+    counts, _ = counts_after_rejection(from_p)
+    assert chi_square_rejects(counts, residual), "drawing from p after a rejection not caught"

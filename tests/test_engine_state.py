@@ -1,0 +1,290 @@
+"""Request state is the request's (issue 13): one draft serves interleaved requests, seeds
+replay under the automatic width, and a failure at any stage leaves a PromptCache that
+the next request can use as if it were fresh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import PromptCache, generate, load, stream_generate
+from dflash_mlx.decode import speculative_decode
+from dflash_mlx.loading import bind_draft
+from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.target import TargetAdapter
+
+from .test_decode import PROMPTS
+
+# -- one draft, two requests -----------------------------------------------------------------
+
+
+def cycles_of(model, draft, ids, **kw):
+    bind_draft(draft, model)
+    args = dict(max_tokens=40, params=SamplingParams(), width=4, draft_block=4) | kw
+    return speculative_decode(TargetAdapter.of(model), draft, ids, **args)
+
+
+def record(cycle):
+    return cycle.tokens, cycle.accepted, cycle.width
+
+
+def interleave(*gens):
+    """Advance the generators one cycle each in turn; the records of each."""
+    got = [[] for _ in gens]
+    live = list(range(len(gens)))
+    while live:
+        for i in list(live):
+            try:
+                got[i].append(record(next(gens[i])))
+            except StopIteration:
+                live.remove(i)
+    return got
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_one_draft_serves_two_interleaved_requests(models_dir, draft, name):
+    """Two generations through one loaded draft, advanced alternately cycle by cycle,
+    commit exactly what each commits alone: the same tokens, the same drafts accepted.
+
+    Greedy, a draft that reads its context position (right at some positions, wrong at
+    others); sampled, the real draft (its proposals and q follow its context cache)."""
+    from .test_decode import ScriptedDraft, target_greedy
+
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(PROMPTS[0])
+    d = ScriptedDraft(draft, ids + target_greedy(model, ids, 40) + [0] * 32, None)
+    d.right = lambda c: (d.pos * 7) % 5
+    solo = [record(c) for c in cycles_of(model, d, ids)]
+    assert 10 < sum(a for _, a, _ in solo) < 3 * len(solo), "partial acceptance expected"
+    both = interleave(cycles_of(model, d, ids), cycles_of(model, d, ids))
+    assert both == [solo, solo], f"{name}: greedy requests changed when interleaved"
+
+    sampled = SamplingParams(temperature=0.8)
+    a_ids, b_ids = ids, tok.encode(PROMPTS[2])
+    solo_a = [record(c) for c in cycles_of(model, draft, a_ids, params=sampled, seed=1)]
+    solo_b = [record(c) for c in cycles_of(model, draft, b_ids, params=sampled, seed=2)]
+    both = interleave(
+        cycles_of(model, draft, a_ids, params=sampled, seed=1),
+        cycles_of(model, draft, b_ids, params=sampled, seed=2),
+    )
+    assert both == [solo_a, solo_b], f"{name}: sampled requests changed when interleaved"
+
+
+# -- seeds replay ----------------------------------------------------------------------------
+
+SEEDED = dict(max_tokens=48, temperature=1.0, seed=3)  # block_size: automatic
+
+
+def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, draft):
+    model, tok = target
+    first = generate(model, draft, tok, "import os", **SEEDED)
+    assert first.verify_width is None, "the width must be the automatic one"
+    # Other requests teach the shared chooser, at other settings and without a seed.
+    for prompt in PROMPTS:
+        generate(model, draft, tok, prompt, max_tokens=40, temperature=0.7)
+    again = generate(model, draft, tok, "import os", **SEEDED)
+    assert again.tokens == first.tokens
+    other = generate(model, draft, tok, "import os", **(SEEDED | {"seed": 4}))
+    assert other.tokens != first.tokens, "a different seed should sample differently"
+
+
+def test_a_seed_replays_in_a_fresh_process(models_dir, target, draft):
+    """Same prompt, settings and seed in a new process (same calibration cache)."""
+    model, tok = target
+    mine = generate(model, draft, tok, "import os", **SEEDED).tokens
+    code = (
+        "import json, sys\n"
+        "from dflash_mlx import generate, load, load_draft\n"
+        "model, tok = load(sys.argv[1])\n"
+        "draft = load_draft(sys.argv[2])\n"
+        "generate(model, draft, tok, 'def f(x):', max_tokens=30, temperature=0.5)\n"
+        f"r = generate(model, draft, tok, 'import os', **{SEEDED!r})\n"
+        "print(json.dumps(r.tokens))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(models_dir / "qwen3"), str(models_dir / "draft")],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == mine
+
+
+def test_draws_follow_the_position_not_the_cycle(target, draft):
+    """A draft the target always rejects: every token is then the target's own draw at its
+    position (the residual is p without the proposal), so W = 1 and W = 4 must give the
+    same tokens for one seed, although the draws fall in different cycles."""
+    from dflash_mlx.draft import DFlashDraft
+
+    from .test_decode import target_greedy
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    never = next(t for t in range(2, 300) if t not in target_greedy(model, ids, 40))
+
+    class Refused(DFlashDraft):
+        def block_logits(self, anchor, length, rows, state):
+            rows = length - 1 if rows is None else rows
+            return mx.broadcast_to(mx.eye(self.config.vocab_size)[never] * 30.0, (rows, 320))
+
+    wrong = Refused(draft.config)
+    wrong.update(draft.parameters())
+    kw = dict(max_tokens=30, temperature=0.05, seed=11)
+    plain = generate(model, None, tok, ids, **kw)
+    wide = generate(model, wrong, tok, ids, block_size=4, **kw)
+    assert wide.cycles == 29 and wide.mean_acceptance == 1.0, "every draft rejected"
+    assert wide.tokens == plain.tokens
+
+
+# -- failures leave a usable PromptCache -----------------------------------------------------
+
+
+class Boom(Exception):
+    pass
+
+
+def fails_on(n: int, real, when=lambda *a: True):
+    """`real`, except that its `n`-th call for which `when(*args)` holds raises `Boom`."""
+    seen = [0]
+
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            seen[0] += 1
+            if seen[0] == n:
+                raise Boom(getattr(real, "__name__", "call"))
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+def run_tokens(model, draft, tok, ids, pc, **kw):
+    stream = stream_generate(
+        model, draft, tok, ids, max_tokens=16, block_size=4, prompt_cache=pc, **kw
+    )
+    return [t for r in stream for t in r.tokens]
+
+
+def injections(model, tok):
+    """Stage -> (patch installer, extra stream_generate arguments)."""
+    import importlib
+
+    import dflash_mlx.decode as decode
+
+    gen_mod = importlib.import_module("dflash_mlx.generate")  # the module, not the function
+
+    adapter = TargetAdapter.of(model)
+    detok = type(tok.detokenizer)
+
+    def chunks(tokens, *_):
+        return tokens.shape[1] > 1 and tokens.shape[1] != 4
+
+    def verifies(tokens, *_):
+        return tokens.shape[1] == 4
+
+    return {
+        "prefill chunk": (
+            lambda m: m.setattr(adapter, "forward", fails_on(2, adapter.forward, chunks)),
+            {"prefill_step": 8},
+        ),
+        "draft": (lambda m: m.setattr(decode, "propose", fails_on(2, decode.propose)), {}),
+        "verify": (
+            lambda m: m.setattr(adapter, "forward", fails_on(2, adapter.forward, verifies)),
+            {},
+        ),
+        "detokenizer": (lambda m: m.setattr(detok, "add_token", fails_on(5, detok.add_token)), {}),
+        "stop matcher": (
+            lambda m: m.setattr(
+                gen_mod._StopMatcher, "feed", fails_on(3, gen_mod._StopMatcher.feed)
+            ),
+            {"stop": ["zzzz"]},
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_a_failure_at_any_stage_leaves_a_cache_the_next_request_can_use(
+    models_dir, draft, name, monkeypatch
+):
+    """Each stage fails once; then a request through the same PromptCache gives what a
+    fresh request gives (and leaves a cache the one after can use too)."""
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(" ".join(PROMPTS) * 2)
+    nxt = ids + tok.encode(" return a + b")
+    want = run_tokens(model, draft, tok, nxt, None)
+
+    def check(pc, stage, late=None):
+        got = []
+        for r in stream_generate(
+            model, draft, tok, nxt, max_tokens=16, block_size=4, prompt_cache=pc
+        ):
+            got.extend(r.tokens)
+            if late is not None:
+                late.close()  # the abandoned stream ends while this request runs
+                late = None
+        assert got == want, f"{name}: after a failure in the {stage}"
+        again = run_tokens(model, draft, tok, nxt, pc)
+        assert again == want, f"{name}: the cache left after the {stage} is not usable"
+
+    for stage, (install, extra) in injections(model, tok).items():
+        pc = PromptCache()
+        run_tokens(model, draft, tok, ids, pc)
+        with monkeypatch.context() as m:
+            install(m)
+            with pytest.raises(Boom):
+                run_tokens(model, draft, tok, ids + tok.encode(" x"), pc, **extra)
+        check(pc, stage)
+
+    pc = PromptCache()
+    run_tokens(model, draft, tok, ids, pc)
+    with pytest.raises(Boom):
+        for i, _ in enumerate(
+            stream_generate(model, draft, tok, ids, max_tokens=16, block_size=4, prompt_cache=pc)
+        ):
+            if i == 2:
+                raise Boom("consumer")
+    check(pc, "consumer")
+
+    for stage in ("abandoned stream", "server disconnect"):
+        pc = PromptCache()
+        run_tokens(model, draft, tok, ids, pc)
+        stream = stream_generate(
+            model, draft, tok, ids, max_tokens=16, block_size=4, prompt_cache=pc
+        )
+        next(stream), next(stream)
+        if stage == "server disconnect":
+            stream.close()  # what the server does when its client goes away
+            check(pc, stage)
+        else:
+            check(pc, stage, late=stream)  # closed late, after the next request took the cache
+
+
+def test_a_late_commit_never_overwrites_a_newer_request():
+    pc = PromptCache()
+    lease_a, _ = pc.take("model", "draft")
+    lease_b, _ = pc.take("model", "draft")
+    assert not pc.commit(lease_a, object()), "A's lease ended when B took the cache"
+    assert pc.state is None
+    assert pc.commit(lease_b, "state") and pc.state == "state"
+
+
+def test_the_owner_check_is_identity_not_equality(target, draft):
+    """An `nn.Module` is a dict: `==` would compare weights. Two equal drafts are two."""
+    from dflash_mlx.draft import DFlashDraft
+
+    model, tok = target
+    twin = DFlashDraft(draft.config)
+    twin.update(draft.parameters())
+    pc = PromptCache()
+    ids = tok.encode(PROMPTS[0])
+    list(stream_generate(model, draft, tok, ids, max_tokens=8, block_size=4, prompt_cache=pc))
+    chunks = list(
+        stream_generate(model, twin, tok, ids, max_tokens=8, block_size=4, prompt_cache=pc)
+    )
+    assert chunks[0].cached_tokens == 0, "another draft object must not reuse the state"
