@@ -5,17 +5,18 @@ to `ui.py`. The library (and so mlx) is imported inside the commands, so `dflash
 answers without loading MLX.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from dflash_mlx.errors import BadArgument
+
 from . import bench as bench_command
 from . import chat as chat_command
 from . import options, ui
 from . import serve as serve_command
+from .errors import user_errors
 from .quantize import app as quantize_app
 
 app = typer.Typer(
@@ -26,9 +27,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(quantize_app, name="quantize")
-
-EXIT_ERROR = 2  # bad input: a model that cannot load, options that do not fit
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
 
 
 def _version(value: bool) -> None:
@@ -52,19 +50,6 @@ def main(
     ] = False,
 ) -> None:
     """Lossless DFlash speculative decoding for mlx-lm models."""
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """ValueError (LoadError included) -> one red line and exit 2; Ctrl-C -> exit 130."""
-    try:
-        yield
-    except ValueError as e:
-        ui.error(str(e))
-        raise typer.Exit(EXIT_ERROR) from None
-    except KeyboardInterrupt:
-        ui.interrupted()
-        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 @app.command()
@@ -103,12 +88,12 @@ def generate(
     ] = False,
 ) -> None:
     """Stream a completion of --prompt, then one line of statistics."""
-    with _user_errors():
+    with user_errors():
         import dflash_mlx
 
         if demo:
             if model is not None or draft is not None:
-                raise ValueError("--demo brings its own pair: pass it without --model/--draft")
+                raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
             from dflash_mlx.demo import NOTICE, demo_pair
 
             target_dir, draft_dir = demo_pair()
@@ -116,7 +101,7 @@ def generate(
             model, draft = str(target_dir), None if no_draft else str(draft_dir)
             chat = False if chat is None else chat
         if model is None:
-            raise ValueError("--model is required (or --demo for the demonstration pair)")
+            raise BadArgument("--model is required (or --demo for the demonstration pair)")
         target, tokenizer, drafter = _load(model, draft, no_draft)
         request = _prompt_form(tokenizer, prompt, chat)
         kwargs = dict(
@@ -180,12 +165,20 @@ def bench(
             "show them (what the automatic verify width uses), then stop.",
         ),
     ] = False,
+    context: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated prompt lengths in tokens, e.g. 512,2k,8k: every prompt "
+            "padded in front with the suite's other texts (or cut) to each length.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
     Exits with code 1 when a DFlash run at temperature 0 differs from the target's tokens.
     """
-    with _user_errors():
+    with user_errors():
         code = bench_command.run(
             model=model,
             draft=draft,
@@ -199,6 +192,7 @@ def bench(
             seed=seed,
             json_out=json_out,
             calibrate=calibrate,
+            context=context,
         )
     if code:
         raise typer.Exit(code)
@@ -216,9 +210,11 @@ def _load(model: str, draft: str | None, no_draft: bool):
     import dflash_mlx
 
     if draft is None and not no_draft:
-        raise ValueError("--draft is required (or pass --no-draft to decode with the target alone)")
+        raise BadArgument(
+            "--draft is required (or pass --no-draft to decode with the target alone)"
+        )
     if draft is not None and no_draft:
-        raise ValueError("pass either --draft or --no-draft, not both")
+        raise BadArgument("pass either --draft or --no-draft, not both")
     with ui.loading("target", model):
         target, tokenizer = dflash_mlx.load(model)
     if no_draft:
@@ -234,7 +230,7 @@ def _prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[s
     if chat is None:
         chat = has_template
     if chat and not has_template:
-        raise ValueError("--chat: this tokenizer has no chat template; pass --raw")
+        raise BadArgument("--chat: this tokenizer has no chat template; pass --raw")
     return [{"role": "user", "content": prompt}] if chat else prompt
 
 
@@ -275,7 +271,7 @@ def train(
     """Distil a DFlash draft for a target (target frozen; its embedding and head shared)."""
     from . import train as train_command
 
-    with _user_errors():
+    with user_errors():
         train_command.run(
             target=target,
             data=data,

@@ -11,7 +11,10 @@ from typing import Annotated
 
 import typer
 
+from dflash_mlx.errors import BadArgument
+
 from . import ui
+from .errors import user_errors
 
 app = typer.Typer(
     help="Quantize a DFlash draft or a target (one tool for both halves of a pair).",
@@ -51,7 +54,7 @@ def _render_check(result, bits: int) -> None:
 def _prepare_out(out: Path, force: bool) -> None:
     if out.exists():
         if not force:
-            raise ValueError(f"output folder {out} exists; pass --force to replace it")
+            raise BadArgument(f"output folder {out} exists; pass --force to replace it")
         shutil.rmtree(out)
 
 
@@ -71,11 +74,9 @@ def draft_command(
     ] = None,
 ) -> None:
     """Quantize a draft's linear layers; norms, DFlash 2 conv and selector stay float."""
-    from .main import _user_errors
-
-    with _user_errors():
+    with user_errors():
         if check and target is None:
-            raise ValueError("--check needs --target (the model the draft was built for)")
+            raise BadArgument("--check needs --target (the model the draft was built for)")
         import dflash_mlx
         from dflash_mlx.loading import resolve
         from dflash_mlx.quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
@@ -109,9 +110,7 @@ def target_command(
     force: Force = False,
 ) -> None:
     """Quantize a target with mlx-lm's converter, into a folder `dflash_mlx.load` reads."""
-    from .main import _user_errors
-
-    with _user_errors():
+    with user_errors():
         from dflash_mlx.quantize import quantize_target
 
         _prepare_out(out, force)

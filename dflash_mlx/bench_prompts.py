@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
+from .errors import BadArgument
+
 SUITES = ("math", "code", "chat")
 
 
@@ -41,20 +43,20 @@ def _parse_line(line: str, where: str) -> tuple[str | None, list[dict[str, str]]
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg})") from None
+        raise BadArgument(f"{where}: not valid JSON ({e.msg})") from None
     if not isinstance(obj, dict) or ("prompt" in obj) == ("messages" in obj):
-        raise ValueError(f'{where}: expected an object with either "prompt" or "messages"')
+        raise BadArgument(f'{where}: expected an object with either "prompt" or "messages"')
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
-            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+            raise BadArgument(f'{where}: "prompt" must be a non-empty string')
         return obj["prompt"], None
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f'{where}: "messages" must be a non-empty list')
+        raise BadArgument(f'{where}: "messages" must be a non-empty list')
     for i, m in enumerate(messages):
         ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
         if not ok:
-            raise ValueError(f'{where}: message {i} needs string "role" and "content"')
+            raise BadArgument(f'{where}: message {i} needs string "role" and "content"')
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -67,7 +69,7 @@ def parse_prompts(text: str, source: str, suite: str) -> list[BenchPrompt]:
         prompt, messages = _parse_line(line, f"{source}:{lineno}")
         prompts.append(BenchPrompt(suite, len(prompts), prompt, messages))
     if not prompts:
-        raise ValueError(f"{source}: no prompts (expected JSON lines with a prompt or messages)")
+        raise BadArgument(f"{source}: no prompts (expected JSON lines with a prompt or messages)")
     return prompts
 
 
@@ -77,7 +79,7 @@ def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ValueError(f"{path}: cannot read prompts ({e.strerror or e})") from None
+        raise BadArgument(f"{path}: cannot read prompts ({e.strerror or e})") from None
     return parse_prompts(text, str(path), suite or path.stem)
 
 
@@ -86,6 +88,6 @@ def load_suite(name: str) -> list[BenchPrompt]:
     if name == "all":
         return [p for s in SUITES for p in load_suite(s)]
     if name not in SUITES:
-        raise ValueError(f"unknown suite {name!r}: choose one of {', '.join(SUITES)} or all")
+        raise BadArgument(f"unknown suite {name!r}: choose one of {', '.join(SUITES)} or all")
     resource = files("dflash_mlx") / "prompts" / f"{name}.jsonl"
     return parse_prompts(resource.read_text(encoding="utf-8"), f"{name}.jsonl", name)

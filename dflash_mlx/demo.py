@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import BadArgument
 from .paths import cache_dir
 
 DEMO_NAME = "demo-pair-v1"  # bump when the random pair's recipe changes
@@ -62,7 +63,7 @@ def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
         # Build beside the final place, then move it there: a crash leaves no half pair.
         work = Path(tempfile.mkdtemp(prefix=f".{DEMO_NAME}-", dir=folder.parent))
     except OSError as e:
-        raise ValueError(f"cannot create the demo pair under {folder.parent}: {e}") from None
+        raise BadArgument(f"cannot create the demo pair under {folder.parent}: {e}") from None
     try:
         (work / "target").mkdir()
         write_tokenizer(work / "target")

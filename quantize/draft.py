@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.errors import BadArgument
 
 # Supported (bits, group sizes) per MLX quantization mode.
 MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
@@ -36,17 +37,17 @@ def keeps_float(path: str) -> bool:
 
 def check_settings(bits: int, group_size: int, mode: str) -> None:
     if mode not in MODES:
-        raise ValueError(
+        raise BadArgument(
             f"mode {mode!r} is not an MLX quantization mode; expected one of {', '.join(MODES)}"
         )
     allowed_bits, allowed_groups = MODES[mode]
     if bits not in allowed_bits:
-        raise ValueError(
+        raise BadArgument(
             f"bits {bits} not supported in {mode} mode; expected one of "
             f"{', '.join(map(str, allowed_bits))}"
         )
     if group_size not in allowed_groups:
-        raise ValueError(
+        raise BadArgument(
             f"group size {group_size} not supported in {mode} mode; expected one "
             f"of {', '.join(map(str, allowed_groups))}"
         )
@@ -58,7 +59,7 @@ def quantize_draft(
     """A quantized copy of `draft` and the `config.json` dict that describes it."""
     check_settings(bits, group_size, mode)
     if draft.config.quantization:
-        raise ValueError(f"the draft is already quantized ({draft.config.quantization})")
+        raise BadArgument(f"the draft is already quantized ({draft.config.quantization})")
     targets = sorted(
         (path, m)
         for path, m in draft.named_modules()
@@ -67,7 +68,7 @@ def quantize_draft(
     for path, m in targets:
         in_dim = m.weight.shape[-1]
         if in_dim % group_size:
-            raise ValueError(
+            raise BadArgument(
                 f"group size {group_size} does not divide the input dimension {in_dim} of "
                 f"layer {path}; pick a group size that divides it"
             )

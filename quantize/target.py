@@ -6,6 +6,8 @@ import contextlib
 import io
 from pathlib import Path
 
+from dflash_mlx.errors import BadCheckpoint
+
 from .draft import check_settings
 
 
@@ -31,5 +33,5 @@ def quantize_target(
                 q_mode=mode,
             )
     except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"target {source!r}: {e}") from e
+        raise BadCheckpoint(f"target {source!r}: {e}") from e
     return log.getvalue()

@@ -120,6 +120,23 @@ def test_library_value_error_during_generation_exits_2(pair):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("error", [RuntimeError("boom"), ValueError("boom")])
+def test_an_internal_error_is_ours_exit_1_with_a_hint_not_a_traceback(pair, monkeypatch, error):
+    """A failure inside the engine (even a plain ValueError) is not the user's fault: exit
+    code 1 and one line saying so, never exit 2 or a traceback."""
+    from dflash_mlx.target import TargetAdapter
+
+    def broken(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(TargetAdapter, "forward", broken)
+    result = run(*generate_args(pair))
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: internal error: ")
+    assert "boom" in result.stderr and "DFLASH_MLX_DEBUG" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_draft_is_required_unless_no_draft(models_dir):
     result = run("generate", "--model", str(models_dir / "qwen3"), "--prompt", PROMPT)
     assert result.exit_code == 2
@@ -186,7 +203,8 @@ def test_help_does_not_import_mlx():
         "import sys\n"
         "from dflash_mlx.cli.main import app\n"
         "engine = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')\n"
-        "          or (m.startswith('dflash_mlx.') and not m.startswith('dflash_mlx.cli'))]\n"
+        "          or (m.startswith('dflash_mlx.') and not m.startswith('dflash_mlx.cli')\n"
+        "              and m != 'dflash_mlx.errors')]\n"
         "assert not engine, engine\n"
         "app()\n"
     )
