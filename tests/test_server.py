@@ -297,6 +297,43 @@ def test_second_turn_prefills_only_the_new_tokens(client, target, draft):
     assert out2.choices[0].message.content == reference(target, draft, turn2, 8).text
 
 
+def test_a_new_conversation_reuses_a_prefix_another_one_cached(models_dir, target, draft):
+    """Agents resend one long system prompt from many conversations: a new conversation
+    prefills only what follows the prefix it shares with a cached one, and that one keeps
+    its own cache (two slots: the second conversation finds a free one)."""
+    tok = target[1]
+    system = {"role": "system", "content": "You are a coding agent. " * 40}
+    a = [system, {"role": "user", "content": "def add(a, b):"}]
+    b = [system, {"role": "user", "content": "for i in range(10):"}]
+    c = [system, {"role": "user", "content": "import os"}]
+    pa, pb, pc = (encode_prompt(tok, m) for m in (a, b, c))
+    ref_a, ref_b, ref_c = (reference(target, draft, m, 6) for m in (a, b, c))
+    with serving(models_dir, block_size=WIDTH, prompt_cache_slots=2) as s:
+        client = s.client()
+        kw = dict(model=MODEL, max_tokens=6, temperature=0)
+        out_a = client.chat.completions.create(messages=a, **kw)
+        assert out_a.model_extra["timings"]["cache_n"] == 0
+        out_b = client.chat.completions.create(messages=b, **kw)
+        shared = common_prefix(pa, pb)
+        assert shared > 200
+        assert out_b.model_extra["timings"]["cache_n"] == shared, "B prefilled the shared prefix"
+        assert out_b.choices[0].message.content == ref_b.text
+        # A's cache survived B: A's next turn reuses its whole first exchange.
+        a2 = a + [
+            {"role": "assistant", "content": out_a.choices[0].message.content},
+            {"role": "user", "content": "and the quick brown fox"},
+        ]
+        out_a2 = client.chat.completions.create(messages=a2, **kw)
+        pa2 = encode_prompt(tok, a2)
+        expected = min(common_prefix((pa + ref_a.tokens)[:-1], pa2), len(pa2) - 1)
+        assert out_a2.model_extra["timings"]["cache_n"] == expected, "B took A's cache"
+        assert out_a2.choices[0].message.content == reference(target, draft, a2, 6).text
+        # The pool is full (A, B): C still starts from the prefix.
+        out_c = client.chat.completions.create(messages=c, **kw)
+        assert out_c.model_extra["timings"]["cache_n"] == common_prefix(pa, pc)
+        assert out_c.choices[0].message.content == ref_c.text
+
+
 # ---------------------------------------------------------------------------------------
 # Errors
 

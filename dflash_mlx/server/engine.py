@@ -12,6 +12,7 @@ OpenAI's formats: it takes token ids and `stream_generate` keyword arguments.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import threading
@@ -105,14 +106,32 @@ class Job:
             self._cancel.set()
 
 
+def fork(pc: PromptCache) -> PromptCache:
+    """A new PromptCache holding a copy of `pc`'s state: the request that resumes from it
+    trims and extends the copy, never the original (another conversation's cache)."""
+    out = PromptCache()
+    state = pc.state
+    if state is not None:
+        memo = {id(x): x for x in state.owner}  # the models themselves are shared, not copied
+        lease, _ = out.take(*state.owner)
+        out.commit(lease, copy.deepcopy(state, memo))
+    return out
+
+
 class PromptCachePool:
     """A few PromptCaches, one per recent conversation, most recently used last.
 
     A request takes the cache whose last request it continues (that whole prompt is shared:
-    a next turn, or a retry of the last reply), else a fresh cache while there is room, else
-    an emptied one, else the one sharing the longest prefix (least recently used on ties).
-    Only the worker thread uses it, and a cache serves one request at a time.
+    a next turn, or a retry of the last reply). A new conversation that shares at least
+    `MIN_SHARED` tokens with a cached one (agents resend one long system prompt and tool
+    list from every conversation) gets a copy of that cache, so it prefills only the rest
+    and the other conversation keeps its own; the copy takes a free slot, else the least
+    recently used other one. Anything else takes a free slot, else an emptied cache, else
+    the least recently used one. Only the worker thread uses the pool, and a cache serves
+    one request at a time.
     """
+
+    MIN_SHARED = 64  # below this, prefilling the prefix again costs less than a copy
 
     def __init__(self, slots: int):
         if slots < 1:
@@ -122,24 +141,32 @@ class PromptCachePool:
         self._prompt_len: dict[int, int] = {}  # id(cache) -> length of its last prompt
 
     def acquire(self, prompt: list[int]) -> PromptCache:
-        shared = [common_prefix(pc.tokens, prompt) for pc in self._caches]
+        caches = self._caches
+        shared = [common_prefix(pc.tokens, prompt) for pc in caches]
         continued = [
             k
-            for k, pc in enumerate(self._caches)
+            for k, pc in enumerate(caches)
             if shared[k] > 0 and shared[k] >= self._prompt_len[id(pc)] - 1
         ]
+        best = max(range(len(caches)), key=lambda k: (shared[k], k), default=None)
         if continued:
-            k = max(continued, key=lambda k: shared[k])
-        elif len(self._caches) < self.slots:
-            self._caches.append(PromptCache())
-            k = len(self._caches) - 1
+            pc = caches.pop(max(continued, key=lambda k: shared[k]))
+        elif best is not None and shared[best] >= self.MIN_SHARED and self.slots > 1:
+            pc = fork(caches[best])
+            if len(caches) >= self.slots:  # evict the least recently used other cache
+                self._drop(0 if best != 0 else 1)
+        elif len(caches) < self.slots:
+            pc = PromptCache()
         else:
-            empty = [k for k, pc in enumerate(self._caches) if not pc.tokens]
-            k = empty[0] if empty else max(range(len(shared)), key=lambda k: (shared[k], -k))
-        pc = self._caches.pop(k)
-        self._caches.append(pc)
+            empty = [k for k, c in enumerate(caches) if not c.tokens]
+            pc = caches.pop(empty[0] if empty else (best if shared[best] else 0))
+        caches.append(pc)
         self._prompt_len[id(pc)] = len(prompt)
         return pc
+
+    def _drop(self, k: int) -> None:
+        pc = self._caches.pop(k)
+        self._prompt_len.pop(id(pc), None)
 
 
 class Engine:
