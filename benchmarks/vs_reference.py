@@ -90,8 +90,20 @@ def stdlib_prompts(count: int, lines: int = 24) -> list[str]:
     import os as _os
 
     root = Path(_os.__file__).parent
-    names = ["textwrap", "shlex", "fractions", "calendar", "difflib", "ipaddress", "gettext",
-             "pprint", "statistics", "string", "heapq", "bisect"]
+    names = [
+        "textwrap",
+        "shlex",
+        "fractions",
+        "calendar",
+        "difflib",
+        "ipaddress",
+        "gettext",
+        "pprint",
+        "statistics",
+        "string",
+        "heapq",
+        "bisect",
+    ]
     out = []
     for name in names[:count]:
         text = (root / f"{name}.py").read_text().splitlines()
@@ -101,11 +113,11 @@ def stdlib_prompts(count: int, lines: int = 24) -> list[str]:
 
 
 def run(args) -> None:
+    import dflash.model_mlx as ref
     import mlx.core as mx
     import mlx_lm
     from mlx_lm.generate import generate_step
 
-    import dflash.model_mlx as ref
     from dflash_mlx import generate, load, load_draft
     from dflash_mlx.bench_prompts import load_suite
     from dflash_mlx.generate import encode_prompt
@@ -133,7 +145,6 @@ def run(args) -> None:
 
     def plain(ids):
         toks, first = [], None
-        tic = time.perf_counter()
         for t, _ in generate_step(mx.array(ids), model, max_tokens=n):
             toks.append(int(t))
             if first is None:
@@ -144,7 +155,9 @@ def run(args) -> None:
 
     def reference(ids):
         toks, first, cycles = [], None, 0
-        for r in ref.stream_generate(ref_model, ref_draft, tok, ids, block_size=block, max_tokens=n):
+        for r in ref.stream_generate(
+            ref_model, ref_draft, tok, ids, block_size=block, max_tokens=n
+        ):
             if first is None:
                 first = time.perf_counter()
             elif r.tokens:
@@ -161,11 +174,18 @@ def run(args) -> None:
 
         return go
 
-    runs = {"mlx-lm": plain, "reference": reference, f"W={block}": ours(block), "W=auto": ours(None)}
+    runs = {
+        "mlx-lm": plain,
+        "reference": reference,
+        f"W={block}": ours(block),
+        "W=auto": ours(None),
+    }
     names = list(runs)
     regime = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "stock"
-    print(f"\n== {regime} BLAS · mlx {mx.__version__} · block {block} · {n} tokens · "
-          f"{len(prompts)} prompts x {args.repeats} repeats (after a warm-up) ==")
+    print(
+        f"\n== {regime} BLAS · mlx {mx.__version__} · block {block} · {n} tokens · "
+        f"{len(prompts)} prompts x {args.repeats} repeats (after a warm-up) =="
+    )
     for name in names:  # warm-up: compile, calibrate, fill caches
         runs[name](prompts[0])
     tps = {name: [] for name in names}

@@ -10,8 +10,9 @@ per width and per depth bucket (a decayed mean) and replaces the prior width by 
 widths not measured follow the *shape* of the measured ones (interpolated between them
 along the calibrated curve, or along the last measured segment beyond them), not a stale
 absolute, and while only one speculative width has been measured, wider ones are priced
-optimistically (no dearer than it), so one cycle finds out. A stale calibration (another BLAS, Low Power Mode) is thus unlearnt within
-a few cycles; when the measured costs keep disagreeing with it, `recalibrate` says so.
+optimistically (no dearer than it), so one cycle finds out. A stale calibration (another
+BLAS, Low Power Mode) is thus unlearnt within a few dozen cycles; when the measured costs
+keep disagreeing with it, `recalibrate` says so.
 
 Acceptance comes from running, exponentially decayed per-position statistics. When plain
 decoding wins, a speculative cycle is re-tried now and then (a probe, priced at the current
@@ -86,7 +87,9 @@ class CostCurves:
 
         def mix(a: Curve, b: Curve) -> Curve:
             # Costs never fall with depth: a noisy deeper point does not extrapolate down.
-            return tuple(max(x + f * (y - x), x) if f > 1 else x + f * (y - x) for x, y in zip(a, b))
+            return tuple(
+                max(x + f * (y - x), x) if f > 1 else x + f * (y - x) for x, y in zip(a, b)
+            )
 
         return mix(v0, v1), mix(r0, r1)
 

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx.cli.main import app
 from dflash_mlx.bench_prompts import SUITES, BenchPrompt, load_suite, read_prompts
 from dflash_mlx.benchmark import BASELINE, at_context, quantization, run_benchmark
+from dflash_mlx.cli.main import app
 from dflash_mlx.generate import encode_prompt
 
 MAX_TOKENS = 8
@@ -327,7 +327,9 @@ def test_a_prompt_is_padded_in_front_or_cut_to_a_context_keeping_its_end():
         at_context(ids, filler, 0)
 
 
-def test_bench_at_given_contexts_runs_each_prompt_at_each_length(target, draft, monkeypatch, tmp_path):
+def test_bench_at_given_contexts_runs_each_prompt_at_each_length(
+    target, draft, monkeypatch, tmp_path
+):
     from dflash_mlx import calibrate
     from dflash_mlx.adaptive import CostCurves
 
