@@ -442,7 +442,7 @@ class Service:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"{req.param} holds at least {n} tokens. Please reduce the length of "
+                f"{req.param} would take at least {n} tokens. Please reduce the length of "
                 f"the {req.param}.",
                 param=req.param,
                 code="context_length_exceeded",

@@ -219,6 +219,7 @@ class Engine:
             worker.start()
             worker.join()
             if self._parked.is_set() or self._closed:
+                self._parked.set()  # closed while the worker was dead: nothing to wait for
                 return
             with self._cond:
                 jobs = list(self._waiting) + ([self._running] if self._running else [])
