@@ -8,8 +8,9 @@ reply, so the greedy reply depends on the prompt's last token only. Its chat tem
 (which mlx-lm's parser inference reads as the JSON `<tool_call>` family, with `<think>`
 reasoning) ends the prompt with a mode token: `<|tools|>` when tools are offered (reply:
 reasoning, then two tool calls), `<|answer|>` after a tool result (a text answer),
-`<|plain|>` otherwise. Script pieces are added tokens, so each token has one successor.
-It runs through the DFlash engine with a random draft at verify width 4.
+`<think>` when the user says `/think` (the template opens the reasoning: the reply goes
+on from inside it), `<|plain|>` otherwise. Script pieces are added tokens, so each token
+has one successor. It runs through the DFlash engine with a random draft at verify width 4.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ TEMPLATE = (
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant"
-    "{%- if messages[-1].role == 'tool' %}<|answer|>{% elif tools %}<|tools|>"
+    "{%- if messages[-1].role == 'tool' %}<|answer|>"
+    "{% elif messages[-1].content == '/think' %}<think>{% elif tools %}<|tools|>"
     "{% else %}<|plain|>{% endif %}{%- endif %}"
 )
 REASONING = "The user wants the weather."
@@ -230,6 +232,14 @@ def test_a_tool_result_in_the_history_gets_the_answer(oai, agent):
         add_generation_prompt=True,
     )  # fmt: skip
     assert out.usage.prompt_tokens == len(ids)
+
+
+def test_reasoning_opened_by_the_template_is_reasoning(oai):
+    think = [{"role": "user", "content": "/think"}]
+    out = oai.chat.completions.create(model=MODEL, messages=think, tools=TOOLS, temperature=0)
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == REASONING and not message.content
+    assert [c.function.name for c in message.tool_calls] == ["get_weather", "get_time"]
 
 
 def test_tool_choice_and_parallel_tool_calls(oai):
