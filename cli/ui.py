@@ -116,6 +116,9 @@ def stats(r: GenerationResponse) -> None:
         f"{r.generation_tokens} tokens",
         f"{r.generation_tps:.1f} tok/s",
         f"τ {r.mean_acceptance:.2f}",
+        f"accepted {r.accepted_tokens / r.drafted_tokens:.0%} of drafted"
+        if r.drafted_tokens
+        else "no drafts",
         f"prompt {r.prompt_tokens} tokens @ {r.prompt_tps:.1f} tok/s",
         f"TTFT {r.time_to_first_token * 1000:.0f} ms",
         f"peak {r.peak_memory:.2f} GB",
