@@ -356,6 +356,12 @@ class WidthChooser:
 
     # -- decisions -------------------------------------------------------------------------
 
+    def expects_plain(self, depth: int) -> bool:
+        """Whether, as things stand, decoding at `depth` would start plainly (the draft
+        dormant): then a prompt's draft context need not be built during prefill."""
+        rates = self.rates(depth)
+        return max(rates, key=lambda w: rates[w][0]) == 1
+
     def begin_request(self) -> None:
         """A new request starts: its own probe budget starts empty."""
         self.req_time = 0.0

@@ -220,6 +220,48 @@ def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkey
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
 
 
+def test_a_changed_blas_library_or_power_source_invalidates_the_calibration(
+    target, draft, monkeypatch, tmp_path
+):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
+    model, _ = target
+    calls = []
+    fake = CostCurves((1.0,) * 16, (0.1,) * 16)
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
+    monkeypatch.setattr(calibrate, "_conditions", None)
+    calibrate.load_or_measure(model, draft)
+    calibrate.load_or_measure(model, draft)
+    assert len(calls) == 1
+    # The same process, later: OpenBLAS is not what was loaded, or the Mac is on battery.
+    for what, value in (("_blas_library", "libopenblas.so.0"), ("_power_source", "Battery")):
+        monkeypatch.setattr(calibrate, what, lambda value=value: value)
+        monkeypatch.setattr(calibrate, "_conditions", None)
+        calibrate.load_or_measure(model, draft)
+    assert len(calls) == 3
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 3
+
+
+def test_calibration_covers_several_depths_and_reads_back(target, draft, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
+    model, _ = target
+    real = calibrate.measure
+    monkeypatch.setattr(
+        calibrate, "measure", lambda m, d, **k: real(m, d, repeats=1, depths=(16, 300), **k)
+    )
+    curves1 = calibrate.load_or_measure(model, draft)
+    assert curves1.depths == (16, 300) and len(curves1.deeper) == 1
+    assert all(t > 0 for t in curves1.deeper[0][0])
+    draft.__dict__.pop("_dflash_cost_curves")
+    monkeypatch.setattr(calibrate, "measure", None)  # must come from the file now
+    assert calibrate.load_or_measure(model, draft) == curves1
+    limit = min(model.args.max_position_embeddings, draft.config.max_position_embeddings)
+    assert all(
+        d + 2 * draft.config.block_size <= limit for d in calibrate.calibration_depths(model, draft)
+    )
+
+
 def test_measured_cycle_costs_override_an_optimistic_calibration():
     """Calibration says W=4 pays; the cycles as really run (syncs, Python) say it does not."""
     ch = WidthChooser(FLAT, BLOCK)
@@ -231,7 +273,7 @@ def test_measured_cycle_costs_override_an_optimistic_calibration():
     assert ch.rates()[1][0] == 1.0 / FLAT.verify[0], "plain steps: calibrated until measured"
     for _ in range(30):  # plain steps really cost 20x their calibration here too
         ch.observe(1, 20.0 * FLAT.verify[0])
-    assert ch.plain_cost() == pytest.approx(20.0 * FLAT.verify[0], rel=0.01)
+    assert ch.plain_cost() == pytest.approx(20.0 * FLAT.verify[0], rel=0.02)
     assert ch.choose()[0] > 1, "measured against measured, speculation pays again"
 
 
@@ -312,9 +354,9 @@ def test_a_stale_calibration_is_unlearnt_within_a_hundred_cycles(calibrated, tru
     runs within 5% of the best fixed width on the device as it really is."""
     ch = WidthChooser(calibrated, BLOCK)
     log = drive(ch, truth, alpha, 400)
-    assert rate(log[100:]) >= 0.95 * best_fixed_rate(truth, alpha), (
-        rate(log[100:]) / best_fixed_rate(truth, alpha)
-    )
+    assert rate(log[100:]) >= 0.95 * best_fixed_rate(truth, alpha), rate(
+        log[100:]
+    ) / best_fixed_rate(truth, alpha)
 
 
 def test_a_measured_width_replaces_its_calibration_and_others_follow_the_measured_shape():
@@ -329,7 +371,9 @@ def test_a_measured_width_replaces_its_calibration_and_others_follow_the_measure
     # calibration (even rescaled by the measured widths' average factor).
     truth8 = true_cost(BLAS, 8, ch._draft_block(8))
     assert ch.cycle_cost(8) == pytest.approx(truth8, rel=0.15)
-    assert ch.cycle_cost(8) < 0.5 * cal[7] * (ch.cycle_cost(16) / cal[15] + ch.cycle_cost(2) / cal[1])
+    assert ch.cycle_cost(8) < 0.5 * cal[7] * (
+        ch.cycle_cost(16) / cal[15] + ch.cycle_cost(2) / cal[1]
+    )
 
 
 def test_one_measured_width_prices_wider_ones_no_dearer_until_tried():
