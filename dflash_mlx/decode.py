@@ -246,33 +246,22 @@ def _cycles(
         if step.width == 1:
             # A plain step accepts nothing, so it commits with no host decision and the
             # next step is chained on the device token before waiting, as mlx-lm does.
-            with mx.stream(generation_stream):
-                commit(req, step, 0)
-            if req.keep_snapshots:  # before the next step feeds another token
-                fed = n_prompt + len(req.generated)
-                req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+            commit(req, step, 0)
+            _snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
             if len(req.generated) + 1 < max_tokens:
                 nxt = launch(step.out[:1], len(req.generated), chained=True)
-            n, new = 0, step.out.tolist()  # the host sync
-        else:
-            n, new = step.n.item(), step.out.tolist()  # the host sync
+        n, new = result(req, step)  # the host sync
         clock.charge(step, prev_w, nxt)
         if step.width > 1:
-            new = new[: n + 1] if req.params.greedy else new[:n] + new[-1:]
-            with mx.stream(generation_stream):
-                commit(req, step, n)
+            commit(req, step, n)
             if chooser is not None:
                 chooser.update(step.width, n)
         new, cut = _cut_at_eos(new, eos_ids)
-        if (len(req.generated) + len(new)) // CLEAR_CACHE_EVERY > len(
-            req.generated
-        ) // CLEAR_CACHE_EVERY:
-            mx.clear_cache()
+        _clear_cache_every(len(req.generated), len(new))
         req.generated.extend(new)
-        if req.keep_snapshots and step.width > 1 and not cut:
+        if step.width > 1 and not cut:
             # Everything but the last emitted token was fed (after an EOS cut, more was).
-            fed = n_prompt + len(req.generated) - 1
-            req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+            _snapshot(req, n_prompt + len(req.generated) - 1)
         done = new[-1] in eos_ids or len(req.generated) >= max_tokens
         if not done and nxt is None:
             last = mx.array(new[-1:], dtype=mx.int32)
@@ -422,16 +411,25 @@ def accept(
     return n, mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
 
 
+def result(req: Request, step: _Step) -> tuple[int, list[int]]:
+    """The host sync of a cycle: drafts accepted, and the tokens it emits."""
+    if step.width == 1:
+        return 0, step.out.tolist()
+    n, out = step.n.item(), step.out.tolist()
+    return n, (out[: n + 1] if req.params.greedy else out[:n] + out[-1:])
+
+
 def commit(req: Request, step: _Step, n: int) -> None:
     """Keep the first `n + 1` verified positions: the target rewinds the rest (SPEC 5.3), the
     draft gets their features and its conv rows at block index `n`."""
-    if step.width > 1:
-        before, calls = step.saved
-        req.target.rewind(req.cache, n + 1, step.width, before, calls)
-    if req.draft is not None:
-        if step.feats is not None:
-            req.pending.append(step.feats[:, : n + 1])
-        req.state.commit(n if step.width > 1 else None)
+    with mx.stream(generation_stream):
+        if step.width > 1:
+            before, calls = step.saved
+            req.target.rewind(req.cache, n + 1, step.width, before, calls)
+        if req.draft is not None:
+            if step.feats is not None:
+                req.pending.append(step.feats[:, : n + 1])
+            req.state.commit(n if step.width > 1 else None)
 
 
 # -- bookkeeping beside the cycle ------------------------------------------------------------
@@ -443,6 +441,18 @@ def _cut_at_eos(new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], boo
         if t in eos_ids:
             return new[: j + 1], j + 1 < len(new)
     return new, False
+
+
+def _snapshot(req: Request, fed: int) -> None:
+    """Recurrent targets with a prompt cache: their state after `fed` tokens, to resume at."""
+    if req.keep_snapshots:
+        req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+
+
+def _clear_cache_every(generated: int, new: int) -> None:
+    """Return MLX's cached buffers every `CLEAR_CACHE_EVERY` generated tokens."""
+    if (generated + new) // CLEAR_CACHE_EVERY > generated // CLEAR_CACHE_EVERY:
+        mx.clear_cache()
 
 
 def _follow_capture(req: Request, capture: bool, position: int) -> None:

@@ -24,7 +24,7 @@ from .adaptive import WidthChooser
 from .calibrate import load_or_measure
 from .decode import default_verify_width, speculative_decode
 from .draft import DFlashDraft
-from .errors import BadArgument
+from .errors import BadArgument, ContextTooLong
 from .loading import bind_draft
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
@@ -316,6 +316,12 @@ def stream_generate(
         stop = [stop]
     ids = encode_prompt(tokenizer, prompt)
     target = TargetAdapter.of(model)
+    limit = target.context_limit
+    if limit is not None and len(ids) >= limit:
+        raise ContextTooLong(
+            f"prompt of {len(ids)} tokens does not fit the target's context of {limit} "
+            "(max_position_embeddings): at least one position must be left to generate"
+        )
     if draft is not None:
         bind_draft(draft, model)
     seeded = seed is not None

@@ -113,6 +113,17 @@ class TargetAdapter:
         return adapter
 
     @property
+    def context_limit(self) -> int | None:
+        """The target's `max_position_embeddings` (top level or in `text_config`), if any."""
+        inner = _inner_lm(self.model)
+        args = getattr(inner, "args", None) or getattr(self.model, "args", None)
+        n = getattr(args, "max_position_embeddings", None)
+        if n is None:
+            text = getattr(args, "text_config", None)
+            n = text.get("max_position_embeddings") if isinstance(text, dict) else None
+        return int(n) if isinstance(n, int) and n > 0 else None
+
+    @property
     def embed_scale(self) -> float:
         return math.sqrt(self.hidden_size) if self.model_type.startswith("gemma") else 1.0
 

@@ -186,6 +186,32 @@ def test_bad_generation_arguments_name_the_value(target, draft):
         generate(model, draft, tok, [], max_tokens=3)
 
 
+def test_a_prompt_longer_than_the_context_is_the_callers_error(target, draft, monkeypatch):
+    from dflash_mlx.errors import ContextTooLong, UserError
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[0])
+    monkeypatch.setattr(model.args, "max_position_embeddings", len(ids))
+    with pytest.raises(ContextTooLong, match=f"{len(ids)} tokens .* context of {len(ids)}"):
+        generate(model, draft, tok, ids, max_tokens=3)
+    monkeypatch.setattr(model.args, "max_position_embeddings", len(ids) + 1)
+    assert len(generate(model, draft, tok, ids, max_tokens=3).tokens) == 3
+    assert issubclass(ContextTooLong, UserError)
+
+
+def test_bad_arguments_are_the_callers_errors(target, draft):
+    """Every argument error is a UserError (the CLI's exit 2, the server's 4xx)."""
+    from dflash_mlx.errors import UserError
+
+    model, tok = target
+    for kwargs in [{"block_size": 17}, {"max_tokens": 0}, {"temperature": -1.0}, {"top_k": -1}]:
+        with pytest.raises(UserError):
+            generate(model, draft, tok, "hi", **kwargs)
+    for prompt in ([], [{"role": "user"}], 3.5):
+        with pytest.raises(UserError):
+            generate(model, draft, tok, prompt, max_tokens=3)
+
+
 @pytest.mark.parametrize("name", ["qwen3", "qwen35"])
 def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch):
     """A prompt longer than the prefill step is processed in chunks, reporting progress;
@@ -264,8 +290,8 @@ def dormant_chooser(**kw):
     log = []
     choose = ch.choose
 
-    def logged(limit=None):
-        w, rows = choose(limit)
+    def logged(limit=None, depth=None):
+        w, rows = choose(limit, depth)
         log.append((w, ch.capture))
         return w, rows
 
