@@ -146,7 +146,9 @@ def run(args) -> None:
             module.load_or_measure = lambda *a, **k: stale
         print("decoding on a STALE calibration (measured under stock BLAS)")
     tic = time.perf_counter()
-    curves = load_or_measure(model, base)
+    import dflash_mlx.calibrate as calibration
+
+    curves = calibration.load_or_measure(model, base)  # the stale curves with --stale
     print(
         f"calibrated in {time.perf_counter() - tic:.1f} s: plain step "
         f"{curves.verify[0] * 1e3:.1f} ms, W=16 verify {curves.verify[15] * 1e3:.1f} ms "

@@ -71,6 +71,9 @@ class ChatUI:
         if has_draft:
             rate = "—" if t.acceptance_rate is None else f"{t.acceptance_rate:.0%}"
             rows.append(("τ", f"{t.mean_acceptance:.2f} tokens per verify · accepted {rate}"))
+            plain = t.plain_tokens / t.committed if t.committed else 0.0
+            ran = f"{plain:.0%} of tokens decoded plainly · {t.probes} probes"
+            rows.append(("ran", ran + (f" · draft {t.draft}" if t.draft else "")))
         if first:
             rows.append(("TTFT", f"first {first[0] * 1e3:.0f} ms · last {first[-1] * 1e3:.0f} ms"))
         rows.append(("peak", f"{t.peak_memory:.2f} GB"))

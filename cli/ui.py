@@ -119,12 +119,22 @@ def stats(r: GenerationResponse) -> None:
         f"accepted {r.accepted_tokens / r.drafted_tokens:.0%} of drafted"
         if r.drafted_tokens
         else "no drafts",
+        *_what_ran(r),
         f"prompt {r.prompt_tokens} tokens @ {r.prompt_tps:.1f} tok/s",
         f"TTFT {r.time_to_first_token * 1000:.0f} ms",
         f"peak {r.peak_memory:.2f} GB",
         f"finish: {r.finish_reason}",
     ]
     _err().print(Text(" · ".join(parts), style="dim"))
+
+
+def _what_ran(r: GenerationResponse) -> list[str]:
+    """With a draft: the share decoded plainly, probes, the draft's state at the end."""
+    s = r.stats
+    if s.draft is None or not s.cycles:
+        return []
+    widths = ", ".join(f"W={w}×{c}" for w, (c, _) in sorted(s.widths.items()))
+    return [f"{s.plain_fraction:.0%} plain ({widths}; {s.probes} probes; draft {s.draft})"]
 
 
 def result_json(result: GenerationResult) -> None:
@@ -143,6 +153,7 @@ def result_json(result: GenerationResult) -> None:
         "acceptance_rates": result.acceptance_rates,
         "peak_memory_gb": result.peak_memory,
         "time_to_first_token": result.time_to_first_token,
+        "ran": result.stats.what_ran(),  # cycles and tokens per width, plain share, probes
     }
     sys.stdout.write(json.dumps(payload) + "\n")
     sys.stdout.flush()

@@ -39,6 +39,9 @@ class RunRecord:
     accepted_per_position: list[int]
     drafted_per_position: list[int]
     finish_reason: str | None
+    # What the engine ran (DecodeStats.what_ran): cycles and tokens per width, the share
+    # decoded plainly, probes, the draft's state; None for the baseline.
+    ran: dict[str, Any] | None = None
 
 
 @dataclass
@@ -93,6 +96,9 @@ class RunSummary:
     # depth, and the measured speedup as a fraction of it (None: auto, or no costs).
     ideal_speedup: float | None = None
     efficiency: float | None = None
+    # Over all its generations: the share of tokens decoded plainly (W = 1), probes made.
+    plain_fraction: float | None = None
+    probes: int | None = None
 
 
 @dataclass
@@ -243,6 +249,9 @@ def summarise(
         cycles = sum(r.cycles for r in mine)
         tau = _ratio(cycles + sum(accepted), cycles)
         speedup = Spread.of([_ratio(t, b) for t, b in zip(tps, base)])
+        ran = [r.ran for r in mine if r.ran is not None]
+        plain = sum(x["widths"].get("1", {}).get("tokens", 0) for x in ran)
+        committed = sum(t["tokens"] for x in ran for t in x["widths"].values())
         ideal = (cost_ratios or {}).get(run)
         ideal = tau * ideal if ideal is not None and tau > 0 else None
         out.append(
@@ -262,6 +271,8 @@ def summarise(
                 cycles=cycles,
                 ideal_speedup=ideal,
                 efficiency=_ratio(speedup.median, ideal) if ideal else None,
+                plain_fraction=_ratio(plain, committed) if ran else None,
+                probes=sum(x["probes"] for x in ran) if ran else None,
             )
         )
     return SuiteSummary(name, n_prompts, out)

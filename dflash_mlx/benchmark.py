@@ -270,6 +270,7 @@ def run_benchmark(
             accepted_per_position=list(r.accepted_per_position),
             drafted_per_position=list(r.drafted_per_position),
             finish_reason=r.finish_reason,
+            ran=r.stats.what_ran(),
         )
 
     def tick(what: str) -> None:

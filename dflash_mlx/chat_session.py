@@ -62,6 +62,9 @@ class ReplyStats:
     peak_memory: float = 0.0  # GB
     finish_reason: str | None = None  # "stop" | "length" | "interrupted"
     responses: int = 0
+    plain_tokens: int = 0  # committed by plain steps (W = 1)
+    probes: int = 0  # speculative cycles the width chooser made as probes
+    draft: str | None = None  # at the end: "active", "dormant", None (no draft)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -93,6 +96,9 @@ class ReplyStats:
         self.cycles = r.cycles
         self.peak_memory = max(self.peak_memory, r.peak_memory)
         self.finish_reason = r.finish_reason
+        self.plain_tokens = r.stats.widths.get(1, [0, 0])[1]
+        self.probes = r.stats.probes
+        self.draft = r.stats.draft
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "acceptance_rate": self.acceptance_rate}
@@ -113,9 +119,15 @@ class SessionTotals:
     accepted: int = 0
     peak_memory: float = 0.0
     first_token_seconds: list[float] = field(default_factory=list)
+    plain_tokens: int = 0
+    probes: int = 0
+    draft: str | None = None  # after the latest reply
 
     def add(self, s: ReplyStats) -> None:
         self.replies += 1
+        self.plain_tokens += s.plain_tokens
+        self.probes += s.probes
+        self.draft = s.draft or self.draft
         self.generation_tokens += s.generation_tokens
         self.decode_seconds += s.decode_seconds
         self.prefilled_tokens += s.prefilled_tokens

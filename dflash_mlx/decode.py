@@ -172,9 +172,11 @@ def speculative_decode(
         draft.config.target_layer_ids if draft is not None else None,
         keep_snapshots=prompt_cache is not None and target.recurrent,
     )
+    if chooser is not None:
+        chooser.begin_request()
     try:
         with mx.stream(generation_stream):
-            logits = prefill_prompt(req, prefill_step, progress)
+            logits = prefill_prompt(req, prefill_step, progress, chooser)
         yield from _cycles(
             req,
             logits,
@@ -212,7 +214,9 @@ def _cycles(
         """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
         on the device (`chained`: before the previous cycle's result reached the host)."""
         tic = time.perf_counter()
-        w, rows, capture = choose(chooser, width, draft_block, budget=max_tokens - a - 1)
+        w, rows, capture = choose(
+            chooser, width, draft_block, budget=max_tokens - a - 1, depth=n_prompt + a
+        )
         with mx.stream(generation_stream):
             if req.draft is not None:
                 _follow_capture(req, capture, n_prompt + a)
@@ -311,16 +315,23 @@ def resume(
 
 
 def prefill(
-    req: Request, lo: int, hi: int, step: int, progress: Callable[[int, int], None] | None
+    req: Request,
+    lo: int,
+    hi: int,
+    step: int,
+    progress: Callable[[int, int], None] | None,
+    capture: bool = True,
 ) -> mx.array | None:
-    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk."""
+    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk (not at all
+    without `capture`: no target features are taken)."""
     total = len(req.prompt)
     tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
     logits, done = None, lo
     while done < hi:
         n = min(step, hi - done)
-        logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, req.ids)
-        if req.draft is not None:
+        ids = req.ids if capture else None
+        logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, ids)
+        if req.draft is not None and feats is not None:
             req.draft.add_context(feats, req.state)
         done += n
         if done < total:
@@ -333,13 +344,25 @@ def prefill(
 
 
 def prefill_prompt(
-    req: Request, step: int, progress: Callable[[int, int], None] | None
+    req: Request,
+    step: int,
+    progress: Callable[[int, int], None] | None,
+    chooser: WidthChooser | None = None,
 ) -> mx.array:
-    """The prompt from where the reused caches end; logits of its last token."""
+    """The prompt from where the reused caches end; logits of its last token.
+
+    When the `chooser` expects to decode plainly from here, the draft's context gets only
+    the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
+    is a gap, as in a dormant stretch): prefill then costs what the target alone costs."""
     total = len(req.prompt)
+    cut = req.reused
+    if chooser is not None and req.draft is not None and chooser.expects_plain(total):
+        cut = max(req.reused, total - 1 - chooser.window)
+        prefill(req, req.reused, cut, step, progress, capture=False)
+        req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
-    prefill(req, req.reused, total - 1, step, progress)
+    prefill(req, cut, total - 1, step, progress)
     if req.keep_snapshots:
         # Recurrent state cannot be trimmed later: keep it as it is before the last token.
         req.prompt_snapshot = (total - 1, req.target.snapshot(req.cache))
@@ -360,12 +383,12 @@ def first_token(req: Request, logits: mx.array) -> mx.array:
 
 
 def choose(
-    chooser: WidthChooser | None, width: int, draft_block: int, budget: int
+    chooser: WidthChooser | None, width: int, draft_block: int, budget: int, depth: int = 0
 ) -> tuple[int, int, bool]:
     """Verify width W, draft block L, and whether the pass captures features for the draft."""
     if chooser is None:
         return min(width, budget), draft_block, True
-    w, rows = chooser.choose(limit=budget)
+    w, rows = chooser.choose(limit=budget, depth=depth)
     return w, rows, chooser.capture
 
 

@@ -42,11 +42,20 @@ class DecodeStats:
     committed: int = 0  # tokens committed by verify passes: the sum of their tau
     accepted_per_position: list[int] = field(default_factory=list)  # block index i+1
     drafted_per_position: list[int] = field(default_factory=list)
+    # What ran: per verify width W (1: a plain step), [cycles, tokens committed]; the
+    # speculative cycles the width chooser made as probes; the draft at the end: "active",
+    # "dormant" (plain steps capture nothing for it) or None (no draft).
+    widths: dict[int, list[int]] = field(default_factory=dict)
+    probes: int = 0
+    draft: str | None = None
 
     def add(self, width: int, accepted: int) -> None:
         """One verify pass of `width` tokens that accepted `accepted` drafts."""
         self.cycles += 1
         self.committed += accepted + 1
+        ran = self.widths.setdefault(width, [0, 0])
+        ran[0] += 1
+        ran[1] += accepted + 1
         missing = width - 1 - len(self.drafted_per_position)
         if missing > 0:
             self.accepted_per_position += [0] * missing
@@ -59,6 +68,13 @@ class DecodeStats:
         """Both requests pooled (tau over all their cycles)."""
         out = DecodeStats(self.cycles + other.cycles, self.committed + other.committed)
         for stats in (self, other):
+            for w, (c, t) in stats.widths.items():
+                ran = out.widths.setdefault(w, [0, 0])
+                ran[0] += c
+                ran[1] += t
+        out.probes = self.probes + other.probes
+        out.draft = other.draft if other.cycles else self.draft
+        for stats in (self, other):
             for i, (a, d) in enumerate(
                 zip(stats.accepted_per_position, stats.drafted_per_position)
             ):
@@ -68,6 +84,22 @@ class DecodeStats:
                 out.accepted_per_position[i] += a
                 out.drafted_per_position[i] += d
         return out
+
+    @property
+    def plain_fraction(self) -> float:
+        """The fraction of committed tokens decoded plainly (W = 1)."""
+        return self.widths.get(1, [0, 0])[1] / self.committed if self.committed else 0.0
+
+    def what_ran(self) -> dict[str, Any]:
+        """JSON-ready: cycles and tokens per width, plain fraction, probes, draft state."""
+        return {
+            "widths": {
+                str(w): {"cycles": c, "tokens": t} for w, (c, t) in sorted(self.widths.items())
+            },
+            "plain_fraction": round(self.plain_fraction, 4),
+            "probes": self.probes,
+            "draft": self.draft,
+        }
 
     @property
     def tau(self) -> float:
@@ -254,15 +286,21 @@ def _plan_widths(
             )
     rows = draft_block or block
     if block_size is None:
+        fixed = block if draft.config.is_dflash2 else draft_block
+        pair = _pair_state(model, draft)
+        known = pair.choosers.get(fixed)
+        # Measured costs that kept disagreeing with the calibration: measure it again (once
+        # per pair and process: a difference that persists is the engine's, not the device's).
+        refresh = known is not None and known.recalibrate and not pair.__dict__.get("redone")
         try:
-            curves = load_or_measure(model, draft)
+            curves = load_or_measure(model, draft, refresh=refresh)
         except OSError:  # no writable cache: fall back to the fixed default
             width = min(default_verify_width(model, draft), rows)
             return width, rows, None
-        fixed = block if draft.config.is_dflash2 else draft_block
+        pair.__dict__["redone"] = pair.__dict__.get("redone", False) or refresh
         if seeded:
             return rows, rows, WidthChooser(curves, block, draft_block=fixed)
-        choosers = _pair_state(model, draft).choosers
+        choosers = pair.choosers
         if fixed not in choosers or choosers[fixed].costs != curves:
             choosers[fixed] = WidthChooser(curves, block, draft_block=fixed)
         return rows, rows, choosers[fixed]
@@ -339,7 +377,8 @@ def stream_generate(
     prompt_tps = gen_tps = ttft = 0.0
     cached = 0
     n_gen = 0
-    stats = DecodeStats()
+    stats = DecodeStats(draft="active" if draft is not None else None)
+    probes = chooser.probes if chooser is not None else 0
     finish = None
     cycle_iter = speculative_decode(
         target,
@@ -370,6 +409,9 @@ def stream_generate(
                 gen_start = now
             else:
                 stats.add(cyc.width, cyc.accepted)
+                if chooser is not None:
+                    stats.probes = chooser.probes - probes
+                    stats.draft = "active" if chooser.capture else "dormant"
             tokens = list(cyc.tokens)
             hit_eos = tokens[-1] in eos
             if hit_eos:

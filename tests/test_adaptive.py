@@ -8,6 +8,7 @@ import math
 import mlx.core as mx
 import pytest
 
+import dflash_mlx
 import dflash_mlx.calibrate as calibrate
 from dflash_mlx.adaptive import CostCurves, WidthChooser
 
@@ -466,3 +467,106 @@ def test_probes_keep_within_a_budget_per_request():
             lost += max(seconds - CPU.verify[0], 0.0) if w > 1 else 0.0
         assert lost <= 0.03 * spent + 1e-9, f"probes lost {lost / spent:.1%} of a request"
     assert ch.probes >= 1, "long enough requests still probe"
+
+
+# -- the chooser in the decode loop ------------------------------------------------------------
+
+
+def decode_with(model, d, ids, n, chooser):
+    from dflash_mlx.decode import speculative_decode
+    from dflash_mlx.loading import bind_draft
+    from dflash_mlx.sampling import SamplingParams
+    from dflash_mlx.target import TargetAdapter
+
+    bind_draft(d, model)
+    cycles = speculative_decode(
+        TargetAdapter.of(model),
+        d,
+        ids,
+        max_tokens=n,
+        params=SamplingParams(),
+        width=BLOCK,
+        draft_block=BLOCK,
+        chooser=chooser,
+        learn_costs=False,
+    )
+    return [t for c in cycles for t in c.tokens]
+
+
+@pytest.mark.parametrize("dormant", [True, False])
+def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
+    target, draft, monkeypatch, dormant
+):
+    """A chooser that expects plain decoding: the prompt's draft context is not projected
+    (only the window before a probe); one that expects to speculate: all of it."""
+    from mlx_lm.generate import generate_step
+
+    model, tok = target
+    ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
+    ch = WidthChooser(CPU if dormant else BLAS, BLOCK, window=8, prior=0.05 if dormant else 0.9)
+    assert ch.expects_plain(len(ids)) is dormant
+    rows = []
+    real = draft.add_context
+    monkeypatch.setattr(draft, "add_context", lambda f, s: rows.append(f.shape[1]) or real(f, s))
+    out = decode_with(model, draft, ids, 6, ch)
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=None)]
+    assert out == ref
+    if dormant:
+        assert sum(rows) <= 8 + 1, rows  # the window, and the prompt's last position
+    else:
+        assert sum(rows) >= len(ids) - 1, rows
+
+
+def test_the_decode_loop_gives_the_chooser_the_context_depth_and_a_new_request(target, draft):
+    model, tok = target
+    ids = tok.encode("import os\nimport sys\n" * 10)
+    seen = []
+
+    class Recording(WidthChooser):
+        def choose(self, limit=None, depth=None):
+            seen.append(depth)
+            return super().choose(limit, depth)
+
+        def begin_request(self):
+            seen.append("new request")
+            super().begin_request()
+
+    ch = Recording(BLAS, BLOCK)
+    decode_with(model, draft, ids, 12, ch)
+    assert seen[0] == "new request", "the request's probe budget starts afresh"
+    depths = seen[1:]
+    assert depths[0] == len(ids) and depths == sorted(depths) and depths[-1] < len(ids) + 12
+
+
+def test_every_result_says_what_ran(target, draft):
+    """Cycles and tokens per width, the plain share, probes and the draft's state."""
+    model, tok = target
+    ids = tok.encode("for i in range(10):\n    print(i)\n")
+    fixed = dflash_mlx.generate(model, draft, tok, ids, max_tokens=24, block_size=4)
+    auto = dflash_mlx.generate(model, draft, tok, ids, max_tokens=24)
+    for r in (fixed, auto):
+        ran = r.stats.what_ran()
+        assert sum(w["cycles"] for w in ran["widths"].values()) == r.cycles
+        # The first token comes from the prefill, not from a cycle.
+        assert sum(w["tokens"] for w in ran["widths"].values()) == r.generation_tokens - 1
+    # Fixed W=4: narrower only where the token budget ends (at most one plain step).
+    assert fixed.stats.widths.get(1, [0, 0])[0] <= 1 and fixed.stats.draft == "active"
+    assert fixed.stats.widths[4][0] >= 15 and fixed.stats.probes == 0
+    plain = auto.stats.widths.get(1, [0, 0])[1]
+    assert auto.stats.plain_fraction == pytest.approx(plain / (auto.generation_tokens - 1))
+    assert auto.stats.draft in ("active", "dormant")
+    none = dflash_mlx.generate(model, None, tok, ids, max_tokens=8)
+    assert none.stats.draft is None and none.stats.plain_fraction == 1.0
+
+
+def test_decode_stats_count_cycles_and_tokens_per_width():
+    from dflash_mlx.generate import DecodeStats
+
+    s = DecodeStats(draft="active")
+    for width, accepted in [(4, 3), (1, 0), (4, 1), (1, 0)]:
+        s.add(width, accepted)
+    assert s.widths == {4: [2, 6], 1: [2, 2]}
+    assert s.plain_fraction == pytest.approx(2 / 8)
+    both = s.merge(DecodeStats(widths={2: [1, 2]}, cycles=1, committed=2, probes=3))
+    assert both.widths == {4: [2, 6], 1: [2, 2], 2: [1, 2]} and both.probes == 3
+    assert both.what_ran()["widths"]["4"] == {"cycles": 2, "tokens": 6}

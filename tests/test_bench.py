@@ -40,6 +40,8 @@ SUMMARY_KEYS = {
     "cycles",
     "ideal_speedup",
     "efficiency",
+    "plain_fraction",
+    "probes",
 }
 
 
@@ -97,6 +99,14 @@ def test_bench_measures_both_ways_and_serialises_everything(target, draft, tmp_p
     )
     assert w1["acceptance_rates"] == [] and len(w4["acceptance_rates"]) == 3
     assert w4["cycles"] > 0
+    # What ran: W=1 decodes plainly, W=4 speculates but where the token budget leaves only
+    # one token (a plain step); the baseline is not this engine.
+    assert (base["plain_fraction"], w1["plain_fraction"]) == (None, 1.0)
+    assert 0.0 <= w4["plain_fraction"] < 0.2
+    for rec in data["records"]:
+        if rec["run"] == "W=4":
+            assert set(rec["ran"]["widths"]) <= {"1", "2", "3", "4"}  # narrower only at the end
+            assert sum(w["cycles"] for w in rec["ran"]["widths"].values()) == rec["cycles"]
 
 
 def test_losslessness_check_flags_a_corrupted_dflash_token(target, draft, monkeypatch):

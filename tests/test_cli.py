@@ -30,6 +30,7 @@ JSON_KEYS = {
     "acceptance_rates",
     "peak_memory_gb",
     "time_to_first_token",
+    "ran",
 }
 
 
@@ -61,6 +62,9 @@ def test_json_tokens_equal_library_generate(pair, target, draft):
     assert data["finish_reason"] == "length"
     assert data["verify_width"] is None  # chosen per cycle
     assert len(data["acceptance_rates"]) <= draft.config.block_size - 1
+    ran = data["ran"]  # what the engine ran: every cycle at some width
+    assert sum(w["cycles"] for w in ran["widths"].values()) == data["cycles"]
+    assert 0.0 <= ran["plain_fraction"] <= 1.0 and ran["draft"] in ("active", "dormant")
 
 
 def test_chat_template_is_applied_by_default(pair, target, draft):

@@ -251,6 +251,8 @@ class Usage:
             "cycles": r.cycles,
             "verify_width": r.block_size,  # None: chosen per cycle
             "peak_memory_gb": r.peak_memory,
+            # What ran: cycles and tokens per width (1: plain), plain share, probes, draft.
+            "ran": r.stats.what_ran(),
         }
 
 
