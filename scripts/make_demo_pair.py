@@ -47,6 +47,9 @@ OUT = ROOT / "dflash_mlx" / "demo_pair"
 WORK = Path.home() / ".cache" / "dflash-mlx" / "demo-build"
 SEED = 0
 HELD_OUT_FILES = 8
+# The demo target is a code model, not an assistant: its "chat template" passes the text
+# through, so `chat`, `bench` and `serve` prompts are continued as raw code.
+RAW_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
 def stdlib_files() -> list[Path]:
@@ -288,21 +291,21 @@ def stage_draft(args, work: Path) -> None:
 # -- stage 3: held-out evaluation ------------------------------------------------------------
 
 
+def held_out_prompts(args) -> list[dict]:
+    held_out, _ = split_files()
+    texts = [f.read_text(errors="replace") for f in held_out]
+    return draft_prompts(texts, args.eval_prompts, SEED + 2, args.prompt_chars)
+
+
 def stage_eval(args, work: Path) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import generate, load, load_draft
 
-    held_out, _ = split_files()
     model, tok = load(work / "target")
     draft = load_draft(work / "draft")
-    prompts = draft_prompts(
-        [f.read_text(errors="replace") for f in held_out],
-        args.eval_prompts,
-        SEED + 2,
-        args.prompt_chars,
-    )
+    prompts = held_out_prompts(args)
     acc = [0] * 15
     drafted = [0] * 15
     cycles = committed = 0
@@ -359,8 +362,14 @@ def stage_ship(args, work: Path) -> None:
             if f.suffix == ".safetensors":
                 w = {k: v.astype(mx.bfloat16) for k, v in mx.load(str(f)).items()}
                 mx.save_safetensors(str(tmp / part / f.name), w)
-            elif f.is_file() and f.name != "training_log.json":
+            elif f.is_file():  # config, tokenizer, the training log
                 shutil.copy(f, tmp / part / f.name)
+    config = json.loads((tmp / "target" / "tokenizer_config.json").read_text())
+    config["chat_template"] = RAW_TEMPLATE
+    (tmp / "target" / "tokenizer_config.json").write_text(json.dumps(config))
+    # The held-out evaluation prompts, for `dflash-mlx bench --demo --prompts ...`.
+    prompts = [{"prompt": p["text"]} for p in held_out_prompts(args)]
+    (tmp / "heldout_prompts.jsonl").write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
     size = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
     _update(
         work,
