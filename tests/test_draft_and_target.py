@@ -192,3 +192,18 @@ def test_binding_does_not_adopt_the_targets_weights(target, draft):
     bind_draft(draft, model)
     after = {k for k, _ in tree_flatten(draft.parameters())}
     assert before == after and not any("embed" in k or "lm_head" in k for k in after)
+
+
+def test_the_draft_holds_weights_only_and_never_samples(target, draft):
+    """Request state lives in a DraftState; a loaded draft has none, and no sampling."""
+    import dflash_mlx.draft as draft_module
+
+    model, _ = target
+    bind_draft(draft, model)
+    assert not hasattr(draft_module, "sample") and not hasattr(draft_module, "probabilities")
+    assert not any(hasattr(draft, name) for name in ("propose", "_caches", "gaps", "reset"))
+    before = {k: v for k, v in vars(draft).items() if not k.startswith("_")}
+    a, b = draft.make_state(), draft.make_state()
+    draft.add_context(mx.ones((1, 3, 2 * 64)), a)
+    assert (a.context_length, b.context_length) == (3, 0), "states are independent"
+    assert {k: v for k, v in vars(draft).items() if not k.startswith("_")}.keys() == before.keys()
