@@ -17,7 +17,14 @@ def _err() -> Console:
 
 def demo_note(notice: str, folder: Path) -> None:
     _err().print(
-        Text.assemble(("demo: ", "bold yellow"), (f"serving {notice} ({folder})", "yellow"))
+        Text.assemble(
+            ("demo: ", "bold yellow"),
+            (
+                f"serving {notice} ({folder}). Each reply's `timings` report τ (`tau`) and "
+                "acceptance (`draft_n_accepted` of `draft_n` drafted tokens).",
+                "yellow",
+            ),
+        )
     )
 
 
