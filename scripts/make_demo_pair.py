@@ -297,14 +297,16 @@ def held_out_prompts(args) -> list[dict]:
     return draft_prompts(texts, args.eval_prompts, SEED + 2, args.prompt_chars)
 
 
-def stage_eval(args, work: Path) -> None:
+def stage_eval(args, work: Path, pair: Path | None = None, section: str = "draft") -> None:
+    """Held-out τ of the pair in `pair` (default: the work folder's), into BUILD.json."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import generate, load, load_draft
 
-    model, tok = load(work / "target")
-    draft = load_draft(work / "draft")
+    pair = pair or work
+    model, tok = load(pair / "target")
+    draft = load_draft(pair / "draft")
     prompts = held_out_prompts(args)
     acc = [0] * 15
     drafted = [0] * 15
@@ -332,7 +334,7 @@ def stage_eval(args, work: Path) -> None:
     print("acceptance by block position:", per_position, flush=True)
     _update(
         work,
-        "draft",
+        section,
         {
             "held_out_tau_greedy_w16": round(tau, 2),
             "held_out_acceptance_by_position": per_position,
@@ -382,6 +384,7 @@ def stage_ship(args, work: Path) -> None:
             f"MLX {mx.__version__} CPU, OpenBLAS preloaded: {'LD_PRELOAD' in os.environ}",
         },
     )
+    stage_eval(args, work, pair=tmp, section="shipped")  # the bf16 weights as shipped
     shutil.copy(work / "BUILD.json", tmp / "BUILD.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
