@@ -18,15 +18,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
+
 from . import ui
+from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
     from dflash_mlx.chat_session import ChatSession
 
     from .chat_ui import ChatUI
 
-EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130
 DEMO_MAX_TOKENS = 200  # the demo's gibberish never ends on its own: keep replies short
 DRAFT_FILES = ["*.json", "*.safetensors"]  # what dflash_mlx.load_draft fetches
 
@@ -96,12 +97,16 @@ def command(
             think=think,
             hide_thinking=hide_thinking,
         )
-    except ValueError as e:  # LoadError included
+    except UserError as e:  # LoadError included
         ui.error(str(e))
-        raise typer.Exit(EXIT_ERROR) from None
+        raise typer.Exit(EXIT_USER) from None
     except KeyboardInterrupt:
         ui.interrupted()
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as e:  # anything else is a bug of ours, not the user's input
+        internal(e)
     if code:
         raise typer.Exit(code)
 
@@ -183,10 +188,10 @@ def resolve_pair(
     from dflash_mlx.registry import DEFAULT_TARGET, find_draft, known_targets
 
     if draft is not None and no_draft:
-        raise ValueError("pass either --draft or --no-draft, not both")
+        raise BadArgument("pass either --draft or --no-draft, not both")
     if demo:
         if model is not None or draft is not None:
-            raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+            raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
         from dflash_mlx.demo import NOTICE, TRAINED, demo_pair
 
         with ui.loading("demo pair", "tiny models"):
@@ -202,13 +207,13 @@ def resolve_pair(
         pair.banner = [("target", pair.label), ("draft", "none" if no_draft else pair.draft_label)]
         return pair
     if draft is not None and model is None:
-        raise ValueError("--draft needs --model: the target it was trained for")
+        raise BadArgument("--draft needs --model: the target it was trained for")
     model = model or DEFAULT_TARGET
     entry = find_draft(model)
     how = ""
     if draft is None and not no_draft:
         if entry is None:
-            raise ValueError(
+            raise BadArgument(
                 f"no known DFlash draft for {model!r}. Pass one with --draft DRAFT (the Hub id "
                 "or folder of a DFlash draft trained for this model), or --no-draft to chat "
                 "with the target alone, without speculation. Drafts are known for: "

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash_mlx.errors import BadArgument
+
 from . import chat_ui
 from .chat_input import quiet_keys
 
@@ -38,7 +40,7 @@ SET_NAMES = ["temp", "top_p", "max_tokens", "block_size", "seed", "thinking"]
 def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
     """Piped stdin: the whole input is one message; answer it and stop."""
     if not text.strip():
-        raise ValueError("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
+        raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
     interrupted = stream_reply(
         session, view, lambda progress: session.send(text.strip(), prompt_progress=progress)
     )
@@ -133,7 +135,7 @@ class Repl:
             view.totals(s.totals, s.context_tokens, s.draft is not None)
         elif name == "/save":
             if not arg:
-                raise ValueError("/save needs a file name, e.g. /save chat.json or /save chat.md")
+                raise BadArgument("/save needs a file name, e.g. /save chat.json or /save chat.md")
             path = s.save(arg)
             view.info(f"saved {len(s.conversation())} messages to {path}")
         elif name == "/retry":
@@ -152,10 +154,10 @@ class Repl:
         key, _, value = arg.partition(" ")
         value = value.strip()
         if not value:
-            raise ValueError(f"/set {key} needs a value, e.g. /set temp 0.7")
+            raise BadArgument(f"/set {key} needs a value, e.g. /set temp 0.7")
         if key.lower() == "thinking":
             if value.lower() not in ("show", "hide"):
-                raise ValueError(f"/set thinking {value!r}: show or hide")
+                raise BadArgument(f"/set thinking {value!r}: show or hide")
             self.view.hide_thinking = value.lower() == "hide"
         else:
             self.session.set(key, value)

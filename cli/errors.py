@@ -13,6 +13,7 @@ import os
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 import click
 import typer
@@ -38,10 +39,15 @@ def user_errors() -> Iterator[None]:
         if isinstance(e, UserError):
             ui.error(str(e))
             raise typer.Exit(EXIT_USER) from None
-        if os.environ.get(DEBUG_ENV):
-            traceback.print_exc()
-        ui.error(
-            f"internal error: {type(e).__name__}: {e} (a bug in dflash-mlx, not your input; "
-            f"set {DEBUG_ENV}=1 for the traceback and please report it)"
-        )
-        raise typer.Exit(EXIT_INTERNAL) from None
+        internal(e)
+
+
+def internal(e: BaseException) -> NoReturn:
+    """Report `e` as a bug of ours (not the user's input) and exit with `EXIT_INTERNAL`."""
+    if os.environ.get(DEBUG_ENV):
+        traceback.print_exception(e)
+    ui.error(
+        f"internal error: {type(e).__name__}: {e} (a bug in dflash-mlx, not your input; "
+        f"set {DEBUG_ENV}=1 for the traceback and please report it)"
+    )
+    raise typer.Exit(EXIT_INTERNAL) from None

@@ -13,11 +13,12 @@ from typing import Annotated
 
 import typer
 
+from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
+
 from . import options, serve_ui, ui
+from .errors import internal
 
 DEMO_ID = "dflash-mlx-demo"
-EXIT_ERROR = 2  # as every command: bad options, a model that cannot load, a busy port
-EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, after a clean shutdown
 
 
 def serve(
@@ -86,11 +87,15 @@ def serve(
             cors_origins=tuple(cors_origin or ()),
             max_body_mb=max_body_mb,
         )
-    except ValueError as e:
+    except UserError as e:
         ui.error(str(e))
-        raise typer.Exit(EXIT_ERROR) from None
+        raise typer.Exit(EXIT_USER) from None
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down cleanly
         raise typer.Exit(EXIT_INTERRUPTED) from None
+    except (typer.Exit, typer.Abort):
+        raise
+    except Exception as e:  # anything else is a bug of ours, not the user's input
+        internal(e)
 
 
 def is_loopback(host: str) -> bool:
@@ -115,7 +120,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port), or a ValueError naming why not (e.g. port in use)."""
     if not 0 <= port <= 65535:
-        raise ValueError(f"--port {port} must be in 0..65535")
+        raise BadArgument(f"--port {port} must be in 0..65535")
     host = host.strip("[]")
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -123,7 +128,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise BadArgument(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 
@@ -145,28 +150,28 @@ def run(
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C."""
     if demo and (model is not None or draft is not None):
-        raise ValueError("--demo builds its own pair: pass it without --model and --draft")
+        raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and (model is None or draft is None):
-        raise ValueError("--model and --draft are required (or --demo for the demonstration pair)")
+        raise BadArgument("--model and --draft are required (or --demo for the demonstration pair)")
     if max_queue < 0:
-        raise ValueError(f"--max-queue {max_queue} must be >= 0")
+        raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if default_max_tokens < 1:
-        raise ValueError(f"--default-max-tokens {default_max_tokens} must be >= 1")
+        raise BadArgument(f"--default-max-tokens {default_max_tokens} must be >= 1")
     if max_context is not None and max_context < 2:
-        raise ValueError(f"--max-context {max_context} must be >= 2")
+        raise BadArgument(f"--max-context {max_context} must be >= 2")
     if prompt_cache_size < 1:
-        raise ValueError(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
+        raise BadArgument(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
     if block_size is not None and block_size < 1:
-        raise ValueError(f"--block-size {block_size} must be >= 1")
+        raise BadArgument(f"--block-size {block_size} must be >= 1")
     if not max_body_mb > 0:
-        raise ValueError(f"--max-body-mb {max_body_mb} must be > 0")
+        raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
     for origin in cors_origins:
         if origin != "*" and not origin.startswith(("http://", "https://")):
-            raise ValueError(
+            raise BadArgument(
                 f"--cors-origin {origin!r} must be an origin such as http://host:port (or *)"
             )
     if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key is empty: give a key, or leave the option out")
+        raise BadArgument("--api-key is empty: give a key, or leave the option out")
 
     import dflash_mlx
     from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
@@ -187,7 +192,7 @@ def run(
     with ui.loading("draft", draft):
         drafter = dflash_mlx.load_draft(draft)
     if block_size is not None and block_size > drafter.config.block_size:
-        raise ValueError(
+        raise BadArgument(
             f"--block-size {block_size} exceeds the draft's block size {drafter.config.block_size}"
         )
 

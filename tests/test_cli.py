@@ -228,3 +228,23 @@ def test_generate_demo_runs_offline_and_says_what_the_pair_is():
     assert json.loads(result.stdout)["generation_tokens"] == 8
     result = run("generate", "--demo", "--model", "m", "--prompt", "x")
     assert result.exit_code == 2 and "without --model" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_chat_and_serve_report_internal_errors_as_ours(monkeypatch, command):
+    """Every command, not only generate: a plain ValueError from inside is exit 1, while a
+    bad option stays the user's (exit 2)."""
+    from dflash_mlx.cli import chat, serve
+
+    def broken(**kwargs):
+        raise ValueError("boom inside")
+
+    monkeypatch.setattr(chat if command == "chat" else serve, "run", broken)
+    result = run(command, "--demo")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith("error: internal error: ") and "boom inside" in result.stderr
+    monkeypatch.undo()
+    bad = ["--port", "70000"] if command == "serve" else ["--temp", "-1"]
+    result = CliRunner().invoke(app, [command, "--demo", *bad], input="hi")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "internal" not in result.stderr
