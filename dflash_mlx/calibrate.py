@@ -41,14 +41,17 @@ _conditions: tuple[float, dict] | None = None
 
 
 def _blas_library() -> str | None:
-    """The BLAS shared library mapped into this process (Linux), e.g. an LD_PRELOADed
-    OpenBLAS: it changes what wide passes cost on a CPU."""
+    """The BLAS shared libraries mapped into this process (Linux) that MLX can call, e.g. an
+    LD_PRELOADed OpenBLAS: they change what wide passes cost on a CPU. NumPy's and SciPy's
+    private ILP64 builds (suffixed symbols, loaded whenever numpy is imported) are not."""
     try:
         with open("/proc/self/maps") as f:
             libs = {line.split()[-1] for line in f if "blas" in line.lower() and "/" in line}
     except OSError:
         return None
-    return ",".join(sorted(os.path.basename(p) for p in libs)) or None
+    names = {os.path.basename(p) for p in libs}
+    names = {n for n in names if "openblas64" not in n and "scipy_openblas" not in n}
+    return ",".join(sorted(names)) or None
 
 
 def _power_source() -> str | None:

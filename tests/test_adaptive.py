@@ -570,3 +570,12 @@ def test_decode_stats_count_cycles_and_tokens_per_width():
     both = s.merge(DecodeStats(widths={2: [1, 2]}, cycles=1, committed=2, probes=3))
     assert both.widths == {4: [2, 6], 1: [2, 2], 2: [1, 2]} and both.probes == 3
     assert both.what_ran()["widths"]["4"] == {"cycles": 2, "tokens": 6}
+
+
+def test_numpys_own_blas_does_not_change_the_calibration_key():
+    """NumPy loads a private ILP64 OpenBLAS MLX never calls: importing numpy (as some
+    library may, at any time) must not make a process's calibration look stale."""
+    import numpy  # noqa: F401  (maps numpy.libs/libscipy_openblas64_*.so)
+
+    blas = calibrate._blas_library() or ""
+    assert "openblas64" not in blas and "scipy_openblas" not in blas
