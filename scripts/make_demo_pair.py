@@ -227,17 +227,24 @@ def stage_target(args, work: Path) -> None:
 # -- stage 2: the draft ----------------------------------------------------------------------
 
 
-def draft_prompts(texts: list[str], n: int, seed: int, chars: int) -> list[dict]:
+def draft_prompts(
+    texts: list[str], n: int, seed: int, chars: int, mixed: bool = False
+) -> list[dict]:
     """`n` stretches of the given files (chars/4 to chars long), each ending at a line end:
-    the target continues them."""
+    the target continues them. `mixed`: half of them end anywhere and are 1 to `chars`
+    long, so the draft also learns short prompts and prompts cut mid-line (as typed)."""
     rng = random.Random(seed)
     out = []
     while len(out) < n:
         text = texts[rng.randrange(len(texts))]
-        cut = text.rfind("\n", 0, rng.randrange(1, len(text)))
-        if cut <= 0:
-            continue
-        prompt = text[max(0, cut + 1 - rng.randrange(chars // 4, chars)) : cut + 1]
+        if mixed and rng.random() < 0.5:
+            end = rng.randrange(1, len(text))
+            prompt = text[max(0, end - rng.randrange(1, chars)) : end]
+        else:
+            cut = text.rfind("\n", 0, rng.randrange(1, len(text)))
+            if cut <= 0:
+                continue
+            prompt = text[max(0, cut + 1 - rng.randrange(chars // 4, chars)) : cut + 1]
         if prompt.strip():
             out.append({"text": prompt})
     return out
@@ -246,7 +253,7 @@ def draft_prompts(texts: list[str], n: int, seed: int, chars: int) -> list[dict]
 def stage_draft(args, work: Path) -> None:
     _, train_files = split_files()
     texts = [f.read_text(errors="replace") for f in train_files]
-    prompts = draft_prompts(texts, args.draft_prompts, SEED + 1, args.prompt_chars)
+    prompts = draft_prompts(texts, args.draft_prompts, SEED + 1, args.prompt_chars, mixed=True)
     data = work / "draft_data.jsonl"
     data.write_text("\n".join(json.dumps(p) for p in prompts))
     draft_dir = work / "draft"
@@ -277,7 +284,8 @@ def stage_draft(args, work: Path) -> None:
                 f"{cfg['dflash_config']['target_layer_ids']}"
             ),
             "command": "dflash-mlx " + " ".join(cmd[3:]),
-            "data": f"{len(prompts)} stretches of held-in stdlib files continued by the target",
+            "data": f"{len(prompts)} stretches of held-in stdlib files (half cut mid-line, "
+            f"1 to {args.prompt_chars} characters) continued by the target",
             "seed": log["settings"]["seed"],
             "train_steps": args.draft_steps,
             "final_loss": round(log["steps"][-1]["loss"], 3),
