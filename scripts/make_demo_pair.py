@@ -17,9 +17,12 @@
    block position.
 4. ship: bf16 weights, tokenizer and BUILD.json into `dflash_mlx/demo_pair/`.
 
-Every random choice is seeded. The target's step count is fixed by `--target-steps`; with
-`--target-minutes` instead, the step count is chosen from the measured speed of the first
-steps and written to BUILD.json (pass it back as `--target-steps` to repeat the build).
+Every random choice is seeded. The target's step count is fixed by `--target-steps` (300);
+with `--target-steps 0` it is chosen for `--target-minutes` from the measured speed of the
+first steps and written to BUILD.json (pass it back as `--target-steps` to repeat a build).
+Budget with the defaults on a 2-core x86 machine with OpenBLAS preloaded, shared with other
+jobs: target 33 min, draft 11-21 min (2 min of it the target writing the data), eval and
+ship 1 min; the shipped pair's figures are in BUILD.json and the README.
 
 A demonstration, not a useful assistant: it writes Python-looking text. MLX's stock Linux
 CPU wheel multiplies with a reference BLAS; when Debian's OpenBLAS is installed
