@@ -134,7 +134,8 @@ def _what_ran(r: GenerationResponse) -> list[str]:
     if s.draft is None or not s.cycles:
         return []
     widths = ", ".join(f"W={w}×{c}" for w, (c, _) in sorted(s.widths.items()))
-    return [f"{s.plain_fraction:.0%} plain ({widths}; {s.probes} probes; draft {s.draft})"]
+    probes = f"{s.probes} probe" + ("" if s.probes == 1 else "s")
+    return [f"{s.plain_fraction:.0%} plain ({widths}; {probes}; draft {s.draft})"]
 
 
 def result_json(result: GenerationResult) -> None:
