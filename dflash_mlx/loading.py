@@ -13,9 +13,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import BadCheckpoint
 from .config import DraftConfig
 from .draft import DFlashDraft
+from .errors import BadCheckpoint
 from .target import TargetAdapter
 
 _DRAFT_FILES = ["*.json", "*.safetensors"]

@@ -357,9 +357,7 @@ def train(
 
     def step_fn(tokens, lengths, seq_index, anchors):
         feats, nxt = block_targets(target, tokens, ids)
-        loss, grads = loss_and_grad(
-            draft, feats, nxt, tokens, seq_index, anchors, lengths, gamma
-        )
+        loss, grads = loss_and_grad(draft, feats, nxt, tokens, seq_index, anchors, lengths, gamma)
         grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
         optimizer.update(draft, grads)
         return loss

@@ -189,8 +189,11 @@ def stage_target(args, work: Path) -> None:
             )
     train_seconds = time.time() - tic
     # Held-out loss: whole files the target never saw.
-    held_ids = [t for enc in tk.encode_batch([f.read_text(errors="replace") for f in held_out])
-                for t in enc.ids + [0]]
+    held_ids = [
+        t
+        for enc in tk.encode_batch([f.read_text(errors="replace") for f in held_out])
+        for t in enc.ids + [0]
+    ]
     hd = np.array(held_ids, dtype=np.int32)
     chunks = [hd[i : i + seq + 1] for i in range(0, len(hd) - seq - 1, seq)][:64]
     held_loss = float(np.mean([loss_fn(model, mx.array(c[None])).item() for c in chunks]))

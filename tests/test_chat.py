@@ -16,12 +16,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import dflash_mlx
+from dflash_mlx import chat_session
+from dflash_mlx.chat_session import ChatSession, ChatSettings
 from dflash_mlx.cli import chat_repl
 from dflash_mlx.cli.chat_input import history_path, make_reader
 from dflash_mlx.cli.chat_ui import ChatUI, ReplyView
 from dflash_mlx.cli.main import app
-from dflash_mlx import chat_session
-from dflash_mlx.chat_session import ChatSession, ChatSettings
 from dflash_mlx.registry import DEFAULT_TARGET, base_name, find_draft
 
 MAX_TOKENS = 6

@@ -9,8 +9,8 @@ import mlx.nn as nn
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.cli.main import app
 from dflash_mlx import generate, load, load_draft
+from dflash_mlx.cli.main import app
 from dflash_mlx.conv import DynamicConv
 from dflash_mlx.loading import bind_draft
 from dflash_mlx.quantize import compare_drafts, quantize_draft, quantize_target, save_draft

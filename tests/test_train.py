@@ -7,14 +7,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from typer.testing import CliRunner
 
-from dflash_mlx.cli.main import app
 from dflash_mlx import generate, load_draft
+from dflash_mlx.cli.main import app
+from dflash_mlx.cli.train import _regenerator
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.tiny import CORPUS
-from dflash_mlx.cli.train import _regenerator
 from dflash_mlx.train import (
     Example,
     TrainSettings,
@@ -238,4 +237,3 @@ def test_held_out_prompts_come_from_across_the_data_and_leave_training():
     assert all(len(h) == 10 for h in held), "a held-out prompt is what precedes its reply"
     assert not firsts & {e.tokens[0] for e in kept}
     assert min(firsts) < 100 < max(firsts), "spread over the data, not its last lines"
-
