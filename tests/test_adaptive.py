@@ -204,13 +204,22 @@ def test_calibration_measures_increasing_verify_cost_and_is_cached(
     assert calibrate.load_or_measure(model, draft) == curves1
 
 
-def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkeypatch, tmp_path):
+@pytest.fixture
+def measure_calls(draft, monkeypatch, tmp_path) -> list[int]:
+    """A private cache folder and a calibration that only counts how often it is measured."""
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
-    model, _ = target
-    calls = []
+    calls: list[int] = []
     fake = CostCurves((1.0,) * 16, (0.1,) * 16)
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
+    return calls
+
+
+def test_a_changed_mlx_version_invalidates_the_calibration(
+    target, draft, monkeypatch, tmp_path, measure_calls
+):
+    model, _ = target
+    calls = measure_calls
     calibrate.load_or_measure(model, draft)
     draft.__dict__.pop("_dflash_cost_curves")
     calibrate.load_or_measure(model, draft)
@@ -222,14 +231,10 @@ def test_a_changed_mlx_version_invalidates_the_calibration(target, draft, monkey
 
 
 def test_a_changed_blas_library_or_power_source_invalidates_the_calibration(
-    target, draft, monkeypatch, tmp_path
+    target, draft, monkeypatch, tmp_path, measure_calls
 ):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
     model, _ = target
-    calls = []
-    fake = CostCurves((1.0,) * 16, (0.1,) * 16)
-    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
+    calls = measure_calls
     monkeypatch.setattr(calibrate, "_conditions", None)
     calibrate.load_or_measure(model, draft)
     calibrate.load_or_measure(model, draft)
