@@ -242,6 +242,7 @@ class _PairState:
     def __init__(self, model: nn.Module):
         self.model = weakref.ref(model)
         self.choosers: dict[int | None, WidthChooser] = {}
+        self.recalibrated = False  # at most once per pair and process
 
 
 _PAIRS: dict[tuple[int, int], _PairState] = {}
@@ -291,13 +292,13 @@ def _plan_widths(
         known = pair.choosers.get(fixed)
         # Measured costs that kept disagreeing with the calibration: measure it again (once
         # per pair and process: a difference that persists is the engine's, not the device's).
-        refresh = known is not None and known.recalibrate and not pair.__dict__.get("redone")
+        refresh = known is not None and known.recalibrate and not pair.recalibrated
         try:
             curves = load_or_measure(model, draft, refresh=refresh)
         except OSError:  # no writable cache: fall back to the fixed default
             width = min(default_verify_width(model, draft), rows)
             return width, rows, None
-        pair.__dict__["redone"] = pair.__dict__.get("redone", False) or refresh
+        pair.recalibrated = pair.recalibrated or refresh
         if seeded:
             return rows, rows, WidthChooser(curves, block, draft_block=fixed)
         choosers = pair.choosers
