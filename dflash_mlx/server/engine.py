@@ -361,12 +361,10 @@ class Engine:
                 if job.cancelled:
                     outcome = "cancelled"
                     break
-        except _Cancelled:
+        except _Cancelled:  # stopped during prefill: the request commits nothing back
             outcome = "cancelled"
-            pc.clear()  # the prefill stopped half way: the cache no longer matches its tokens
-        except Exception as e:
+        except Exception as e:  # a failed request leaves the cache empty, never half-written
             outcome = "failed"
-            pc.clear()
             job._put(e)
         finally:
             stream.close()  # leaves the PromptCache consistent (the engine's contract)
