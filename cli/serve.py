@@ -6,7 +6,6 @@ instantly. All terminal output goes through `serve_ui.py`.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from pathlib import Path
 from typing import Annotated
@@ -99,12 +98,10 @@ def serve(
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
+    """The server's own rule (a host name other than localhost may resolve to anything)."""
+    from dflash_mlx.server.security import is_loopback_host
+
+    return is_loopback_host(host)
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:
