@@ -152,3 +152,55 @@ def test_a_target_folder_without_tokenizer_is_refused(models_dir, tmp_path):
     (folder / "tokenizer.json").unlink()
     with pytest.raises(LoadError, match=r"no tokenizer file"):
         load(folder)
+
+
+def _bf16_copy(src, dst):
+    """A copy of a checkpoint folder with its floating-point weights stored in bfloat16."""
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        w = mx.load(str(f))
+        mx.save_safetensors(
+            str(f),
+            {
+                k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
+                for k, v in w.items()
+            },
+        )
+    return dst
+
+
+def _dtypes(model):
+    from mlx.utils import tree_flatten
+
+    return {v.dtype for _, v in tree_flatten(model.parameters())}
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the float32 upcast is CPU-only")
+def test_half_precision_weights_run_in_float32_on_the_cpu(models_dir, tmp_path, monkeypatch):
+    """MLX's CPU matmul has no BLAS path for bf16: such pairs are computed in float32."""
+    target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")
+    draft_dir = _bf16_copy(models_dir / "draft", tmp_path / "d")
+    model, tok = load(target_dir)
+    d = load_draft(draft_dir)
+    assert _dtypes(model) == {mx.float32} and _dtypes(d) == {mx.float32}
+    # still lossless: the upcast pair against its own plain greedy decode
+    assert (
+        generate(model, d, tok, "hello", max_tokens=12, block_size=4).tokens
+        == generate(model, None, tok, "hello", max_tokens=12).tokens
+    )
+    monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "0")
+    assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}
+    assert _dtypes(load_draft(draft_dir)) == {mx.bfloat16}
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the float32 upcast is CPU-only")
+def test_quantized_and_oversized_models_keep_their_dtype(models_dir, tmp_path, monkeypatch):
+    from dflash_mlx import loading
+
+    quantized = load(models_dir / "qwen3-4bit")[0]
+    quantized.set_dtype(mx.bfloat16)  # scales and biases in bf16, as mlx-lm writes them
+    assert not loading.cpu_float32(quantized)
+    assert _dtypes(quantized) == {mx.uint32, mx.bfloat16}
+    target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")
+    monkeypatch.setattr(loading, "_physical_memory", lambda: 1024)  # no room for the copy
+    assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}
