@@ -121,6 +121,7 @@ def run(args) -> None:
     from dflash_mlx import generate, load, load_draft
     from dflash_mlx.bench_prompts import load_suite
     from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.loading import cpu_float32
 
     if args.model or args.draft:
         if not (args.model and args.draft):
@@ -134,6 +135,9 @@ def run(args) -> None:
     draft = load_draft(str(draft_dir))
     ref_model, _ = mlx_lm.load(str(target_dir))  # its own instance: the reference patches it
     ref_draft = reference_draft(draft_dir)
+    # The same compute dtype as this engine's (float32 for half weights on a CPU).
+    cpu_float32(ref_model)
+    cpu_float32(ref_draft)
     block = args.block or draft.config.block_size
     if args.source == "code":
         texts = [p.text or p.summary for p in load_suite("code")[: args.prompts]]

@@ -66,6 +66,7 @@ def run(
     json_out: Path | None,
     calibrate: bool = False,
     context: str | None = None,
+    draft_window: int | None = None,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
@@ -80,6 +81,9 @@ def run(
     import dflash_mlx
     from dflash_mlx.bench_prompts import load_suite, read_prompts
     from dflash_mlx.benchmark import run_benchmark
+    from dflash_mlx.generate import check_draft_window
+
+    check_draft_window(draft_window)
 
     bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
     if demo:
@@ -122,6 +126,7 @@ def run(
             draft_id="demo draft" if demo else draft,
             contexts=contexts,
             progress=progress,
+            draft_window=draft_window,
         )
     finally:
         progress.close()

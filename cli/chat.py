@@ -20,7 +20,7 @@ from rich.console import Console
 
 from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
 
-from . import ui
+from . import options, ui
 from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
@@ -64,6 +64,7 @@ def command(
         int | None, typer.Option(help="Verify width W (default: picked every cycle).")
     ] = None,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
+    draft_window: options.DraftWindow = None,
     think: Annotated[
         bool | None,
         typer.Option(
@@ -96,6 +97,7 @@ def command(
             seed=seed,
             think=think,
             hide_thinking=hide_thinking,
+            draft_window=draft_window,
         )
     except UserError as e:  # LoadError included
         ui.error(str(e))
@@ -125,6 +127,7 @@ def run(
     seed: int | None = None,
     think: bool | None = None,
     hide_thinking: bool = False,
+    draft_window: int | None = None,
 ) -> int:
     """Load the pair and chat; the exit code."""
     from . import chat_repl, chat_ui
@@ -143,6 +146,7 @@ def run(
         ("max_tokens", max_tokens),
         ("block_size", "auto" if block_size is None else block_size),
         ("seed", seed),
+        ("draft_window", "none" if draft_window is None else draft_window),
     ]:
         key, parsed = parse_setting(name, value)
         setattr(settings, key, parsed)

@@ -34,7 +34,7 @@ COMMANDS = {  # name: (usage, what it does)
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
 ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
-SET_NAMES = ["temp", "top_p", "max_tokens", "block_size", "seed", "thinking"]
+SET_NAMES = ["temp", "top_p", "max_tokens", "block_size", "seed", "draft_window", "thinking"]
 
 
 def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:

@@ -72,6 +72,7 @@ def generate(
         int | None,
         typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
     ] = None,
+    draft_window: options.DraftWindow = None,
     chat: Annotated[
         bool | None,
         typer.Option(
@@ -112,6 +113,7 @@ def generate(
             min_p=min_p,
             seed=seed,
             block_size=block_size,
+            draft_window=draft_window,
         )
         if json_out:
             ui.result_json(dflash_mlx.generate(target, drafter, tokenizer, request, **kwargs))
@@ -173,6 +175,7 @@ def bench(
             show_default=False,
         ),
     ] = None,
+    draft_window: options.DraftWindow = None,
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
@@ -193,6 +196,7 @@ def bench(
             json_out=json_out,
             calibrate=calibrate,
             context=context,
+            draft_window=draft_window,
         )
     if code:
         raise typer.Exit(code)

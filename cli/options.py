@@ -11,3 +11,11 @@ Draft = Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local f
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
 ]
+DraftWindow = Annotated[
+    int | None,
+    typer.Option(
+        help="Positions a draft block sees on long contexts: its anchor and the N - 1 before "
+        "it (default: the draft's own sliding window, else all).",
+        show_default=False,
+    ),
+]

@@ -56,6 +56,7 @@ def serve(
         int | None,
         typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
     ] = None,
+    draft_window: options.DraftWindow = None,
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -83,6 +84,7 @@ def serve(
             max_context=max_context,
             prompt_cache_size=prompt_cache_size,
             block_size=block_size,
+            draft_window=draft_window,
             cors_origins=tuple(cors_origin or ()),
             max_body_mb=max_body_mb,
         )
@@ -144,6 +146,7 @@ def run(
     block_size: int | None = None,
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
+    draft_window: int | None = None,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C."""
     if demo and (model is not None or draft is not None):
@@ -160,6 +163,8 @@ def run(
         raise BadArgument(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
     if block_size is not None and block_size < 1:
         raise BadArgument(f"--block-size {block_size} must be >= 1")
+    if draft_window is not None and draft_window < 2:
+        raise BadArgument(f"--draft-window {draft_window} must be >= 2")
     if not max_body_mb > 0:
         raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
     for origin in cors_origins:
@@ -211,6 +216,7 @@ def run(
         max_queue=max_queue,
         prompt_cache_slots=prompt_cache_size,
         block_size=block_size,
+        draft_window=draft_window,
     )
     server = create_server(engine, settings)
     serve_ui.serving(

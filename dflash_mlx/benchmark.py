@@ -189,6 +189,7 @@ def run_benchmark(
     draft_id: str | None = None,
     contexts: Sequence[int] | None = None,
     progress: Progress | None = None,
+    draft_window: int | None = None,
 ) -> BenchResult:
     """Measure the baseline and DFlash at each verify width on `prompts`, side by side.
 
@@ -260,6 +261,7 @@ def run_benchmark(
             temperature=temperature,
             seed=run_seed if temperature > 0 else None,
             block_size=None if width == AUTO else width,
+            draft_window=draft_window,
         )
         t_gen = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps > 0 else 0.0
         return r.tokens, dict(

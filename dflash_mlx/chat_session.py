@@ -32,6 +32,7 @@ SETTING_NAMES = {
     "max_tokens": "max_tokens",
     "block_size": "block_size",
     "seed": "seed",
+    "draft_window": "draft_window",
 }
 
 
@@ -42,6 +43,7 @@ class ChatSettings:
     max_tokens: int = 2048
     block_size: int | None = None  # verify width W; None: chosen per cycle
     seed: int | None = None  # None: random; else reply i samples with seed + i
+    draft_window: int | None = None  # positions a draft block sees; None: the draft's own
 
 
 @dataclass
@@ -220,7 +222,8 @@ class ChatSession:
         self.system = text.strip() if text and text.strip() else None
 
     def set(self, name: str, value: Any) -> None:
-        """Change one setting (`temp`, `top_p`, `max_tokens`, `block_size`, `seed`)."""
+        """Change one setting (`temp`, `top_p`, `max_tokens`, `block_size`, `seed`,
+        `draft_window`)."""
         limit = self.draft.config.block_size if self.draft is not None else 1
         key, parsed = parse_setting(name, value, block_limit=limit)
         setattr(self.settings, key, parsed)
@@ -318,6 +321,7 @@ class ChatSession:
                 top_p=s.top_p,
                 seed=seed,
                 block_size=s.block_size,
+                draft_window=s.draft_window,
                 prompt_progress=prompt_progress,
                 prompt_cache=self.cache,
             )
@@ -391,7 +395,12 @@ def parse_setting(name: str, value: Any, *, block_limit: int | None = None) -> t
     try:
         if key == "seed":
             return key, None if text in ("none", "random") else int(text)
-        if key == "max_tokens":
+        if key == "draft_window":
+            if text in ("none", "auto", "default"):
+                return key, None
+            v = int(text)
+            ok = v >= 2
+        elif key == "max_tokens":
             v = int(text)
             ok = v >= 1
         else:
@@ -409,6 +418,7 @@ _RULES = {
     "top_p": "a number in (0, 1]",
     "max_tokens": "an integer >= 1",
     "seed": "an integer, or none",
+    "draft_window": "none (the draft's own window), or an integer >= 2",
 }
 
 

@@ -145,6 +145,7 @@ def speculative_decode(
     prefill_step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
+    draft_window: int | None = None,
 ) -> Iterator[Cycle]:
     """Decode up to `max_tokens` tokens after `prompt`, yielding each committed cycle.
 
@@ -154,12 +155,13 @@ def speculative_decode(
     of every cycle. Random draws follow `seed` and the generated position (SPEC 4). Stops
     after EOS or `max_tokens`. With a `prompt_cache`, the state of its previous request is
     reused from the longest common prefix on; this request's state is committed back when
-    it ends or is closed between cycles, and not at all when it fails.
+    it ends or is closed between cycles, and not at all when it fails. `draft_window`
+    bounds the positions a draft block sees (`DFlashDraft.make_state`).
     """
     assert 1 <= width <= max(draft_block, 1)
     lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(target.model, draft)
     with mx.stream(generation_stream):
-        cache, state, start = resume(target, draft, prompt, saved)
+        cache, state, start = resume(target, draft, prompt, saved, draft_window)
     req = Request(
         target,
         draft,
@@ -280,13 +282,19 @@ def _cycles(
 
 
 def resume(
-    target: TargetAdapter, draft: DFlashDraft | None, prompt: list[int], saved: CachedState | None
+    target: TargetAdapter,
+    draft: DFlashDraft | None,
+    prompt: list[int],
+    saved: CachedState | None,
+    window: int | None = None,
 ) -> tuple[list, DraftState | None, int]:
     """The target cache and draft state holding the first `start` prompt positions, and
-    `start` (0: fresh ones), from what a previous request left in a `PromptCache`."""
+    `start` (0: fresh ones), from what a previous request left in a `PromptCache`; the draft
+    state sees `window` positions (see `DFlashDraft.make_state`)."""
     fresh = target.make_cache()
+    new_state = draft.make_state(window=window) if draft is not None else None
     if saved is None:
-        return fresh, draft.make_state() if draft is not None else None, 0
+        return fresh, new_state, 0
     # Positions of all but the last known token are committed; one prompt token must be
     # left to prefill, for the logits of the first new token.
     start = min(common_prefix(saved.tokens[: len(saved.tokens) - 1], prompt), len(prompt) - 1)
@@ -303,13 +311,14 @@ def resume(
     if target.recurrent:
         usable = [(n, snap) for n, snap in saved.snapshots if n <= start]
         if not usable:
-            return fresh, draft.make_state() if draft is not None else None, 0
+            return fresh, new_state, 0
         start, snap = max(usable, key=lambda x: x[0])
         target.restore(cache, snap)
     for i, c in enumerate(cache):
         if i not in target.replay_ids:
             c.trim(c.offset - start)
     if draft is not None:
+        state.set_windows(draft.windows(window))
         state.trim_to(start)
     return cache, state, start
 
@@ -353,11 +362,16 @@ def prefill_prompt(
 
     When the `chooser` expects to decode plainly from here, the draft's context gets only
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
-    is a gap, as in a dormant stretch): prefill then costs what the target alone costs."""
+    is a gap, as in a dormant stretch): prefill then costs what the target alone costs.
+    Under a draft window, the positions no block will see are skipped the same way."""
     total = len(req.prompt)
     cut = req.reused
-    if chooser is not None and req.draft is not None and chooser.expects_plain(total):
-        cut = max(req.reused, total - 1 - chooser.window)
+    if req.draft is not None:
+        if req.state.keep is not None:
+            cut = max(cut, total - req.state.keep)
+        if chooser is not None and chooser.expects_plain(total):
+            cut = max(cut, total - 1 - chooser.window)
+    if cut > req.reused:
         prefill(req, req.reused, cut, step, progress, capture=False)
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so

@@ -100,8 +100,9 @@ class DraftAttention(nn.Module):
             visible = cache.visible(self.window)
         elif cache.offset > 0:
             ck, cv = cache.keys_and_values()
-            if self.window is not None:
-                ck, cv = ck[..., -(self.window - 1) :, :], cv[..., -(self.window - 1) :, :]
+            window = narrowest(self.window, cache.window)
+            if window is not None:
+                ck, cv = ck[..., -(window - 1) :, :], cv[..., -(window - 1) :, :]
         if isinstance(cache, BlockContext) or cache.offset > 0:
             n_ctx = ck.shape[2]
             k = mx.concatenate([ck, k], axis=2)
@@ -119,14 +120,34 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
+def narrowest(*windows: int | None) -> int | None:
+    """The smallest of some attention windows (None: unlimited)."""
+    limited = [w for w in windows if w is not None]
+    return min(limited) if limited else None
+
+
+# A windowed context keeps up to this many rows beyond its window before it drops the
+# oldest ones, so that they are copied out once every so many cycles, not every cycle.
+FORGET_SLACK = 256
+
+
 class ContextCache(KVCache):
     """The draft's context cache at inference. `gap` target positions were skipped between
-    its rows (decoded without capturing their features), so the next row's RoPE position is
-    `offset + gap`: RoPE is relative, and the rows keep their true distances."""
+    its rows (decoded without capturing their features) or dropped in front of them (a
+    window), so the next row's RoPE position is `offset + gap`: RoPE is relative, and the
+    rows keep their true distances. `window`: the block sees at most its last `window - 1`
+    rows (None: all; a sliding layer's own window applies as well)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
         super().__init__()
         self.gap = 0
+        self.window = window
+
+    def forget(self, rows: int) -> None:
+        """Drop the first `rows` rows."""
+        self.keys = self.keys[..., rows : self.offset, :]
+        self.values = self.values[..., rows : self.offset, :]
+        self.offset -= rows
 
     @property
     def position(self) -> int:
@@ -189,13 +210,29 @@ class DraftState:
     positions skipped just before context row `row`, see `skip_to`) and the DFlash 2 conv
     rows. The draft itself keeps only weights, so one loaded draft serves any number of
     requests, each with its own `DraftState` (`DFlashDraft.make_state`).
+
+    `windows`: per layer, how many positions a block sees (the anchor and `window - 1`
+    context rows; None: all). When every layer has one, rows older than the widest are
+    dropped (at most `FORGET_SLACK` rows late): memory stays bounded on long contexts.
     """
 
-    def __init__(self, layers: int, convs: int, base: int = 0):
+    def __init__(
+        self, layers: int, convs: int, base: int = 0, windows: list[int | None] | None = None
+    ):
         self.caches = [ContextCache() for _ in range(layers)]
         self.conv = [ConvRows() for _ in range(convs)]
-        self.base = base
+        self.base = self.origin = base  # origin: the target position of RoPE position 0
         self.gaps: list[tuple[int, int]] = []
+        self.set_windows(windows or [None] * layers)
+
+    def set_windows(self, windows: list[int | None]) -> None:
+        for c, w in zip(self.caches, windows, strict=True):
+            c.window = w
+        self.keep = None if None in windows or not windows else max(windows) - 1
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [c.window for c in self.caches]
 
     @property
     def context_length(self) -> int:
@@ -213,9 +250,21 @@ class DraftState:
         return [a for c in self.caches if c.keys is not None for a in (c.keys, c.values)]
 
     def _set_gap(self) -> None:
-        total = sum(g for _, g in self.gaps)
+        total = self.base - self.origin + sum(g for _, g in self.gaps)
         for c in self.caches:
             c.gap = total
+
+    def forget(self) -> None:
+        """Drop the rows no window reaches any more (see `windows`)."""
+        rows = self.context_length
+        if self.keep is None or rows <= self.keep + FORGET_SLACK:
+            return
+        k = rows - self.keep
+        self.base += k + sum(g for r, g in self.gaps if r <= k)
+        self.gaps = [(r - k, g) for r, g in self.gaps if r > k]
+        for c in self.caches:
+            c.forget(k)
+        self._set_gap()
 
     def skip_to(self, position: int) -> None:
         """Positions from `context_end` up to `position` will have no row (their features
@@ -249,7 +298,7 @@ class DraftState:
             end -= cut
         self._set_gap()
         if position < self.base:
-            self.__init__(len(self.caches), len(self.conv), base=position)
+            self.__init__(len(self.caches), len(self.conv), position, self.windows)
         elif position > end:
             self.skip_to(position)
 
@@ -304,9 +353,15 @@ class DFlashDraft(nn.Module):
     def is_bound(self) -> bool:
         return self._embed is not None
 
-    def make_state(self, base: int = 0) -> DraftState:
-        """An empty context whose first row will stand for target position `base`."""
-        return DraftState(len(self.layers), len(self._convs()), base)
+    def make_state(self, base: int = 0, window: int | None = None) -> DraftState:
+        """An empty context whose first row will stand for target position `base`; blocks
+        see at most `window` positions (the anchor and `window - 1` context rows; None: the
+        checkpoint's own, a sliding layer's `sliding_window`, else all)."""
+        return DraftState(len(self.layers), len(self._convs()), base, self.windows(window))
+
+    def windows(self, window: int | None = None) -> list[int | None]:
+        """Each layer's window under a request's `window` (see `make_state`)."""
+        return [narrowest(layer.self_attn.window, window) for layer in self.layers]
 
     def _convs(self) -> list[DynamicConv]:
         return [c for layer in self.layers for c in layer.convs()]
@@ -332,6 +387,7 @@ class DFlashDraft(nn.Module):
         c = self.hidden_norm(self.fc(features))
         for layer, cache in zip(self.layers, state.caches):
             layer.self_attn.add_context(c, cache)
+        state.forget()
 
     def hidden(self, block_ids: mx.array, state: DraftState) -> mx.array:
         """Final normed hidden states of the block rows, `(1, L, D)`."""

@@ -314,6 +314,15 @@ def _plan_widths(
     return block_size, rows, None
 
 
+def check_draft_window(value: Any) -> None:
+    """Refuse a `draft_window` that is not None or an integer >= 2."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 2):
+        raise BadArgument(
+            f"draft_window {value!r} must be an integer >= 2 (the anchor and at least one "
+            "position before it), or None for the draft's own window"
+        )
+
+
 def stream_generate(
     model: nn.Module,
     draft: DFlashDraft | None,
@@ -332,6 +341,7 @@ def stream_generate(
     prefill_step: int = 512,
     prompt_progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
+    draft_window: int | None = None,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion of `prompt`, one `GenerationResponse` per decode cycle.
 
@@ -343,11 +353,15 @@ def stream_generate(
     rows the draft runs (default: its trained block size, or chosen when W is automatic).
     `prompt_cache` (a `PromptCache` kept across the requests of one conversation) makes a
     request prefill only from the longest common prefix with the previous one.
+    `draft_window` bounds what the draft attends to and caches on long contexts: a block
+    sees its anchor and the `draft_window - 1` positions before it (default: the draft
+    checkpoint's own sliding window if it has one, else the whole context).
     `draft=None` or `block_size=1` decodes with the target alone. Output equals the
     target's own decoding: token for token at temperature 0, in distribution otherwise.
     """
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise BadArgument(f"max_tokens {max_tokens!r} must be an integer >= 1")
+    check_draft_window(draft_window)
     params = SamplingParams(float(temperature), float(top_p), int(top_k), float(min_p))
     if stop is None:
         stop = []
@@ -396,6 +410,7 @@ def stream_generate(
         prefill_step=prefill_step,
         progress=prompt_progress,
         prompt_cache=prompt_cache,
+        draft_window=draft_window,
     )
     gen_start = tic
     memory = contextlib.ExitStack()

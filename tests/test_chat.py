@@ -98,15 +98,18 @@ def test_set_changes_the_settings_and_refuses_bad_values(session, tmp_path):
         "/set max_tokens 3",
         "/set block_size 4",
         "/set seed 7",
+        "/set draft_window 64",
         "/set block_size 99",
         "/set temp hot",
+        "/set draft_window 1",
         "/set nonsense 1",
         tmp_path=tmp_path,
     )
     assert session.settings == ChatSettings(
-        temperature=0.5, top_p=0.9, max_tokens=3, block_size=4, seed=7
+        temperature=0.5, top_p=0.9, max_tokens=3, block_size=4, seed=7, draft_window=64
     )
     assert "error: block_size '99'" in err and "1..16" in err
+    assert "error: draft_window '1'" in err
     assert "error: temp 'hot'" in err
     assert "error: unknown setting 'nonsense'" in err
     drive(session, "/set block_size auto", "a b c", tmp_path=tmp_path)

@@ -248,3 +248,30 @@ def test_chat_and_serve_report_internal_errors_as_ours(monkeypatch, command):
     result = CliRunner().invoke(app, [command, "--demo", *bad], input="hi")
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: ") and "internal" not in result.stderr
+
+
+def test_draft_window_reaches_the_engine_and_bad_ones_exit_2(pair, target, draft, monkeypatch):
+    import importlib
+
+    generate_module = importlib.import_module("dflash_mlx.generate")
+    seen = []
+    real = generate_module.stream_generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("draft_window"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", spy)
+    monkeypatch.setattr(generate_module, "stream_generate", spy)
+    result = run(*generate_args(pair, "--raw", "--json", "--draft-window", "8"))
+    assert result.exit_code == 0, result.output
+    assert seen == [8]
+    model, tokenizer = target
+    plain = dflash_mlx.generate(model, None, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
+    assert json.loads(result.stdout)["tokens"] == plain.tokens
+    for command in (generate_args(pair), ["chat", *pair], ["serve", *pair], ["bench", *pair]):
+        result = CliRunner().invoke(app, [*command, "--draft-window", "1"], input="hi\n")
+        assert result.exit_code == 2, (command[0], result.output)
+        assert (
+            "draft" in result.stderr and "1" in result.stderr and "Traceback" not in result.output
+        )

@@ -397,3 +397,85 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     kinds = {(a > 1, b > 1) for (a, _), (b, _) in zip(seen, seen[1:])}
     assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
     assert all(s == 1.0 + w for w, s in seen), [x for x in seen if x[1] != 1.0 + x[0]]
+
+
+# -- the draft window ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_a_draft_window_stays_lossless_and_bounds_the_drafts_memory(models_dir, draft, name):
+    """Windowed decoding past the point where old rows are dropped: the scripted draft
+    checks that its context ends exactly at each anchor, the real one runs the attention."""
+    from dflash_mlx import PromptCache
+    from dflash_mlx.draft import FORGET_SLACK
+
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(PROMPTS[0] * 6)
+    n = FORGET_SLACK + 60
+    ref = target_greedy(model, ids, n)
+    scripted = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: (c * 5) % 9)
+    for d in (scripted, draft):
+        pc = PromptCache()
+        out = generate(
+            model, d, tok, ids, max_tokens=n, block_size=8, draft_window=8, prompt_cache=pc
+        )
+        assert out.tokens == ref, f"{name}: a windowed draft changed the output"
+        st, pending = pc.state.draft, sum(f.shape[1] for f in pc.state.pending)
+        assert st.keep == 7 and st.context_length <= 7 + FORGET_SLACK
+        assert st.context_end + pending == len(ids) + n - 1
+        if d is scripted:
+            assert scripted.calls > 10 and 1 < out.mean_acceptance
+
+
+def test_prefill_projects_only_the_positions_the_window_shows(target, draft, monkeypatch):
+    from dflash_mlx.draft import DFlashDraft
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[1] * 8)
+    assert len(ids) > 100
+    rows = []
+    add = DFlashDraft.add_context
+    monkeypatch.setattr(
+        DFlashDraft, "add_context", lambda self, f, st: (rows.append(f.shape[1]), add(self, f, st))
+    )
+    out = generate(model, draft, tok, ids, max_tokens=1, block_size=4, draft_window=16)
+    assert sum(rows) == 15, f"prefill projected {sum(rows)} rows for a window of 16"
+    rows.clear()
+    generate(model, draft, tok, ids, max_tokens=1, block_size=4)
+    assert sum(rows) == len(ids), "without a window the whole prompt is the draft's context"
+    assert out.tokens == target_greedy(model, ids, 1)
+
+
+def test_a_conversation_resumes_under_another_draft_window(target, draft):
+    from dflash_mlx import PromptCache
+
+    model, tok = target
+    turn1 = tok.encode(PROMPTS[2] * 4)
+    ref1 = target_greedy(model, turn1, 50)
+    d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: (c * 3) % 7)
+    pc = PromptCache()
+    assert (
+        generate(model, d, tok, turn1, max_tokens=50, block_size=6, prompt_cache=pc).tokens == ref1
+    )
+    turn2 = turn1 + ref1 + tok.encode(" print")
+    ref2 = target_greedy(model, turn2, 40)
+    d.script = turn2 + ref2 + [0] * 32
+    from dflash_mlx import stream_generate
+
+    chunks = list(
+        stream_generate(
+            model, d, tok, turn2, max_tokens=40, block_size=6, draft_window=12, prompt_cache=pc
+        )
+    )
+    assert [t for c in chunks for t in c.tokens] == ref2
+    assert chunks[-1].cached_tokens > len(turn1)
+    assert pc.state.draft.keep == 11, "the second turn's window was not applied"
+
+
+def test_bad_draft_windows_are_the_callers_errors(target, draft):
+    from dflash_mlx.errors import BadArgument
+
+    model, tok = target
+    for bad in (1, 0, -4, "8", 2.5, True):
+        with pytest.raises(BadArgument, match=f"draft_window {bad!r}"):
+            generate(model, draft, tok, "hi", max_tokens=3, draft_window=bad)

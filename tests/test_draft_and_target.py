@@ -207,3 +207,56 @@ def test_the_draft_holds_weights_only_and_never_samples(target, draft):
     draft.add_context(mx.ones((1, 3, 2 * 64)), a)
     assert (a.context_length, b.context_length) == (3, 0), "states are independent"
     assert {k: v for k, v in vars(draft).items() if not k.startswith("_")}.keys() == before.keys()
+
+
+# -- the draft window (draft_window / --draft-window) ---------------------------------------
+
+
+def test_a_windowed_draft_drafts_as_if_given_only_its_window(target, draft):
+    """A block under window N sees its anchor and the last N - 1 context rows, at their true
+    distances, also after old rows were dropped (and across a gap): as a fresh context of
+    just those rows placed at their positions would."""
+    from dflash_mlx.draft import FORGET_SLACK
+
+    model, _ = target
+    bind_draft(draft, model)
+    mx.random.seed(4)
+    window = 24
+    n = 295  # chunks of 38 reach 290 rows: past window - 1 + FORGET_SLACK; then 5 more
+    assert 252 <= window - 1 + FORGET_SLACK < 290
+    feats = mx.random.normal((1, n, 2 * 64))
+    block = draft.config.block_size
+    st = draft.make_state(window=window)
+    draft.add_context(feats[:, :100], st)
+    st.skip_to(130)  # positions 100..129 without features
+    for i in range(100, n - 5, 38):  # in cycles' worth of rows, the last one drops rows
+        draft.add_context(feats[:, i : min(i + 38, n - 5)], st)
+    assert st.base > 0 and st.context_length == window - 1, "no row was dropped"
+    draft.add_context(feats[:, n - 5 :], st)  # the window now straddles the drop
+    assert st.context_end == n + 30
+    windowed = draft.block_logits(mx.array([5]), block, None, st)
+    only = draft.make_state(base=n + 30 - (window - 1))
+    draft.add_context(feats[:, n - (window - 1) :], only)
+    alone = draft.block_logits(mx.array([5]), block, None, only)
+    assert mx.allclose(windowed, alone, atol=1e-4).item(), "the window saw other rows"
+    unlimited = draft.make_state()
+    draft.add_context(feats, unlimited)
+    whole = draft.block_logits(mx.array([5]), block, None, unlimited)
+    assert not mx.allclose(windowed, whole, atol=1e-3).item(), "the window was ignored"
+
+
+def test_the_window_defaults_to_the_checkpoints_sliding_window(target, tmp_path):
+    from .conftest import build_draft
+
+    cfg = draft_config(4, [1, 2])
+    cfg.update(layer_types=["sliding_attention", "sliding_attention"], sliding_window=8)
+    from dflash_mlx import load_draft
+
+    sliding = load_draft(build_draft(tmp_path / "s", cfg, seed=0))
+    assert sliding.make_state().keep == 7  # its own window bounds what is cached
+    assert sliding.make_state(window=32).windows == [8, 8]  # a wider request: still 8
+    assert sliding.make_state(window=4).windows == [4, 4]
+    cfg.update(layer_types=["sliding_attention", "full_attention"])
+    mixed = load_draft(build_draft(tmp_path / "m", cfg, seed=0))
+    assert mixed.make_state().keep is None  # a full layer reads everything: nothing dropped
+    assert mixed.make_state(window=16).windows == [8, 16]

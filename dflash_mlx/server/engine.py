@@ -182,6 +182,7 @@ class Engine:
         prompt_cache_slots: int = 4,
         block_size: int | None = None,
         warm_up: bool = True,
+        draft_window: int | None = None,
     ):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue} must be >= 0")
@@ -191,6 +192,7 @@ class Engine:
         self.vocab_size = vocab_size(model)
         self.max_queue = max_queue
         self.block_size = block_size  # the verify width W; None: chosen per cycle
+        self.draft_window = draft_window  # positions a draft block sees; None: the draft's
         self._pool = PromptCachePool(prompt_cache_slots)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -325,6 +327,7 @@ class Engine:
                 ids,
                 max_tokens=2,
                 block_size=self.block_size,
+                draft_window=self.draft_window,
             ):
                 pass
         except Exception as e:  # reported by /health; requests will fail the same way
@@ -349,6 +352,7 @@ class Engine:
             self.tokenizer,
             job.prompt,
             block_size=self.block_size,
+            draft_window=self.draft_window,
             prompt_cache=pc,
             prompt_progress=progress,
             **job.params,
