@@ -40,7 +40,7 @@ _CONDITIONS_TTL = 30.0  # seconds a reading of the conditions is trusted
 _conditions: tuple[float, dict] | None = None
 
 
-def _blas_library() -> str | None:
+def blas_library() -> str | None:
     """The BLAS shared libraries mapped into this process (Linux) that MLX can call, e.g. an
     LD_PRELOADed OpenBLAS: they change what wide passes cost on a CPU. NumPy's and SciPy's
     private ILP64 builds (suffixed symbols, loaded whenever numpy is imported) are not."""
@@ -74,7 +74,7 @@ def conditions() -> dict:
     global _conditions
     now = time.monotonic()
     if _conditions is None or now - _conditions[0] > _CONDITIONS_TTL:
-        _conditions = (now, {"blas": _blas_library(), "power": _power_source()})
+        _conditions = (now, {"blas": blas_library(), "power": _power_source()})
     return _conditions[1]
 
 

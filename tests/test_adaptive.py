@@ -240,7 +240,7 @@ def test_a_changed_blas_library_or_power_source_invalidates_the_calibration(
     calibrate.load_or_measure(model, draft)
     assert len(calls) == 1
     # The same process, later: OpenBLAS is not what was loaded, or the Mac is on battery.
-    for what, value in (("_blas_library", "libopenblas.so.0"), ("_power_source", "Battery")):
+    for what, value in (("blas_library", "libopenblas.so.0"), ("_power_source", "Battery")):
         monkeypatch.setattr(calibrate, what, lambda value=value: value)
         monkeypatch.setattr(calibrate, "_conditions", None)
         calibrate.load_or_measure(model, draft)
@@ -582,5 +582,5 @@ def test_numpys_own_blas_does_not_change_the_calibration_key():
     library may, at any time) must not make a process's calibration look stale."""
     import numpy  # noqa: F401  (maps numpy.libs/libscipy_openblas64_*.so)
 
-    blas = calibrate._blas_library() or ""
+    blas = calibrate.blas_library() or ""
     assert "openblas64" not in blas and "scipy_openblas" not in blas

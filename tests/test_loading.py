@@ -176,8 +176,14 @@ def _dtypes(model):
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the float32 upcast is CPU-only")
-def test_half_precision_weights_run_in_float32_on_the_cpu(models_dir, tmp_path, monkeypatch):
-    """MLX's CPU matmul has no BLAS path for bf16: such pairs are computed in float32."""
+def test_half_precision_weights_run_in_float32_on_a_cpu_with_openblas(
+    models_dir, tmp_path, monkeypatch
+):
+    """MLX's CPU matmul has no BLAS path for bf16: with an optimized BLAS loaded such pairs
+    are computed in float32; with the stock wheel's reference BLAS they are not."""
+    from dflash_mlx import calibrate
+
+    monkeypatch.setattr(calibrate, "blas_library", lambda: "libblas.so.3,libopenblasp-r0.3.21.so")
     target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")
     draft_dir = _bf16_copy(models_dir / "draft", tmp_path / "d")
     model, tok = load(target_dir)
@@ -191,16 +197,23 @@ def test_half_precision_weights_run_in_float32_on_the_cpu(models_dir, tmp_path, 
     monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "0")
     assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}
     assert _dtypes(load_draft(draft_dir)) == {mx.bfloat16}
+    monkeypatch.delenv("DFLASH_MLX_CPU_FLOAT32")
+    monkeypatch.setattr(calibrate, "blas_library", lambda: "libblas-bd8a282c.so.3.10.0")
+    assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}, "reference BLAS: half is faster"
+    monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "1")
+    assert _dtypes(load(target_dir)[0]) == {mx.float32}
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the float32 upcast is CPU-only")
 def test_quantized_and_oversized_models_keep_their_dtype(models_dir, tmp_path, monkeypatch):
     from dflash_mlx import loading
 
+    monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "1")
     quantized = load(models_dir / "qwen3-4bit")[0]
     quantized.set_dtype(mx.bfloat16)  # scales and biases in bf16, as mlx-lm writes them
     assert not loading.cpu_float32(quantized)
     assert _dtypes(quantized) == {mx.uint32, mx.bfloat16}
     target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")
+    monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "1")
     monkeypatch.setattr(loading, "_physical_memory", lambda: 1024)  # no room for the copy
     assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}
