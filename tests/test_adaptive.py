@@ -584,3 +584,38 @@ def test_numpys_own_blas_does_not_change_the_calibration_key():
 
     blas = calibrate.blas_library() or ""
     assert "openblas64" not in blas and "scipy_openblas" not in blas
+
+
+def test_a_new_request_does_not_inherit_one_prompts_useless_drafts():
+    """Acceptance belongs to the text: after a request whose drafts were all wrong (plain
+    decoding, probes backed off), the next request probes within the base interval and,
+    its drafts being right, speculates. Costs carry over."""
+    costs = curves(lambda w: 1.0 + 0.25 * w, lambda n: 0.5)  # pays only for good drafts
+    ch = WidthChooser(costs, BLOCK)
+    ch.begin_request()
+    for _ in range(2000):
+        w, _ = ch.choose()
+        if w > 1:
+            ch.update(w, 0)
+    assert ch.choose()[0] == 1 and ch.probe_interval > 4 * ch.base_probe
+    ch.begin_request()
+    assert ch.choose()[0] == 1, "the new request starts from the earlier evidence"
+    widths = []
+    for _ in range(60):
+        w, _ = ch.choose()
+        widths.append(w)
+        if w > 1:
+            ch.update(w, w - 1)
+    first = next(i for i, w in enumerate(widths) if w > 1)
+    assert first <= 3 * ch.base_probe, f"the new request waited {first} cycles for a probe"
+    assert min(widths[-10:]) >= 8, widths
+
+
+def test_earlier_requests_acceptance_is_a_prior_a_few_cycles_outweigh():
+    ch = WidthChooser(curves(lambda w: 1.0 + 0.25 * w, lambda n: 0.5), BLOCK)
+    ch.begin_request()
+    teach(ch, 0.0, cycles=400)  # one prompt on which the draft is useless
+    assert ch.choose()[0] == 1
+    ch.begin_request()
+    teach(ch, 1.0, cycles=2)  # two cycles of this prompt, every draft right
+    assert ch.choose()[0] >= 8
