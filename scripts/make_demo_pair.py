@@ -366,6 +366,19 @@ def stage_eval(args, work: Path, pair: Path | None = None, section: str = "draft
 # -- stage 4: ship ---------------------------------------------------------------------------
 
 
+def window_the_draft(config_path: Path, seq_len: int) -> None:
+    """Declare the draft's window: it was trained on `seq_len`-token sequences, so no block
+    ever saw more than `seq_len - 1` context rows. Sliding layers with `is_causal: false`
+    keep the trained bidirectional block; `--draft-window` still overrides. On held-out
+    code at 512-3k tokens (benchmarks/draft_window.py) a 256 window raised τ 3-14% and
+    speed 19-42%, and cut TTFT 16-22%, against the whole context."""
+    cfg = json.loads(config_path.read_text())
+    cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    cfg["sliding_window"] = seq_len
+    cfg["is_causal"] = False
+    config_path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def stage_ship(args, work: Path) -> None:
     import mlx.core as mx
 
@@ -380,6 +393,7 @@ def stage_ship(args, work: Path) -> None:
                 mx.save_safetensors(str(tmp / part / f.name), w)
             elif f.is_file():  # config, tokenizer, the training log
                 shutil.copy(f, tmp / part / f.name)
+    window_the_draft(tmp / "draft" / "config.json", args.draft_seq_len)
     config = json.loads((tmp / "target" / "tokenizer_config.json").read_text())
     config["chat_template"] = RAW_TEMPLATE
     (tmp / "target" / "tokenizer_config.json").write_text(json.dumps(config))
