@@ -231,10 +231,15 @@ def load_or_measure(
     when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them)."""
     bind_draft(draft, model)
     # Remembered on the draft for this process, so a request costs no fingerprinting.
+    # The cached file is checked for a newer measurement (another process, or another
+    # instance of the same model, re-calibrated): every request decides from the same curves
+    # a fresh process would read, so that seeded requests replay across processes.
     known = draft.__dict__.setdefault("_dflash_cost_curves", {})
     memo = (id(model), mx.__version__, tuple(sorted(conditions().items())))
     if not refresh and memo in known:
-        return known[memo]
+        curves, path, stamp = known[memo]
+        if _stamp(path) == stamp:
+            return curves
     key = calibration_key(model, draft)
     path = _cache_path(key)
     if not refresh and path.is_file():
@@ -247,12 +252,11 @@ def load_or_measure(
                     depths=tuple(data["depths"]),
                     deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
                 )
-                known[memo] = curves
+                known[memo] = (curves, path, _stamp(path))
                 return curves
         except (ValueError, KeyError, TypeError):
             pass  # unreadable cache: measure again
     curves = measure(model, draft, progress=progress)
-    known[memo] = curves
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -267,4 +271,14 @@ def load_or_measure(
             indent=1,
         )
     )
+    known[memo] = (curves, path, _stamp(path))
     return curves
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    """What tells a rewritten cache file from the one read (None: no file)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size

@@ -215,6 +215,22 @@ def measure_calls(draft, monkeypatch, tmp_path) -> list[int]:
     return calls
 
 
+def test_a_calibration_rewritten_on_disk_is_what_the_next_request_reads(
+    target, draft, tmp_path, measure_calls
+):
+    """Another process (or another instance of the model) re-calibrated: this process
+    follows the file, as a fresh process would, so seeded widths agree across processes."""
+    model, _ = target
+    first = calibrate.load_or_measure(model, draft)
+    path = calibrate.cache_path(model, draft)
+    data = json.loads(path.read_text())
+    data["verify"] = [2 * t for t in data["verify"]]
+    path.write_text(json.dumps(data) + "\n")
+    again = calibrate.load_or_measure(model, draft)
+    assert again != first and again.verify == tuple(data["verify"])
+    assert len(measure_calls) == 1
+
+
 def test_a_changed_mlx_version_invalidates_the_calibration(
     target, draft, monkeypatch, tmp_path, measure_calls
 ):
