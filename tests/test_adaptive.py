@@ -15,6 +15,23 @@ from dflash_mlx.adaptive import CostCurves, WidthChooser
 BLOCK = 16
 
 
+@pytest.fixture(autouse=True)
+def _session_calibration_memo_restored(request):
+    """A test that calibrates into its own folder must not leave its curves (fake ones,
+    some) in the session draft's process memo for later tests: `monkeypatch.delitem` of an
+    absent key restores nothing, and a seeded request elsewhere would decide from them."""
+    if "draft" not in request.fixturenames:
+        yield
+        return
+    d = request.getfixturevalue("draft")
+    saved = d.__dict__.get("_dflash_cost_curves")
+    yield
+    if saved is None:
+        d.__dict__.pop("_dflash_cost_curves", None)
+    else:
+        d.__dict__["_dflash_cost_curves"] = saved
+
+
 def curves(verify, draft) -> CostCurves:
     return CostCurves(
         tuple(verify(w) for w in range(1, BLOCK + 1)), tuple(draft(n) for n in range(1, BLOCK + 1))
