@@ -163,8 +163,9 @@ def run(
         raise BadArgument(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
     if block_size is not None and block_size < 1:
         raise BadArgument(f"--block-size {block_size} must be >= 1")
-    if draft_window is not None and draft_window < 2:
-        raise BadArgument(f"--draft-window {draft_window} must be >= 2")
+    from dflash_mlx.generate import check_draft_window
+
+    check_draft_window(draft_window)  # the engine's own rule and message
     if not max_body_mb > 0:
         raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
     for origin in cors_origins:

@@ -58,8 +58,6 @@ def cpu_float32(model: nn.Module) -> bool:
     forced = os.environ.get("DFLASH_MLX_CPU_FLOAT32")
     if mx.default_device() != mx.cpu or forced == "0":
         return False
-    if forced != "1" and not _optimized_blas():
-        return False
     from mlx.nn import QuantizedLinear
     from mlx.utils import tree_flatten
 
@@ -67,6 +65,8 @@ def cpu_float32(model: nn.Module) -> bool:
         return False
     params = [v for _, v in tree_flatten(model.parameters())]
     if not any(v.dtype in (mx.float16, mx.bfloat16) for v in params):
+        return False
+    if forced != "1" and not _optimized_blas():  # last: it reads /proc/self/maps
         return False
     if 4 * sum(v.size for v in params) > CPU_FLOAT32_SHARE * _physical_memory():
         return False
