@@ -544,8 +544,12 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     ch = WidthChooser(CPU if dormant else BLAS, BLOCK, window=8, prior=0.05 if dormant else 0.9)
     assert ch.expects_plain(len(ids)) is dormant
     rows = []
-    real = draft.add_context
-    monkeypatch.setattr(draft, "add_context", lambda f, s: rows.append(f.shape[1]) or real(f, s))
+    # Patched on the class: on the instance, monkeypatch's undo would leave the bound
+    # method behind as an instance attribute, shadowing later tests' class patches.
+    real = type(draft).add_context
+    monkeypatch.setattr(
+        type(draft), "add_context", lambda self, f, s: rows.append(f.shape[1]) or real(self, f, s)
+    )
     out = decode_with(model, draft, ids, 6, ch)
     ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=None)]
     assert out == ref

@@ -190,12 +190,12 @@ def injections(model, tok):
 
     return {
         "prefill chunk": (
-            lambda m: m.setattr(adapter, "forward", fails_on(2, adapter.forward, chunks)),
+            lambda m: m.setitem(vars(adapter), "forward", fails_on(2, adapter.forward, chunks)),
             {"prefill_step": 8},
         ),
         "draft": (lambda m: m.setattr(decode, "propose", fails_on(2, decode.propose)), {}),
         "verify": (
-            lambda m: m.setattr(adapter, "forward", fails_on(2, adapter.forward, verifies)),
+            lambda m: m.setitem(vars(adapter), "forward", fails_on(2, adapter.forward, verifies)),
             {},
         ),
         "detokenizer": (lambda m: m.setattr(detok, "add_token", fails_on(5, detok.add_token)), {}),
