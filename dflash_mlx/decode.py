@@ -330,9 +330,12 @@ def prefill(
     step: int,
     progress: Callable[[int, int], None] | None,
     capture: bool = True,
+    defer: bool = False,
 ) -> mx.array | None:
     """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk (not at all
-    without `capture`: no target features are taken)."""
+    without `capture`: no target features are taken). With `defer` the features are kept
+    unevaluated in `req.pending` instead: MLX computes them (and whatever target layers only
+    they need) when a probe feeds the draft, or never."""
     total = len(req.prompt)
     tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
     logits, done = None, lo
@@ -341,7 +344,10 @@ def prefill(
         ids = req.ids if capture else None
         logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, ids)
         if req.draft is not None and feats is not None:
-            req.draft.add_context(feats, req.state)
+            if defer:
+                req.pending.append(feats)
+            else:
+                req.draft.add_context(feats, req.state)
         done += n
         if done < total:
             arrays = [c.state for c in req.cache] + (req.state.arrays if req.state else [])
@@ -362,25 +368,28 @@ def prefill_prompt(
 
     When the `chooser` expects to decode plainly from here, the draft's context gets only
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
-    is a gap, as in a dormant stretch): prefill then costs what the target alone costs.
-    Under a draft window, the positions no block will see are skipped the same way."""
+    is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
+    feeds them: prefill then costs what the target alone costs. Under a draft window, the
+    positions no block will see are skipped the same way."""
     total = len(req.prompt)
     cut = req.reused
+    dormant = False
     if req.draft is not None:
         if req.state.keep is not None:
             cut = max(cut, total - req.state.keep)
         if chooser is not None and chooser.expects_plain(total):
             cut = max(cut, total - 1 - chooser.window)
+            dormant = True
     if cut > req.reused:
         prefill(req, req.reused, cut, step, progress, capture=False)
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
-    prefill(req, cut, total - 1, step, progress)
+    prefill(req, cut, total - 1, step, progress, defer=dormant)
     if req.keep_snapshots:
         # Recurrent state cannot be trimmed later: keep it as it is before the last token.
         req.prompt_snapshot = (total - 1, req.target.snapshot(req.cache))
-    logits = prefill(req, total - 1, total, step, progress)
+    logits = prefill(req, total - 1, total, step, progress, defer=dormant)
     if progress is not None:
         progress(total, total)
     return logits

@@ -535,28 +535,48 @@ def decode_with(model, d, ids, n, chooser):
 def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     target, draft, monkeypatch, dormant
 ):
-    """A chooser that expects plain decoding: the prompt's draft context is not projected
-    (only the window before a probe); one that expects to speculate: all of it."""
+    """A chooser that expects plain decoding: prefill projects nothing for the draft (the
+    prompt's last `window` positions wait, unevaluated, for the first probe, which then
+    reads them); one that expects to speculate: prefill projects the whole prompt."""
     from mlx_lm.generate import generate_step
+
+    from dflash_mlx import decode
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
-    ch = WidthChooser(CPU if dormant else BLAS, BLOCK, window=8, prior=0.05 if dormant else 0.9)
+    ch = WidthChooser(
+        CPU if dormant else BLAS,
+        BLOCK,
+        window=8,
+        prior=0.05 if dormant else 0.9,
+        request_budget=1.0,  # a probe within these few tokens
+    )
     assert ch.expects_plain(len(ids)) is dormant
-    rows = []
+    events = []
     # Patched on the class: on the instance, monkeypatch's undo would leave the bound
     # method behind as an instance attribute, shadowing later tests' class patches.
     real = type(draft).add_context
     monkeypatch.setattr(
-        type(draft), "add_context", lambda self, f, s: rows.append(f.shape[1]) or real(self, f, s)
+        type(draft),
+        "add_context",
+        lambda self, f, s: events.append(("rows", f.shape[1])) or real(self, f, s),
     )
-    out = decode_with(model, draft, ids, 6, ch)
-    ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=6, sampler=None)]
+    first = decode.first_token
+    monkeypatch.setattr(
+        decode, "first_token", lambda req, lg: events.append(("prefilled", 0)) or first(req, lg)
+    )
+    out = decode_with(model, draft, ids, 16, ch)
+    ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=16, sampler=None)]
     assert out == ref
+    at = events.index(("prefilled", 0))
+    during, after = events[:at], [n for _, n in events[at + 1 :]]
     if dormant:
-        assert sum(rows) <= 8 + 1, rows  # the window, and the prompt's last position
+        assert ch.probes >= 1, "no probe: the test shows nothing"
+        assert during == [], f"a dormant prefill projected {during}"
+        # The first probe reads the window (and the last prompt token) and the plain steps.
+        assert after and after[0] >= 8 + 1 + ch.base_probe - 1, after
     else:
-        assert sum(rows) >= len(ids) - 1, rows
+        assert sum(n for _, n in during) >= len(ids) - 1, during
 
 
 def test_the_decode_loop_gives_the_chooser_the_context_depth_and_a_new_request(target, draft):
