@@ -329,21 +329,25 @@ def prefill(
     hi: int,
     step: int,
     progress: Callable[[int, int], None] | None,
-    capture: bool = True,
+    capture_from: int | None = None,
     defer: bool = False,
 ) -> mx.array | None:
-    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk (not at all
-    without `capture`: no target features are taken). With `defer` the features are kept
-    unevaluated in `req.pending` instead: MLX computes them (and whatever target layers only
-    they need) when a probe feeds the draft, or never."""
+    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk, from
+    position `capture_from` on (default `lo`): a chunk wholly before it takes no target
+    features, one across it keeps the features from it on. With `defer` the features are
+    kept unevaluated in `req.pending` instead: MLX computes them (and whatever target layers
+    only they need) when a probe feeds the draft, or never."""
     total = len(req.prompt)
+    start = lo if capture_from is None else capture_from
     tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
     logits, done = None, lo
     while done < hi:
         n = min(step, hi - done)
-        ids = req.ids if capture else None
+        ids = req.ids if done + n > start else None
         logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, ids)
         if req.draft is not None and feats is not None:
+            if start > done:
+                feats = feats[:, start - done :]
             if defer:
                 req.pending.append(feats)
             else:
@@ -369,8 +373,9 @@ def prefill_prompt(
     When the `chooser` expects to decode plainly from here, the draft's context gets only
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
     is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
-    feeds them: prefill then costs what the target alone costs. Under a draft window, the
-    positions no block will see are skipped the same way."""
+    feeds them: prefill then costs what the target alone costs (the chunk the window
+    starts in is not split for it; a probe computes that chunk's captured layers whole).
+    Under a draft window, the positions no block will see are skipped the same way."""
     total = len(req.prompt)
     cut = req.reused
     dormant = False
@@ -381,11 +386,15 @@ def prefill_prompt(
             cut = max(cut, total - 1 - chooser.window)
             dormant = True
     if cut > req.reused:
-        prefill(req, req.reused, cut, step, progress, capture=False)
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
-    prefill(req, cut, total - 1, step, progress, defer=dormant)
+    if dormant:
+        prefill(req, req.reused, total - 1, step, progress, capture_from=cut, defer=True)
+    else:
+        # Split at the cut: the target's layers the draft reads run only where it reads.
+        prefill(req, req.reused, cut, step, progress, capture_from=cut)
+        prefill(req, cut, total - 1, step, progress)
     if req.keep_snapshots:
         # Recurrent state cannot be trimmed later: keep it as it is before the last token.
         req.prompt_snapshot = (total - 1, req.target.snapshot(req.cache))

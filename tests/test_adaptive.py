@@ -541,6 +541,7 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import decode
+    from dflash_mlx.target import TargetAdapter
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
@@ -565,14 +566,25 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     monkeypatch.setattr(
         decode, "first_token", lambda req, lg: events.append(("prefilled", 0)) or first(req, lg)
     )
+    adapter = TargetAdapter.of(model)
+    forward = adapter.forward
+    monkeypatch.setitem(  # undo: the class method again
+        vars(adapter),
+        "forward",
+        lambda t, c, ids: events.append(("target", t.shape[1])) or forward(t, c, ids),
+    )
     out = decode_with(model, draft, ids, 16, ch)
     ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=16, sampler=None)]
     assert out == ref
     at = events.index(("prefilled", 0))
-    during, after = events[:at], [n for _, n in events[at + 1 :]]
+    passes = [n for what, n in events[:at] if what == "target"]
+    during = [e for e in events[:at] if e[0] == "rows"]
+    after = [n for what, n in events[at + 1 :] if what == "rows"]
     if dormant:
         assert ch.probes >= 1, "no probe: the test shows nothing"
         assert during == [], f"a dormant prefill projected {during}"
+        # Chunked as the target alone would be: the window does not split the prompt.
+        assert passes == [len(ids) - 1, 1], passes
         # The first probe reads the window (and the last prompt token) and the plain steps.
         assert after and after[0] >= 8 + 1 + ch.base_probe - 1, after
     else:
