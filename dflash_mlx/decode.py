@@ -240,8 +240,7 @@ def _cycles(
     with mx.stream(generation_stream):
         anchor = first_token(req, logits)
         # Started before the first cycle is built, as mlx-lm does: the prompt's last token
-        # runs on the device while the host builds that cycle (on a CPU this was 10% of
-        # the time to first token at 128 tokens).
+        # runs on the device while the host builds that cycle.
         mx.async_eval(anchor)
     step = launch(anchor, 0, chained=True) if max_tokens > 1 else None
     tok = anchor.item()
