@@ -1,11 +1,9 @@
 """OpenAI's Responses API, stateless: POST /v1/responses.
 
-`input` (a string, or items: messages, `function_call`, `function_call_output`; reasoning
-items sent back are dropped) and `instructions` become `core.Request` chat messages;
-`core`'s events become output items (reasoning, message, function_call), either in one
-response object or as the Responses event stream (response.created, output_item.added,
-content_part.added, output_text.delta, ..., response.completed). Nothing is stored:
-`store: true` and `previous_response_id` are refused, the client sends the whole input.
+The request (`responses_requests`) becomes a `core.Request`; `core`'s events become
+output items (reasoning, message, function_call), either in one response object or as
+the Responses event stream (response.created, output_item.added, content_part.added,
+output_text.delta, ..., response.completed). Errors are in OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -13,213 +11,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_core import PydanticCustomError
+from fastapi.responses import Response
 
 from . import core
-from .core import APIError, Finish, Reasoning, Text, ToolCall, new_id
-from .openai_api import SSE_HEADERS, error_body, template_call
+from .core import Finish, Reasoning, Text, ToolCall, new_id
+from .openai_api import error_body
+from .replies import sse, streamed, whole
+from .responses_requests import NamedChoice, ResponsesRequest
 
 
-def _unsupported(what: str) -> PydanticCustomError:
-    return PydanticCustomError("unsupported_parameter", what)
-
-
-_Strict = ConfigDict(strict=True, extra="ignore")
-
-
-class FunctionTool(BaseModel):
-    model_config = _Strict
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("type")
-    @classmethod
-    def _functions_only(cls, kind: str) -> str:
-        if kind != "function":
-            raise _unsupported(f"tool of type {kind!r}: only function tools are supported")
-        return kind
-
-
-class NamedChoice(BaseModel):
-    model_config = _Strict
-    type: Literal["function"]
-    name: str
-
-
-class ResponsesRequest(BaseModel):
-    model_config = _Strict
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedChoice | None = None
-    parallel_tool_calls: bool = True
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    stream: bool = False
-    store: bool | None = None
-    previous_response_id: str | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None  # reasoning models think as their template says
-    metadata: dict[str, Any] | None = None
-
-    @field_validator("store")
-    @classmethod
-    def _stateless(cls, store: bool | None) -> bool | None:
-        if store:
-            raise _unsupported(
-                "this server is stateless: it stores no responses (send store: false, and "
-                "the whole conversation as input)"
-            )
-        return store
-
-    @field_validator("previous_response_id")
-    @classmethod
-    def _no_previous(cls, rid: str | None) -> str | None:
-        if rid:
-            raise _unsupported(
-                "this server is stateless and keeps no responses: send the whole "
-                "conversation as input instead of previous_response_id"
-            )
-        return rid
-
-    @field_validator("text")
-    @classmethod
-    def _text_only(cls, text: dict | None) -> dict | None:
-        fmt = (text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            raise _unsupported(f"text.format {fmt.get('type')!r}: only plain text is supported")
-        return text
-
-    def core(self) -> core.Request:
-        tools = None
-        if self.tools:
-            tools = []
-            for i, t in enumerate(self.tools):
-                if not t.name:
-                    raise APIError(
-                        400,
-                        f"Missing required parameter: 'tools[{i}].name'.",
-                        param=f"tools[{i}].name",
-                        code="missing_required_parameter",
-                    )
-                tools.append(
-                    {
-                        "type": "function",
-                        "function": t.model_dump(
-                            include={"name", "description", "parameters"}, exclude_none=True
-                        ),
-                    }
-                )
-        choice: Any = self.tool_choice or "auto"
-        if isinstance(choice, NamedChoice):
-            choice = {"name": choice.name}
-        return core.Request(
-            messages=self.messages(),
-            tools=tools,
-            tool_choice=choice,
-            parallel_tool_calls=self.parallel_tool_calls,
-            max_tokens=self.max_output_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            param="input",
-        )
-
-    def messages(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        if self.instructions:
-            out.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            out.append({"role": "user", "content": self.input})
-            return out
-        for i, item in enumerate(self.input):
-            where = f"input[{i}]"
-            kind = item.get("type", "message" if "role" in item else None)
-            if kind == "message":
-                role = item.get("role")
-                if role not in ("user", "assistant", "system", "developer"):
-                    raise APIError(400, f"Invalid '{where}.role': {role!r}", param=f"{where}.role")
-                role = "system" if role == "developer" else role
-                out.append({"role": role, "content": _text(item.get("content"), where)})
-            elif kind == "function_call":
-                call = template_call(
-                    _str(item, "call_id", where),
-                    _str(item, "name", where),
-                    item.get("arguments", "{}"),
-                    where,
-                )
-                last = out[-1] if out else None
-                if last is None or last["role"] != "assistant":
-                    last = {"role": "assistant", "content": ""}
-                    out.append(last)
-                last.setdefault("tool_calls", []).append(call)
-            elif kind == "function_call_output":
-                output = item.get("output", "")
-                content = output if isinstance(output, str) else _text(output, where)
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": _str(item, "call_id", where),
-                        "content": content,
-                    }
-                )
-            elif kind == "reasoning":
-                continue  # the template does not render past reasoning
-            else:
-                raise APIError(
-                    400,
-                    f"Invalid '{where}': items of type {kind!r} are not supported (messages, "
-                    "function_call, function_call_output and reasoning are)",
-                    param=where,
-                    code="unsupported_parameter",
-                )
-        if not out:
-            raise APIError(400, "Invalid 'input': it holds no message", param="input")
-        return out
-
-
-def _str(item: dict, name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise APIError(400, f"Invalid '{where}.{name}': expected a string", param=f"{where}.{name}")
-    return value
-
-
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(
-                part.get("text"), str
-            ):
-                raise APIError(
-                    400,
-                    f"Invalid '{where}.content': parts of type {kind!r} are not supported "
-                    "(input_text and output_text are)",
-                    param=f"{where}.content",
-                    code="unsupported_parameter",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise APIError(
-        400, f"Invalid '{where}.content': expected a string or text parts", param=f"{where}.content"
-    )
-
-
-# ---------------------------------------------------------------------------------------
-# Output
+def _status(finish: Finish) -> str:
+    return "incomplete" if finish.reason == "length" else "completed"
 
 
 class Builder:
@@ -276,16 +81,23 @@ class Builder:
             out["timings"] = finish.usage.timings()
         return out
 
-    def _event(self, kind: str, **payload: Any) -> str:
+    def whole(self, events: list[core.Event]) -> dict[str, Any]:
+        """The response once all its events are in (and `Finish` is)."""
+        for e in events:
+            self.add(e)
+        finish = next(e for e in events if isinstance(e, Finish))
+        return self.response(_status(finish), finish)
+
+    def event(self, kind: str, **payload: Any) -> str:
         data = {"type": kind, "sequence_number": self.seq, **payload}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+        return sse(data, kind)
 
     def start(self) -> list[str]:
         head = self.response("in_progress")
         return [
-            self._event("response.created", response=head),
-            self._event("response.in_progress", response=head),
+            self.event("response.created", response=head),
+            self.event("response.in_progress", response=head),
         ]
 
     def _close(self) -> list[str]:
@@ -298,7 +110,7 @@ class Builder:
         if item["type"] == "message":
             part = item["content"][0]
             out.append(
-                self._event(
+                self.event(
                     "response.output_text.done",
                     item_id=item["id"],
                     output_index=i,
@@ -308,7 +120,7 @@ class Builder:
                 )
             )
             out.append(
-                self._event(
+                self.event(
                     "response.content_part.done",
                     item_id=item["id"],
                     output_index=i,
@@ -319,7 +131,7 @@ class Builder:
         elif item["type"] == "reasoning":
             text = item["content"][0]["text"]
             out.append(
-                self._event(
+                self.event(
                     "response.reasoning_text.done",
                     item_id=item["id"],
                     output_index=i,
@@ -327,7 +139,7 @@ class Builder:
                     text=text,
                 )
             )
-        return out + [self._event("response.output_item.done", output_index=i, item=item)]
+        return out + [self.event("response.output_item.done", output_index=i, item=item)]
 
     def _begin(self, item: dict[str, Any]) -> list[str]:
         out = self._close()
@@ -339,10 +151,10 @@ class Builder:
             shown["content"] = []
         elif item["type"] == "reasoning":
             shown["content"] = []
-        out.append(self._event("response.output_item.added", output_index=i, item=shown))
+        out.append(self.event("response.output_item.added", output_index=i, item=shown))
         if item["type"] == "message":
             out.append(
-                self._event(
+                self.event(
                     "response.content_part.added",
                     item_id=item["id"],
                     output_index=i,
@@ -370,7 +182,7 @@ class Builder:
                 i = len(self.output) - 1
             self.open["content"][0]["text"] += e.text
             out.append(
-                self._event(
+                self.event(
                     "response.output_text.delta",
                     item_id=self.open["id"],
                     output_index=i,
@@ -392,7 +204,7 @@ class Builder:
                 i = len(self.output) - 1
             self.open["content"][0]["text"] += e.text
             out.append(
-                self._event(
+                self.event(
                     "response.reasoning_text.delta",
                     item_id=self.open["id"],
                     output_index=i,
@@ -413,7 +225,7 @@ class Builder:
             i = len(self.output) - 1
             item["arguments"] = e.arguments
             out.append(
-                self._event(
+                self.event(
                     "response.function_call_arguments.delta",
                     item_id=item["id"],
                     output_index=i,
@@ -421,7 +233,7 @@ class Builder:
                 )
             )
             out.append(
-                self._event(
+                self.event(
                     "response.function_call_arguments.done",
                     item_id=item["id"],
                     output_index=i,
@@ -431,8 +243,8 @@ class Builder:
             )
         elif isinstance(e, Finish):
             out += self._close()
-            status = "incomplete" if e.reason == "length" else "completed"
-            out.append(self._event(f"response.{status}", response=self.response(status, e)))
+            status = _status(e)
+            out.append(self.event(f"response.{status}", response=self.response(status, e)))
         return out
 
 
@@ -445,27 +257,20 @@ def routes(service: core.Service, model_name) -> APIRouter:
         model = model_name(body.model)
         gen = await service.start(body.core())
         builder = Builder(new_id("resp_"), model, body)
-        if body.stream:
+        if not body.stream:
+            return await whole(gen, request, builder.whole)
 
-            async def stream() -> AsyncIterator[str]:
-                for s in builder.start():
-                    yield s
-                try:
-                    async for e in gen.events():
-                        for s in builder.add(e):
-                            yield s
-                except Exception as exc:  # headers are sent: the error travels as an event
-                    err = error_body(core.as_api_error(exc))["error"]
-                    yield builder._event("error", **err)
+        async def stream() -> AsyncIterator[str]:
+            for s in builder.start():
+                yield s
+            try:
+                async for e in gen.events():
+                    for s in builder.add(e):
+                        yield s
+            except Exception as exc:  # headers are sent: the error travels as an event
+                err = error_body(core.as_api_error(exc))["error"]
+                yield builder.event("error", **err)
 
-            return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-        events = await core.collect(gen, request.receive)
-        finish = next((e for e in events if isinstance(e, Finish)), None)
-        if finish is None:  # the client left
-            return Response(status_code=499)
-        for e in events:
-            builder.add(e)
-        status = "incomplete" if finish.reason == "length" else "completed"
-        return JSONResponse(builder.response(status, finish))
+        return streamed(stream())
 
     return router

@@ -1,0 +1,202 @@
+"""What an OpenAI request may say, and its translation onto `core.Request`.
+
+The schemas of /v1/chat/completions (messages, tools, a tool choice) and /v1/completions
+(a prompt, text or token ids), strict like OpenAI's; the fields they refuse are in
+`refused.REFUSED`. `template_call` puts a call of a history message in the chat
+template's shape (the Responses API's input uses it too).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from . import core
+from .core import APIError, new_id
+from .refused import Strict, refuse, unsupported
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class _Request(Strict):
+    """What both endpoints share: sampling, stop strings, the token budget, streaming."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables")
+    min_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(None, validate_default=True)  # -> a list
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    def core_request(self, **kw: Any) -> core.Request:
+        return core.Request(
+            max_tokens=self.requested_max_tokens(),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=self.stop,
+            **kw,
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class FunctionDef(Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CalledFunction(Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    _refused = refuse("chat/completions messages[]")
+
+    def as_template_message(self, index: int) -> dict[str, Any]:
+        """The message as chat templates expect it (text parts joined, developer = system,
+        tool-call arguments as objects)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                template_call(c.id, c.function.name, c.function.arguments, f"messages[{index}]")
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def template_call(call_id: str | None, name: str, arguments: Any, param: str) -> dict[str, Any]:
+    """A call in a history message, arguments parsed (templates render them as JSON)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise APIError(
+                400,
+                f"Invalid '{param}': the arguments of the call to {name!r} are not JSON ({e})",
+                param=param,
+                code="invalid_value",
+            ) from None
+    return {
+        "id": call_id or new_id("call_"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None
+    function_call: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+    _refused = refuse("chat/completions")
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
+        return self.max_completion_tokens or self.max_tokens
+
+    def core(self) -> core.Request:
+        choice: Any = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            choice = {"name": choice.function.name}
+        return self.core_request(
+            messages=[m.as_template_message(i) for i, m in enumerate(self.messages)],
+            tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
+            tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+            param="messages",
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    _refused = refuse("completions")
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise unsupported(
+                    f"{len(prompt)} prompts in one request: send one prompt per request"
+                )
+            prompt = prompt[0]
+        return prompt
+
+    def core(self) -> core.Request:
+        return self.core_request(prompt=self.prompt, param="prompt")

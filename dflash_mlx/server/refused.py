@@ -1,0 +1,163 @@
+"""What a request may not say: one table of the refused fields of every API, and the one
+validator that refuses them.
+
+Request schemas are `Strict`: "max_tokens": "5" is a type error (as with OpenAI), and the
+fields a schema does not know are ignored (clients send vendor extras). The exceptions
+are the fields in `REFUSED`: a client sends them to change the result in a way this
+server does not honour (decoding is lossless, so no penalties or biases; one reply per
+request; plain text out; nothing kept between requests). A schema refuses its group with
+`_refused = refuse("<group>")`; `app` renders the error as a 400 `unsupported_parameter`
+whose `param` is the field: "Unsupported parameter 'n': n=2: this server returns ...".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+
+class Strict(BaseModel):
+    """A request schema: strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def unsupported(reason: str) -> PydanticCustomError:
+    """The error refusing a value: a 400 `unsupported_parameter` naming its field."""
+    return PydanticCustomError("unsupported_parameter", reason)
+
+
+def _unset(value: Any) -> bool:
+    return not value  # null, false, 0, "", [], {}: what says "none of that"
+
+
+def _plain_text(fmt: Any) -> bool:
+    """An output format asking for plain text, or for nothing in particular."""
+    return not fmt or (isinstance(fmt, dict) and fmt.get("type", "text") == "text")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why a field is refused, and the values of it accepted all the same.
+
+    `reason` is formatted with `value`, the value refused, and `type`: its "type" when it
+    is an object (a content part, a format), else the value itself.
+    """
+
+    reason: str
+    accepts: Callable[[Any], bool] = _unset
+
+
+_OPENAI = {  # both /v1/chat/completions and /v1/completions
+    "n": Refused("n={value}: this server returns one choice per request (n=1)", lambda n: n == 1),
+    **dict.fromkeys(
+        ("presence_penalty", "frequency_penalty"),
+        Refused(
+            "penalties are not supported: decoding is lossless, the output follows the "
+            "model's own distribution (send 0 or leave it out)"
+        ),
+    ),
+    "logit_bias": Refused("logit_bias is not supported"),
+}
+
+_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+
+# group -> field -> why. A group is the schema of one place in a request body: the
+# endpoint, then the list its items are in. A field is a schema's field name, or "name[]"
+# (each item of the list it holds), or "name.key" (a key of the object it holds).
+REFUSED: dict[str, dict[str, Refused]] = {
+    "chat/completions": {
+        **_OPENAI,
+        **dict.fromkeys(
+            ("functions", "function_call"),
+            Refused("'functions' / 'function_call' are deprecated: use 'tools'"),
+        ),
+        "logprobs": Refused("logprobs are not supported"),
+        "top_logprobs": Refused("top_logprobs are not supported"),
+        "response_format": Refused(
+            "response_format {type!r}: only plain text output is supported", _plain_text
+        ),
+    },
+    "chat/completions messages[]": {
+        "role": Refused(
+            "role 'function' (deprecated): use 'tool' messages", lambda role: role != "function"
+        ),
+        "content[]": Refused(
+            "content part of type {type!r}: only text parts "
+            '({{"type": "text", "text": ...}}) are supported',
+            lambda part: part.get("type") == "text" and isinstance(part.get("text"), str),
+        ),
+    },
+    "completions": {
+        **_OPENAI,
+        "echo": Refused("echo is not supported"),
+        "suffix": Refused("suffix (insertion) is not supported"),
+        "best_of": Refused(
+            "best_of={value}: one completion per request is supported", lambda n: n in (None, 1)
+        ),
+        "logprobs": Refused("logprobs are not supported", lambda n: n is None),
+    },
+    "responses": {
+        "store": Refused(
+            "this server is stateless: it stores no responses (send store: false, and the "
+            "whole conversation as input)"
+        ),
+        "previous_response_id": Refused(
+            "this server is stateless and keeps no responses: send the whole conversation "
+            "as input instead of previous_response_id"
+        ),
+        "text.format": Refused("text.format {type!r}: only plain text is supported", _plain_text),
+    },
+    "responses tools[]": {
+        "type": Refused(
+            "tool of type {value!r}: only function tools are supported",
+            lambda kind: kind == "function",
+        ),
+    },
+    "messages tools[]": {
+        "type": Refused(
+            "server tool {value!r}: only client (custom) tools are supported",
+            lambda kind: kind in (None, "custom"),
+        ),
+    },
+    "messages messages[]": {
+        "content[]": Refused(
+            "content block of type {type!r}: text, tool_use and tool_result blocks are supported",
+            lambda block: block.get("type") in _BLOCKS,
+        ),
+    },
+}
+
+_FIELD = re.compile(r"(\w+)(\[\]|\.\w+)?")
+
+
+def _within(value: Any, rest: str) -> list[Any]:
+    """What a field's `rest` ("", "[]" or ".key") names in its value."""
+    if not rest:
+        return [value]
+    if rest == "[]":
+        return value if isinstance(value, list) else []
+    return [value.get(rest[1:]) if isinstance(value, dict) else None]
+
+
+def refuse(group: str) -> Any:
+    """The validator refusing the fields of `REFUSED[group]`, for the schema of that place."""
+    rules: dict[str, list[tuple[str, Refused]]] = {}
+    for field, rule in REFUSED[group].items():
+        name, rest = _FIELD.fullmatch(field).groups()
+        rules.setdefault(name, []).append((rest or "", rule))
+
+    def check(cls, value: Any, info: ValidationInfo) -> Any:
+        for rest, rule in rules[info.field_name]:
+            for v in _within(value, rest):
+                if not rule.accepts(v):
+                    kind = v.get("type") if isinstance(v, dict) else v
+                    raise unsupported(rule.reason.format(value=v, type=kind))
+        return value
+
+    return field_validator(*rules)(check)
