@@ -8,7 +8,7 @@ with every block position right with probability `p` (a fixed pseudo-random patt
 position), while running the real draft network, so its cost is a real draft's and only
 its accuracy is set. For each `p` the script alternates, after a warm-up, between plain
 mlx-lm greedy decoding, `dflash_mlx.generate` at every fixed width W (draft block L=16,
-the engine's default), and W=auto (the engine's default: `block_size=None`), checks every
+the engine's default), and W=auto (the engine's default: `verify_width=None`), checks every
 output against the target's greedy tokens, and prints tok/s, speedups and the ratio of
 auto to the best fixed choice (geometric mean over prompts and repeats, paired).
 
@@ -70,8 +70,7 @@ def run(args) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import generate, load, load_draft
-    from dflash_mlx.calibrate import load_or_measure
+    from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
     from dflash_mlx.draft import DFlashDraft
     from dflash_mlx.tiny import (
         build_draft,
@@ -103,7 +102,7 @@ def run(args) -> None:
             want = mx.array(want)
             # The real draft pass, so the cost is a draft's; its output is then ignored.
             h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None], state)
-            real = self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
+            real = self.logits(h[0, 1 : rows + 1], state.head).astype(mx.float32)
             return mx.eye(vocab)[want] * 30.0 + 0.0 * real
 
     def plain(model, ids, n):
@@ -125,30 +124,28 @@ def run(args) -> None:
     refs = [plain(model, ids, args.tokens)[0] for ids in prompts]
     accuracies = [float(p) for p in args.accuracy.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
-    drafts = {p: OracleDraft(base, p) for p in accuracies}
+    # One pair per draft, made once: its width choosers learn across its requests.
+    pairs = {p: Pair(model, OracleDraft(base, p)) for p in accuracies}
+    calibrated = Pair(model, base)
 
     if args.calibrate_to:
         import json
 
-        curves = load_or_measure(model, base)
+        curves = calibrated.costs()
         Path(args.calibrate_to).write_text(json.dumps([list(curves.verify), list(curves.draft)]))
         return
     if args.curves:
         import json
 
-        import dflash_mlx.calibrate
-        import dflash_mlx.generate
         from dflash_mlx.adaptive import CostCurves
 
         verify, drafting = json.loads(Path(args.curves).read_text())
         stale = CostCurves(tuple(verify), tuple(drafting))
-        for module in (dflash_mlx.calibrate, dflash_mlx.generate):
-            module.load_or_measure = lambda *a, **k: stale
+        for pair in [calibrated, *pairs.values()]:
+            pair.costs = lambda **_: stale  # what every request of the pair plans with
         print("decoding on a STALE calibration (measured under stock BLAS)")
     tic = time.perf_counter()
-    import dflash_mlx.calibrate as calibration
-
-    curves = calibration.load_or_measure(model, base)  # the stale curves with --stale
+    curves = calibrated.costs()  # the stale curves with --stale
     print(
         f"calibrated in {time.perf_counter() - tic:.1f} s: plain step "
         f"{curves.verify[0] * 1e3:.1f} ms, W=16 verify {curves.verify[15] * 1e3:.1f} ms "
@@ -162,16 +159,17 @@ def run(args) -> None:
     for rep in range(args.repeats + 1):  # repeat 0 is the warm-up (the chooser learns too)
         for k, (ids, ref) in enumerate(zip(prompts, refs)):
             for p in accuracies:
-                d = drafts[p]
-                d.script = ids + ref + [0] * 32
+                pair = pairs[p]
+                pair.draft.script = ids + ref + [0] * 32
                 order = names[(rep + k) % len(names) :] + names[: (rep + k) % len(names)]
                 for name in order:
                     if name == "plain":
                         toks, speed, tau = *plain(model, ids, args.tokens), 1.0
                     else:
                         w = None if name == "auto" else int(name[2:])
-                        out = generate(model, d, tok, ids, max_tokens=args.tokens, block_size=w)
-                        toks, speed, tau = out.tokens, out.generation_tps, out.mean_acceptance
+                        options = GenerateOptions(max_tokens=args.tokens, verify_width=w)
+                        out = generate(pair, tok, ids, options)
+                        toks, speed, tau = out.tokens, out.stats.generation_tps, out.stats.tau
                     assert toks == ref, f"p={p} {name}: output differs from the target's greedy"
                     if rep:
                         tps.setdefault((p, name), []).append(speed)

@@ -64,20 +64,17 @@ def run(args) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import load, load_draft
+    from dflash_mlx import load_pair
     from dflash_mlx.adaptive import WidthChooser
-    from dflash_mlx.calibrate import load_or_measure
     from dflash_mlx.decode import speculative_decode
     from dflash_mlx.demo import SHIPPED, demo_pair
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.target import TargetAdapter
 
     target_dir, draft_dir = demo_pair()
-    model, tok = load(target_dir)
-    draft = load_draft(draft_dir)
-    curves = load_or_measure(model, draft)
-    block = draft.config.block_size
-    adapter = TargetAdapter.of(model)
+    pair, tok = load_pair(target_dir, draft_dir)
+    model = pair.model
+    curves = pair.costs()
+    block = pair.draft.config.block_size
     files = json.loads((SHIPPED / "BUILD.json").read_text())["target"]["held_out_files"]
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "stock BLAS"
     print(f"demo pair, {blas}, MLX {mx.__version__} {mx.default_device()}, {args.repeats} repeats")
@@ -93,14 +90,14 @@ def run(args) -> None:
         dormant = chooser is None or chooser.expects_plain(len(ids))
         tic = time.perf_counter()
         for cycle in speculative_decode(
-            adapter,
-            None if chooser is None else draft,
+            pair,
             ids,
             max_tokens=2,
             params=SamplingParams(),
             width=1 if chooser is None else block,
             draft_block=1 if chooser is None else block,
             chooser=chooser,
+            speculate=chooser is not None,
         ):
             return time.perf_counter() - tic, cycle.tokens[0], dormant
 

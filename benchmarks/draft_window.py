@@ -83,22 +83,23 @@ def run(args) -> None:
     os.environ.setdefault("DFLASH_MLX_CACHE", tempfile.mkdtemp(prefix="dflash-window-"))
     import mlx.core as mx
 
-    from dflash_mlx import generate, load, load_draft
+    from dflash_mlx import GenerateOptions, Pair, generate, load_pair
     from dflash_mlx.demo import SHIPPED, demo_pair
 
     target_dir, draft_dir = demo_pair()
-    model, tok = load(target_dir)
-    draft = load_draft(draft_dir)
+    pair, tok = load_pair(target_dir, draft_dir)
+    alone = Pair(pair.model)  # the target without its draft: plain decoding
     files = json.loads((SHIPPED / "BUILD.json").read_text())["target"]["held_out_files"]
     windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
-    limit = model.args.max_position_embeddings
+    limit = pair.context_limit
     blas = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "stock BLAS"
     print(
         f"demo pair, {blas}, MLX {mx.__version__} {mx.default_device()}, W={args.width}, "
         f"{args.tokens} tokens, {args.repeats} repeats"
     )
     print("context  window        τ   tok/s  vs plain   TTFT ms   τ/unl.  speed/unl.  TTFT/unl.")
-    generate(model, draft, tok, "def f(x):\n", max_tokens=16, block_size=args.width)  # warm-up
+    options = GenerateOptions(max_tokens=args.tokens, verify_width=args.width)
+    generate(pair, tok, "def f(x):\n", options.replace(max_tokens=16))  # warm-up
     for n in counts(args.contexts):
         if n + args.tokens >= limit:
             print(f"{n:>7}  skipped: {n} + {args.tokens} tokens exceed the target's {limit}")
@@ -108,25 +109,19 @@ def run(args) -> None:
         plain_rows = {"tps": [], "ttft": []}
         for _ in range(args.repeats):
             for ids in prompts:
-                ref = generate(model, None, tok, ids, max_tokens=args.tokens)
-                plain_rows["tps"].append(ref.generation_tps)
-                plain_rows["ttft"].append(ref.time_to_first_token)
+                ref = generate(alone, tok, ids, options.replace(verify_width=None))
+                plain = ref.stats
+                plain_rows["tps"].append(plain.generation_tps)
+                plain_rows["ttft"].append(plain.time_to_first_token)
                 for w in windows:
-                    r = generate(
-                        model,
-                        draft,
-                        tok,
-                        ids,
-                        max_tokens=args.tokens,
-                        block_size=args.width,
-                        draft_window=w,
-                    )
+                    r = generate(pair, tok, ids, options.replace(draft_window=w))
                     if r.tokens != ref.tokens:
                         sys.exit(f"NOT LOSSLESS at context {n}, window {w}")
-                    rows[w]["tau"].append(r.mean_acceptance)
-                    rows[w]["tps"].append(r.generation_tps)
-                    rows[w]["ttft"].append(r.time_to_first_token)
-                    rows[w]["vs"].append(r.generation_tps / ref.generation_tps)
+                    s = r.stats
+                    rows[w]["tau"].append(s.tau)
+                    rows[w]["tps"].append(s.generation_tps)
+                    rows[w]["ttft"].append(s.time_to_first_token)
+                    rows[w]["vs"].append(s.generation_tps / plain.generation_tps)
                 time.sleep(0)
         base = rows[windows[0]]
         print(

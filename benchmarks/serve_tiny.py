@@ -32,7 +32,7 @@ import openai
 
 import dflash_mlx
 from dflash_mlx.demo import demo_pair
-from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
+from dflash_mlx.server import Engine, ServerSettings, create_server
 
 
 def main() -> None:
@@ -44,10 +44,10 @@ def main() -> None:
     args = ap.parse_args()
 
     target_dir, draft_dir = demo_pair()
-    model, tok = dflash_mlx.load(str(target_dir))
-    engine = Engine(model, dflash_mlx.load_draft(str(draft_dir)), tok)
+    pair, tok = dflash_mlx.load_pair(str(target_dir), str(draft_dir))
+    engine = Engine(pair, tok)
     # Room for the shared-prefix phase (the random pair has no trained context length).
-    context = max(context_length(model) or 0, args.prefix + 512)
+    context = max(pair.context_limit or 0, args.prefix + 512)
     settings = ServerSettings(model_id="demo", context_length=context)
     server = create_server(engine, settings, log_level="warning")
     sock = socket.socket()

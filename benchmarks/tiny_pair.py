@@ -26,7 +26,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 
-from dflash_mlx import generate, load, load_draft
+from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
 
@@ -46,7 +46,7 @@ class PerfectDraft(DFlashDraft):
         # The real draft pass, so that the cost is a draft's.
         h = self.hidden(mx.concatenate([anchor.reshape(1), want])[None], state)
         onehot = mx.eye(self.config.vocab_size)[want] * 30.0
-        return onehot + 0.0 * self.logits(h[0, 1 : rows + 1]).astype(mx.float32)
+        return onehot + 0.0 * self.logits(h[0, 1 : rows + 1], state.head).astype(mx.float32)
 
 
 def plain_greedy(model, ids, n):
@@ -81,12 +81,13 @@ def main() -> None:
     perfect = PerfectDraft(draft, prompt + ref)
     widths = [int(w) for w in args.widths.split(",")]
 
-    configs = []  # (name, draft, verify width W, draft block L)
+    pairs = {"dflash": Pair(model, draft), "bound": Pair(model, perfect)}
+    configs = []  # (name, pair, options: verify width W, draft block L)
     for w in widths:
-        for label, d in (("dflash", draft), ("bound", perfect)):
-            configs.append((f"{label} W={w} L=16", d, w, 16))
-            if w < 16:
-                configs.append((f"{label} W={w} L={w}", d, w, w))
+        for label, pair in pairs.items():
+            for rows in dict.fromkeys((16, w)):
+                options = GenerateOptions(max_tokens=args.tokens, verify_width=w, draft_block=rows)
+                configs.append((f"{label} W={w} L={rows}", pair, options))
     runs = {"plain": []} | {c[0]: [] for c in configs}
     taus: dict[str, float] = {}
     for rep in range(args.repeats + 1):  # repeat 0 is the warm-up
@@ -94,14 +95,12 @@ def main() -> None:
         assert toks == ref
         if rep:
             runs["plain"].append(tps)
-        for name, d, w, rows in configs:
-            out = generate(
-                model, d, tok, prompt, max_tokens=args.tokens, block_size=w, draft_block=rows
-            )
+        for name, pair, options in configs:
+            out = generate(pair, tok, prompt, options)
             assert out.tokens == ref, f"{name}: output differs from the target's greedy"
             if rep:
-                runs[name].append(out.generation_tps)
-                taus[name] = out.mean_acceptance
+                runs[name].append(out.stats.generation_tps)
+                taus[name] = out.stats.tau
 
     base = statistics.median(runs["plain"])
     print(

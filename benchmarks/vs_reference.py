@@ -118,10 +118,10 @@ def run(args) -> None:
     import mlx_lm
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import generate, load, load_draft
+    from dflash_mlx import GenerateOptions, generate, load_pair
     from dflash_mlx.bench_prompts import load_suite
-    from dflash_mlx.generate import encode_prompt
     from dflash_mlx.loading import cpu_float32
+    from dflash_mlx.text import encode_prompt
 
     if args.model or args.draft:
         if not (args.model and args.draft):
@@ -131,8 +131,8 @@ def run(args) -> None:
         from dflash_mlx.demo import demo_pair
 
         target_dir, draft_dir = demo_pair()
-    model, tok = load(str(target_dir))
-    draft = load_draft(str(draft_dir))
+    pair, tok = load_pair(str(target_dir), str(draft_dir))  # one pair for all its runs
+    model, draft = pair.model, pair.draft
     ref_model, _ = mlx_lm.load(str(target_dir))  # its own instance: the reference patches it
     ref_draft = reference_draft(draft_dir)
     # The same compute dtype as this engine's (float32 for half weights on a CPU).
@@ -171,10 +171,11 @@ def run(args) -> None:
         return toks, end - first, (len(toks) - 1) / max(cycles, 1)
 
     def ours(width):
+        options = GenerateOptions(max_tokens=n, verify_width=width)
+
         def go(ids):
-            r = generate(model, draft, tok, ids, max_tokens=n, block_size=width)
-            t = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps else 0.0
-            return r.tokens, t, r.mean_acceptance
+            r = generate(pair, tok, ids, options)
+            return r.tokens, r.stats.decode_seconds, r.stats.tau
 
         return go
 

@@ -81,9 +81,8 @@ def run(
     import dflash_mlx
     from dflash_mlx.bench_prompts import load_suite, read_prompts
     from dflash_mlx.benchmark import run_benchmark
-    from dflash_mlx.generate import check_draft_window
 
-    check_draft_window(draft_window)
+    dflash_mlx.GenerateOptions(draft_window=draft_window)  # refuses a bad window before loading
 
     bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
     if demo:
@@ -97,24 +96,22 @@ def run(
         target, tokenizer = dflash_mlx.load(model)
     with ui.loading("draft", draft):
         drafter = dflash_mlx.load_draft(draft)
+    pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
     if calibrate:
-        from dflash_mlx.calibrate import cache_path, load_or_measure
+        from dflash_mlx.calibrate import cache_path
 
         progress = bench_ui.BenchProgress()
         try:
-            curves = load_or_measure(
-                target, drafter, refresh=True, progress=lambda d, t: progress(d, t, "calibrating")
-            )
+            curves = pair.costs(refresh=True, progress=lambda d, t: progress(d, t, "calibrating"))
         finally:
             progress.close()
-        bench_ui.calibration(curves, cache_path(target, drafter))
+        bench_ui.calibration(curves, cache_path(pair))
         return 0
 
     progress = bench_ui.BenchProgress()
     try:
         result = run_benchmark(
-            target,
-            drafter,
+            pair,
             tokenizer,
             bench_prompts,
             widths=widths,

@@ -25,6 +25,8 @@ from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
     from dflash_mlx.chat_session import ChatSession
+    from dflash_mlx.options import GenerateOptions
+    from dflash_mlx.pair import Pair as DFlashPair
 
     from .chat_ui import ChatUI
 
@@ -60,9 +62,8 @@ def command(
         int | None,
         typer.Option(help="Most tokens per reply.", show_default="2048; 200 with --demo"),
     ] = None,
-    block_size: Annotated[
-        int | None, typer.Option(help="Verify width W (default: picked every cycle).")
-    ] = None,
+    verify_width: options.VerifyWidth = None,
+    block_size: options.BlockSize = None,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     draft_window: options.DraftWindow = None,
     think: Annotated[
@@ -93,7 +94,7 @@ def command(
             temp=temp,
             top_p=top_p,
             max_tokens=max_tokens,
-            block_size=block_size,
+            verify_width=options.verify_width(verify_width, block_size),
             seed=seed,
             think=think,
             hide_thinking=hide_thinking,
@@ -123,7 +124,7 @@ def run(
     temp: float = 0.0,
     top_p: float = 1.0,
     max_tokens: int | None = None,
-    block_size: int | None = None,
+    verify_width: int | None = None,
     seed: int | None = None,
     think: bool | None = None,
     hide_thinking: bool = False,
@@ -135,26 +136,22 @@ def run(
     view = chat_ui.ChatUI(
         Console(highlight=False), Console(stderr=True, highlight=False), hide_thinking=hide_thinking
     )
-    from dflash_mlx.chat_session import ChatSettings, parse_setting
+    from dflash_mlx.chat_session import CHAT_DEFAULTS
 
-    if max_tokens is None:
-        max_tokens = DEMO_MAX_TOKENS if demo else 2048
-    settings = ChatSettings()
-    for name, value in [  # bad values fail now, before anything loads
-        ("temp", temp),
-        ("top_p", top_p),
-        ("max_tokens", max_tokens),
-        ("block_size", "auto" if block_size is None else block_size),
-        ("seed", seed),
-        ("draft_window", "none" if draft_window is None else draft_window),
-    ]:
-        key, parsed = parse_setting(name, value)
-        setattr(settings, key, parsed)
+    default_max_tokens = DEMO_MAX_TOKENS if demo else CHAT_DEFAULTS.max_tokens
+    settings = CHAT_DEFAULTS.replace(  # bad values fail now, before anything loads
+        temperature=temp,
+        top_p=top_p,
+        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        verify_width=verify_width,
+        seed=seed,
+        draft_window=draft_window,
+    )
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
     session = load_session(pair, view, system=system, settings=settings)
     if not sys.stdin.isatty():
         return chat_repl.answer_once(session, view, sys.stdin.read())
-    view.banner(pair.banner, session.settings)
+    view.banner(pair.banner, session.options)
     from . import chat_input
 
     read = chat_input.make_reader(
@@ -168,7 +165,7 @@ def run(
 
 
 @dataclass
-class Pair:
+class PairSource:
     """Where the target and draft come from, and how to talk about them."""
 
     model: str  # what to load: Hub id or folder
@@ -187,7 +184,7 @@ def resolve_pair(
     demo: bool,
     think: bool | None,
     view: ChatUI,
-) -> Pair:
+) -> PairSource:
     """The target and draft to load: --demo, the default pair, the registry or as given."""
     from dflash_mlx.registry import DEFAULT_TARGET, find_draft, known_targets
 
@@ -202,7 +199,7 @@ def resolve_pair(
             target_dir, draft_dir = demo_pair()
         view.demo_note(NOTICE)
         kind = "trained" if TRAINED else "random"
-        pair = Pair(
+        pair = PairSource(
             str(target_dir),
             None if no_draft else str(draft_dir),
             f"demo target ({kind})",
@@ -224,7 +221,7 @@ def resolve_pair(
                 + ", ".join(known_targets())
             )
         draft, how = entry.draft, f" (published for {entry.target})"
-    pair = Pair(model, draft, model, draft or "none")
+    pair = PairSource(model, draft, model, draft or "none")
     if entry is not None and draft == entry.draft:
         pair.template_kwargs = dict(entry.template_kwargs)
         if entry.note:
@@ -239,7 +236,9 @@ def resolve_pair(
     return pair
 
 
-def load_session(pair: Pair, view: ChatUI, *, system: str | None, settings) -> ChatSession:
+def load_session(
+    pair: PairSource, view: ChatUI, *, system: str | None, settings: GenerateOptions
+) -> ChatSession:
     """Download (with progress), load, check and calibrate the pair; a fresh ChatSession."""
     import dflash_mlx
     from dflash_mlx.chat_session import ChatSession
@@ -252,13 +251,12 @@ def load_session(pair: Pair, view: ChatUI, *, system: str | None, settings) -> C
         fetch(pair.draft, "draft", DRAFT_FILES)
         with ui.loading("draft", pair.draft_label):
             drafter = dflash_mlx.load_draft(pair.draft)
-        prepare_draft(target, drafter, view, calibrate=settings.block_size is None)
+    bound = prepare_draft(target, drafter, view, calibrate=settings.verify_width is None)
     return ChatSession(
-        target,
-        drafter,
+        bound,
         tokenizer,
         system=system,
-        settings=settings,
+        options=settings,
         template_kwargs=pair.template_kwargs,
         model_id=pair.label,
         draft_id=pair.draft_label if pair.draft else None,
@@ -289,21 +287,21 @@ def fetch(source: str, what: str, patterns: list[str] | None) -> None:
         pass
 
 
-def prepare_draft(target, drafter, view: ChatUI, *, calibrate: bool) -> None:
-    """Check the draft fits the target now, not at the first message; measure costs once."""
-    from dflash_mlx.loading import bind_draft
+def prepare_draft(target, drafter, view: ChatUI, *, calibrate: bool) -> DFlashPair:
+    """The Pair: a draft that does not fit the target fails now (LoadError), not at the
+    first message; its costs are measured once (none to measure without a draft)."""
+    import dflash_mlx
 
-    bind_draft(drafter, target)
-    if not calibrate:
-        return
-    from dflash_mlx.calibrate import load_or_measure
-
+    pair = dflash_mlx.Pair(target, drafter)
+    if drafter is None or not calibrate:
+        return pair
     from .chat_ui import CalibrationProgress
 
     progress = CalibrationProgress(view.err)
     try:
-        load_or_measure(target, drafter, progress=progress)
+        pair.costs(progress=progress)
     except OSError:
         pass  # no writable cache: the engine falls back to a fixed width
     finally:
         progress.close()
+    return pair

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from dflash_mlx.chat_settings import show_value, shown_names
 from dflash_mlx.errors import BadArgument
 
 from . import chat_ui
@@ -25,8 +26,8 @@ COMMANDS = {  # name: (usage, what it does)
     "/system": ("/system [TEXT | none]", "show, set or remove the system prompt"),
     "/set": (
         "/set [NAME VALUE]",
-        "show the settings, or set temp, top_p, max_tokens, block_size (W or auto), seed, "
-        "thinking (show or hide)",
+        "show the settings, or set temp, top_p, top_k, min_p, max_tokens, verify_width "
+        "(W or auto), seed (or none), draft_window (or auto), thinking (show or hide)",
     ),
     "/stats": ("/stats", "totals for this session"),
     "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
@@ -34,7 +35,7 @@ COMMANDS = {  # name: (usage, what it does)
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
 ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
-SET_NAMES = ["temp", "top_p", "max_tokens", "block_size", "seed", "draft_window", "thinking"]
+SET_NAMES = [*shown_names(), "thinking"]
 
 
 def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
@@ -49,7 +50,7 @@ def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
 
 def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
     """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C."""
-    before = session.totals.replies
+    before = len(session.history)
     reply = view.reply_view()
     stream = start(reply.prefill)
     interrupted = False
@@ -64,7 +65,7 @@ def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
         finally:
             stream.close()
             reply.close(interrupted=interrupted)
-    if session.totals.replies > before:
+    if len(session.history) > before:
         view.stats(session.last, session.draft is not None)
     elif interrupted:
         view.note("stopped before the reply began: the message was not kept (Up recalls it)")
@@ -132,14 +133,14 @@ class Repl:
         elif name == "/set":
             self.set(arg)
         elif name == "/stats":
-            view.totals(s.totals, s.context_tokens, s.draft is not None)
+            view.totals(s.history, s.context_tokens, s.draft is not None)
         elif name == "/save":
             if not arg:
                 raise BadArgument("/save needs a file name, e.g. /save chat.json or /save chat.md")
             path = s.save(arg)
             view.info(f"saved {len(s.conversation())} messages to {path}")
         elif name == "/retry":
-            if s.settings.temperature == 0 and s.messages:
+            if s.options.temperature == 0 and s.messages:
                 view.info("at temperature 0 the reply comes out the same (/set temp 0.7 varies it)")
             stream_reply(s, view, lambda p: s.retry(prompt_progress=p))
         else:
@@ -149,7 +150,7 @@ class Repl:
 
     def set(self, arg: str) -> None:
         if not arg:
-            self.view.settings(self.session.settings, self.view.hide_thinking)
+            self.view.settings(self.session.options, self.view.hide_thinking)
             return
         key, _, value = arg.partition(" ")
         value = value.strip()
@@ -159,15 +160,16 @@ class Repl:
             if value.lower() not in ("show", "hide"):
                 raise BadArgument(f"/set thinking {value!r}: show or hide")
             self.view.hide_thinking = value.lower() == "hide"
-        else:
-            self.session.set(key, value)
-        self.view.settings(self.session.settings, self.view.hide_thinking)
+            self.view.changed("thinking", "hidden" if self.view.hide_thinking else "shown")
+            return
+        field, note = self.session.set(key, value)
+        self.view.changed(field, show_value(field, getattr(self.session.options, field)), note)
 
 
 def toolbar(session: ChatSession, label: str) -> str:
     """The line under the prompt: model, width, temperature, context held."""
-    s = session.settings
-    width = "auto" if s.block_size is None else s.block_size
+    s = session.options
+    width = show_value("verify_width", s.verify_width)
     draft = "no draft" if session.draft is None else f"W {width}"
     return (
         f" {label} · {draft} · temp {s.temperature:g} · max {s.max_tokens} · "

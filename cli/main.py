@@ -68,10 +68,8 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below min_p × the top prob.")] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
-    block_size: Annotated[
-        int | None,
-        typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
-    ] = None,
+    verify_width: options.VerifyWidth = None,
+    block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
     chat: Annotated[
         bool | None,
@@ -103,25 +101,26 @@ def generate(
             chat = False if chat is None else chat
         if model is None:
             raise BadArgument("--model is required (or --demo for the demonstration pair)")
-        target, tokenizer, drafter = _load(model, draft, no_draft)
-        request = _prompt_form(tokenizer, prompt, chat)
-        kwargs = dict(
+        opts = dflash_mlx.GenerateOptions(
             max_tokens=max_tokens,
             temperature=temp,
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
             seed=seed,
-            block_size=block_size,
+            verify_width=options.verify_width(verify_width, block_size),
             draft_window=draft_window,
         )
+        pair, tokenizer = _load(model, draft, no_draft)
+        pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+        request = _prompt_form(tokenizer, prompt, chat)
         if json_out:
-            ui.result_json(dflash_mlx.generate(target, drafter, tokenizer, request, **kwargs))
+            ui.result_json(dflash_mlx.generate(pair, tokenizer, request, opts))
             return
         progress = ui.PromptProgress()
         try:
             responses = dflash_mlx.stream_generate(
-                target, drafter, tokenizer, request, prompt_progress=progress, **kwargs
+                pair, tokenizer, request, opts, prompt_progress=progress
             )
             last = ui.stream(responses)
         finally:
@@ -210,7 +209,8 @@ app.command("serve")(serve_command.serve)  # options and wiring live in cli/serv
 
 
 def _load(model: str, draft: str | None, no_draft: bool):
-    """Target `(model, tokenizer)` and the draft (None with --no-draft), behind spinners."""
+    """`(Pair, tokenizer)`: the target and the draft (none with --no-draft), behind
+    spinners, checked against each other."""
     import dflash_mlx
 
     if draft is None and not no_draft:
@@ -223,9 +223,10 @@ def _load(model: str, draft: str | None, no_draft: bool):
         target, tokenizer = dflash_mlx.load(model)
     if no_draft:
         ui.note("no draft: decoding with the target alone, without speculation")
-        return target, tokenizer, None
+        return dflash_mlx.Pair(target), tokenizer
     with ui.loading("draft", draft):
-        return target, tokenizer, dflash_mlx.load_draft(draft)
+        drafter = dflash_mlx.load_draft(draft)
+    return dflash_mlx.Pair(target, drafter), tokenizer
 
 
 def _prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:

@@ -19,3 +19,30 @@ DraftWindow = Annotated[
         show_default=False,
     ),
 ]
+VerifyWidth = Annotated[
+    int | None,
+    typer.Option(
+        help="Verify width W: tokens the target checks per cycle (≤ the draft's block; "
+        "1: plain decoding; default: picked per cycle for this device).",
+        show_default=False,
+    ),
+]
+# The old name of --verify-width: still accepted, with a note.
+BlockSize = Annotated[
+    int | None,
+    typer.Option("--block-size", hidden=True, help="Deprecated: use --verify-width."),
+]
+
+
+def verify_width(width: int | None, block_size: int | None) -> int | None:
+    """--verify-width, or the deprecated --block-size (with a note on stderr)."""
+    from dflash_mlx.errors import BadArgument
+
+    from . import ui
+
+    if block_size is None:
+        return width
+    ui.note("note: --block-size is deprecated; use --verify-width")
+    if width is not None and width != block_size:
+        raise BadArgument(f"--block-size {block_size} and --verify-width {width} disagree")
+    return block_size

@@ -52,10 +52,8 @@ def serve(
     prompt_cache_size: Annotated[
         int, typer.Option(help="Conversations whose prompt cache is kept between requests.")
     ] = 4,
-    block_size: Annotated[
-        int | None,
-        typer.Option(help="Verify width W (≤ the draft's block size; default: picked for you)."),
-    ] = None,
+    verify_width: options.VerifyWidth = None,
+    block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
     cors_origin: Annotated[
         list[str] | None,
@@ -83,7 +81,7 @@ def serve(
             default_max_tokens=default_max_tokens,
             max_context=max_context,
             prompt_cache_size=prompt_cache_size,
-            block_size=block_size,
+            verify_width=options.verify_width(verify_width, block_size),
             draft_window=draft_window,
             cors_origins=tuple(cors_origin or ()),
             max_body_mb=max_body_mb,
@@ -143,7 +141,7 @@ def run(
     default_max_tokens: int,
     max_context: int | None,
     prompt_cache_size: int,
-    block_size: int | None = None,
+    verify_width: int | None = None,
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
     draft_window: int | None = None,
@@ -161,11 +159,12 @@ def run(
         raise BadArgument(f"--max-context {max_context} must be >= 2")
     if prompt_cache_size < 1:
         raise BadArgument(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
-    if block_size is not None and block_size < 1:
-        raise BadArgument(f"--block-size {block_size} must be >= 1")
-    from dflash_mlx.generate import check_draft_window
+    from dflash_mlx import GenerateOptions
 
-    check_draft_window(draft_window)  # the engine's own rule and message
+    # The requests' defaults, checked by the engine's own rules before anything loads.
+    defaults = GenerateOptions(
+        max_tokens=default_max_tokens, verify_width=verify_width, draft_window=draft_window
+    )
     if not max_body_mb > 0:
         raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
     for origin in cors_origins:
@@ -177,7 +176,7 @@ def run(
         raise BadArgument("--api-key is empty: give a key, or leave the option out")
 
     import dflash_mlx
-    from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
+    from dflash_mlx.server import Engine, ServerSettings, create_server
 
     sock = listen(host, port)  # first: a busy port fails before a long model load
     model_id, aliases = model, set()
@@ -194,10 +193,8 @@ def run(
         target, tokenizer = dflash_mlx.load(model)
     with ui.loading("draft", draft):
         drafter = dflash_mlx.load_draft(draft)
-    if block_size is not None and block_size > drafter.config.block_size:
-        raise BadArgument(
-            f"--block-size {block_size} exceeds the draft's block size {drafter.config.block_size}"
-        )
+    pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
+    pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
 
     settings = ServerSettings(
         model_id=model_id,
@@ -205,19 +202,17 @@ def run(
         draft_id=DEMO_ID + "-draft" if demo else draft,
         api_key=api_key,
         default_max_tokens=default_max_tokens,
-        context_length=max_context or context_length(target),
+        context_length=max_context or pair.context_limit,
         loopback_only=is_loopback(host),
         cors_origins=cors_origins,
         max_body_mb=max_body_mb,
     )
     engine = Engine(
-        target,
-        drafter,
+        pair,
         tokenizer,
+        options=defaults,
         max_queue=max_queue,
         prompt_cache_slots=prompt_cache_size,
-        block_size=block_size,
-        draft_window=draft_window,
     )
     server = create_server(engine, settings)
     serve_ui.serving(

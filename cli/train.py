@@ -49,7 +49,6 @@ def run(
     import dflash_mlx
     from dflash_mlx.config import DraftConfig
     from dflash_mlx.draft import DFlashDraft
-    from dflash_mlx.loading import bind_draft
     from dflash_mlx.train import (
         TrainSettings,
         draft_config_for,
@@ -83,15 +82,14 @@ def run(
 
     if resume:
         config = json.loads((out / "config.json").read_text())
-        draft = DFlashDraft(DraftConfig.from_dict(config))
-        bind_draft(draft, model)
+        pair = dflash_mlx.Pair(model, DFlashDraft(DraftConfig.from_dict(config)))
     else:
         ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
         mask = default_mask_token(tokenizer) if mask_token_id is None else mask_token_id
         config = draft_config_for(
             model, layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask
         )
-        draft = init_draft(model, config, seed=st.seed)
+        pair = init_draft(model, config, seed=st.seed)
     console = Console(stderr=True)
     console.print(
         f"training a {layers}-layer draft (block {config['dflash_config']['block_size']}, "
@@ -127,9 +125,8 @@ def run(
             )
 
         log = train(
-            model,
+            pair,
             tokenizer,
-            draft,
             config,
             examples,
             st,

@@ -112,18 +112,17 @@ def interrupted() -> None:
 
 def stats(r: GenerationResponse) -> None:
     """The one stats line after a streamed completion, from the last GenerationResponse."""
+    s = r.stats
     parts = [
-        f"{r.generation_tokens} tokens",
-        f"{r.generation_tps:.1f} tok/s",
-        f"τ {r.mean_acceptance:.2f}",
-        f"accepted {r.accepted_tokens / r.drafted_tokens:.0%} of drafted"
-        if r.drafted_tokens
-        else "no drafts",
+        f"{s.generation_tokens} tokens",
+        f"{s.generation_tps:.1f} tok/s",
+        f"τ {s.tau:.2f}",
+        f"accepted {s.acceptance_rate:.0%} of drafted" if s.drafted else "no drafts",
         *_what_ran(r),
-        f"prompt {r.prompt_tokens} tokens @ {r.prompt_tps:.1f} tok/s",
-        f"TTFT {r.time_to_first_token * 1000:.0f} ms",
-        f"peak {r.peak_memory:.2f} GB",
-        f"finish: {r.finish_reason}",
+        f"prompt {s.prompt_tokens} tokens @ {s.prompt_tps:.1f} tok/s",
+        f"TTFT {s.time_to_first_token * 1000:.0f} ms",
+        f"peak {s.peak_memory:.2f} GB",
+        f"finish: {r.finish_reason}" + (f" ({r.stop!r})" if r.stop else ""),
     ]
     _err().print(Text(" · ".join(parts), style="dim"))
 
@@ -140,21 +139,23 @@ def _what_ran(r: GenerationResponse) -> list[str]:
 
 def result_json(result: GenerationResult) -> None:
     """Exactly one JSON object on stdout for a `GenerationResult`."""
+    s = result.stats
     payload = {
         "text": result.text,
         "tokens": result.tokens,
         "finish_reason": result.finish_reason,
-        "prompt_tokens": result.prompt_tokens,
-        "generation_tokens": result.generation_tokens,
-        "generation_tps": result.generation_tps,
-        "prompt_tps": result.prompt_tps,
-        "mean_acceptance": result.mean_acceptance,
-        "cycles": result.cycles,
-        "verify_width": result.verify_width,
-        "acceptance_rates": result.acceptance_rates,
-        "peak_memory_gb": result.peak_memory,
-        "time_to_first_token": result.time_to_first_token,
-        "ran": result.stats.what_ran(),  # cycles and tokens per width, plain share, probes
+        "stop": result.stop,
+        "prompt_tokens": s.prompt_tokens,
+        "generation_tokens": s.generation_tokens,
+        "generation_tps": s.generation_tps,
+        "prompt_tps": s.prompt_tps,
+        "mean_acceptance": s.tau,
+        "cycles": s.cycles,
+        "verify_width": s.verify_width,
+        "acceptance_rates": s.acceptance_rates,
+        "peak_memory_gb": s.peak_memory,
+        "time_to_first_token": s.time_to_first_token,
+        "ran": s.what_ran(),  # cycles and tokens per width, plain share, probes
     }
     sys.stdout.write(json.dumps(payload) + "\n")
     sys.stdout.flush()

@@ -1,6 +1,8 @@
 """dflash-mlx: lossless DFlash speculative decoding for mlx-lm models.
 
-Public API: `load`, `load_draft`, `stream_generate`, `generate`.
+Public API: `load`, `load_draft`, `load_pair` and `Pair` (a target and its draft, bound once),
+`GenerateOptions` (every generation setting, validated once), `stream_generate`, `generate`,
+their `GenerationResponse` / `GenerationResult` and the one `Stats` value, `PromptCache`.
 
 The names load on first use (PEP 562), so that `dflash_mlx.cli` (the `dflash-mlx` command,
 installed inside this package) answers `--help` and `--version` without importing MLX.
@@ -14,11 +16,23 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
     from .generate import GenerationResponse, GenerationResult, generate, stream_generate
     from .loading import LoadError, load, load_draft
+    from .options import GenerateOptions
+    from .pair import Pair, load_pair
     from .prompt_cache import PromptCache
+    from .stats import Stats
 
 _API = {
+    "BadArgument": ".errors",
+    "BadCheckpoint": ".errors",
+    "ContextTooLong": ".errors",
+    "UserError": ".errors",
+    "GenerateOptions": ".options",
+    "Pair": ".pair",
+    "load_pair": ".pair",
+    "Stats": ".stats",
     "GenerationResponse": ".generate",
     "GenerationResult": ".generate",
     "generate": ".generate",
@@ -30,13 +44,21 @@ _API = {
 }
 
 __all__ = [
+    "BadArgument",
+    "BadCheckpoint",
+    "ContextTooLong",
+    "GenerateOptions",
     "GenerationResponse",
     "GenerationResult",
     "LoadError",
+    "Pair",
     "PromptCache",
+    "Stats",
+    "UserError",
     "generate",
     "load",
     "load_draft",
+    "load_pair",
     "stream_generate",
 ]
 __version__ = "0.1.0"

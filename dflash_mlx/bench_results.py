@@ -1,7 +1,7 @@
 """What a bench run produced: per-run records, mismatches, summaries and their JSON form.
 
-Pure Python over the numbers `benchmark.run_benchmark` measured: no mlx, no models. Each
-figure of a summary is computed over all prompts of one repeat (tokens and times pooled),
+Pure Python over the `Stats` `benchmark.run_benchmark` measured: no mlx, no models. Each
+figure of a summary is computed over all prompts of one repeat (their `Stats` pooled),
 then given as median and range over the repeats. The automatic width is also compared with
 every fixed choice prompt by prompt (paired ratios, with a confidence interval), which is
 how "as fast as the best fixed width" is judged against the noise of one machine.
@@ -13,9 +13,11 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from .stats import Stats
 
 BASELINE = "mlx-lm"  # the name of the plain-decoding run in results
 AUTO = "auto"  # a verify width chosen per cycle by the engine
@@ -23,25 +25,43 @@ AUTO = "auto"  # a verify width chosen per cycle by the engine
 
 @dataclass
 class RunRecord:
-    """One generation: one prompt, one repeat, the baseline or one verify width."""
+    """One generation: one prompt, one repeat, the baseline or one verify width, and its
+    `Stats` (the baseline's: its tokens, times and memory, one plain step per token after
+    the first)."""
 
     suite: str
     prompt_index: int
     repeat: int
     run: str  # BASELINE, "W=<width>" or AUTO
     width: int | str | None  # verify width, AUTO, or None for the baseline
-    prompt_tokens: int
-    prompt_time: float  # seconds from the start to the first token (TTFT)
-    generation_tokens: int
-    generation_time: float  # seconds from the first token to the last
-    peak_memory: float  # GB
-    cycles: int  # verify passes (the baseline: one per token after the first)
-    accepted_per_position: list[int]
-    drafted_per_position: list[int]
+    stats: Stats
     finish_reason: str | None
-    # What the engine ran (DecodeStats.what_ran): cycles and tokens per width, the share
-    # decoded plainly, probes, the draft's state; None for the baseline.
-    ran: dict[str, Any] | None = None
+
+    @property
+    def ran(self) -> dict[str, Any] | None:
+        """What the engine ran (`Stats.what_ran`): cycles and tokens per width, the share
+        decoded plainly, probes, the draft's state; None for the baseline."""
+        return None if self.width is None else self.stats.what_ran()
+
+    def to_dict(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "suite": self.suite,
+            "prompt_index": self.prompt_index,
+            "repeat": self.repeat,
+            "run": self.run,
+            "width": self.width,
+            "prompt_tokens": s.prompt_tokens,
+            "prompt_time": s.time_to_first_token,  # seconds from the start to the first token
+            "generation_tokens": s.generation_tokens,
+            "generation_time": s.decode_seconds,  # seconds from the first token to the last
+            "peak_memory": s.peak_memory,  # GB
+            "cycles": s.cycles,  # verify passes (the baseline: one per token after the first)
+            "accepted_per_position": list(s.accepted_per_position),
+            "drafted_per_position": list(s.drafted_per_position),
+            "finish_reason": self.finish_reason,
+            "ran": self.ran,
+        }
 
 
 @dataclass
@@ -156,7 +176,7 @@ def compare(records: list[RunRecord], run: str, other: str) -> Comparison | None
         o = theirs.get((r.suite, r.prompt_index, r.repeat)) if r.run == run else None
         if o is None:
             continue
-        a, b = _generation_tps([r]), _generation_tps([o])
+        a, b = r.stats.generation_tps, o.stats.generation_tps
         if a > 0 and b > 0:
             logs.append(math.log(a / b))
     if len(logs) < 2:
@@ -197,7 +217,9 @@ class BenchResult:
         return not self.mismatches
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "lossless": self.lossless}
+        out = asdict(replace(self, records=[]))
+        out["records"] = [r.to_dict() for r in self.records]
+        return {**out, "lossless": self.lossless}
 
     def write_json(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
@@ -207,22 +229,6 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
-def _generation_tps(recs: list[RunRecord]) -> float:
-    # Tokens after the first over the time after the first, as GenerationResult counts them.
-    n = sum(max(r.generation_tokens - 1, 0) for r in recs)
-    return _ratio(n, sum(r.generation_time for r in recs))
-
-
-def _prefill_tps(recs: list[RunRecord]) -> float:
-    return _ratio(sum(r.prompt_tokens for r in recs), sum(r.prompt_time for r in recs))
-
-
-def _pooled(lists: list[list[int]]) -> list[int]:
-    """Element-wise sums of lists of different lengths."""
-    n = max(map(len, lists), default=0)
-    return [sum(x[i] for x in lists if i < len(x)) for i in range(n)]
-
-
 def summarise(
     name: str,
     runs: list[str],
@@ -230,7 +236,8 @@ def summarise(
     n_prompts: int,
     cost_ratios: dict[str, float] | None = None,
 ) -> SuiteSummary:
-    """Per run: each figure computed over all prompts of one repeat, then spread over repeats.
+    """Per run: each figure computed over all prompts of one repeat (their `Stats` pooled),
+    then spread over repeats.
 
     `cost_ratios[run]`: t_plain / (t_verify(W) + t_draft(L)) for a fixed-width run, from which
     its ideal speedup and efficiency are given."""
@@ -239,40 +246,38 @@ def summarise(
         run: [[r for r in records if r.run == run and r.repeat == k] for k in repeats]
         for run in runs
     }
-    base = [_generation_tps(g) for g in by_run[BASELINE]]
+    pooled = {
+        run: [Stats.total([r.stats for r in g]) for g in groups] for run, groups in by_run.items()
+    }
+    base = [s.generation_tps for s in pooled[BASELINE]]
     out = []
     for run, groups in by_run.items():
-        mine = [r for g in groups for r in g]
-        tps = [_generation_tps(g) for g in groups]
-        accepted = _pooled([r.accepted_per_position for r in mine])
-        drafted = _pooled([r.drafted_per_position for r in mine])
-        cycles = sum(r.cycles for r in mine)
-        tau = _ratio(cycles + sum(accepted), cycles)
+        width = groups[0][0].width
+        tps = [s.generation_tps for s in pooled[run]]
+        total = Stats.total(pooled[run])
         speedup = Spread.of([_ratio(t, b) for t, b in zip(tps, base)])
-        ran = [r.ran for r in mine if r.ran is not None]
-        plain = sum(x["widths"].get("1", {}).get("tokens", 0) for x in ran)
-        committed = sum(t["tokens"] for x in ran for t in x["widths"].values())
+        engine = width is not None  # what ran: this engine's runs only
         ideal = (cost_ratios or {}).get(run)
-        ideal = tau * ideal if ideal is not None and tau > 0 else None
+        ideal = total.tau * ideal if ideal is not None and total.tau > 0 else None
         out.append(
             RunSummary(
                 run=run,
-                width=mine[0].width,
+                width=width,
                 generation_tps=Spread.of(tps),
                 speedup=speedup,
-                tau=tau,
-                acceptance_rates=[_ratio(a, d) for a, d in zip(accepted, drafted)],
-                prompt_tps=Spread.of([_prefill_tps(g) for g in groups]),
+                tau=total.tau,
+                acceptance_rates=total.acceptance_rates,
+                prompt_tps=Spread.of([s.prompt_tps for s in pooled[run]]),
                 time_to_first_token=Spread.of(
-                    [statistics.mean(r.prompt_time for r in g) for g in groups]
+                    [statistics.mean(r.stats.time_to_first_token for r in g) for g in groups]
                 ),
-                peak_memory=max(r.peak_memory for r in mine),
-                generation_tokens=sum(r.generation_tokens for r in mine),
-                cycles=cycles,
+                peak_memory=total.peak_memory,
+                generation_tokens=total.generation_tokens,
+                cycles=total.cycles,
                 ideal_speedup=ideal,
                 efficiency=_ratio(speedup.median, ideal) if ideal else None,
-                plain_fraction=_ratio(plain, committed) if ran else None,
-                probes=sum(x["probes"] for x in ran) if ran else None,
+                plain_fraction=total.plain_fraction if engine else None,
+                probes=total.probes if engine else None,
             )
         )
     return SuiteSummary(name, n_prompts, out)

@@ -1,14 +1,15 @@
 """DFlash against the target alone, measured side by side in one process.
 
 Runs plain mlx-lm decoding (the baseline: `mlx_lm.generate.generate_step` with mlx-lm's own
-sampler) and DFlash through the public `dflash_mlx.generate` at each verify width, on the
-same encoded prompts, after a warm-up. The order of the runs rotates with every prompt and
-repeat, so slow drift (heat, other processes) spreads over all of them. At temperature 0
-every DFlash run must reproduce the baseline's tokens; a difference is recorded with the
-prompt and the first differing position. With `contexts`, every prompt is also run padded
-(in front, with the other prompts' text) or cut to each of those token counts, one group per
-count. Each fixed width's efficiency is its measured speedup over what its calibrated pass
-costs and its tau allow. Returns dataclasses that serialise to JSON; never
+sampler) and DFlash through the public `dflash_mlx.generate` at each verify width (one
+`Pair` for all of them, one `GenerateOptions` per run), on the same encoded prompts, after a
+warm-up. The order of the runs rotates with every prompt and repeat, so slow drift (heat,
+other processes) spreads over all of them. At temperature 0 every DFlash run must reproduce
+the baseline's tokens; a difference is recorded with the prompt and the first differing
+position. With `contexts`, every prompt is also run padded (in front, with the other
+prompts' text) or cut to each of those token counts, one group per count. Each fixed width's
+efficiency is its measured speedup over what its calibrated pass costs and its tau allow.
+Every run's figures are its `Stats`. Returns dataclasses that serialise to JSON; never
 prints: progress goes to an optional callback.
 """
 
@@ -38,10 +39,11 @@ from .bench_results import (
     auto_comparisons,
     summarise,
 )
-from .decode import PREFILL_STEP
-from .draft import DFlashDraft
 from .errors import BadArgument
-from .generate import encode_prompt
+from .options import GenerateOptions
+from .pair import Pair
+from .stats import Stats
+from .text import encode_prompt
 
 WARMUP_TOKENS = 32
 
@@ -85,13 +87,8 @@ def quantization(module: nn.Module) -> dict[str, Any] | None:
     return found[0] if len(found) == 1 else {"mixed": found}
 
 
-def _check(
-    widths: list[int | str],
-    draft: DFlashDraft | None,
-    max_tokens: int,
-    temperature: float,
-    repeats: int,
-) -> None:
+def _check(widths: list[int | str], pair: Pair, repeats: int) -> None:
+    draft = pair.draft
     limit = draft.config.block_size if draft is not None else 1
     for w in widths:
         if w == AUTO:
@@ -103,21 +100,21 @@ def _check(
                 f"verify width {w} exceeds "
                 + (f"the draft's block size {limit}" if draft is not None else "1 (no draft)")
             )
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadArgument(f"max_tokens {max_tokens!r} must be an integer >= 1")
-    if temperature < 0:
-        raise BadArgument(f"temperature {temperature} must be >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         raise BadArgument(f"repeats {repeats!r} must be an integer >= 1")
 
 
-def _baseline(model, ids: list[int], max_tokens: int, sampler, eos: frozenset[int]):
-    """Plain mlx-lm decoding: (tokens, prompt time, generation time, peak memory GB)."""
+def _baseline(model, ids: list[int], options: GenerateOptions, eos: frozenset[int]):
+    """Plain mlx-lm decoding: (tokens, its `Stats`: one plain step per token after the first)."""
     mx.reset_peak_memory()
     tic = time.perf_counter()
     # The same prefill chunk as our engine, so prefill figures compare like with like.
     steps = generate_step(
-        mx.array(ids), model, max_tokens=max_tokens, sampler=sampler, prefill_step_size=PREFILL_STEP
+        mx.array(ids),
+        model,
+        max_tokens=options.max_tokens,
+        sampler=make_sampler(temp=options.temperature),
+        prefill_step_size=options.prefill_step,
     )
     tokens: list[int] = []
     first = tic
@@ -129,7 +126,16 @@ def _baseline(model, ids: list[int], max_tokens: int, sampler, eos: frozenset[in
             break  # kept, as dflash_mlx keeps the EOS id among its tokens
     end = time.perf_counter()
     steps.close()
-    return tokens, first - tic, end - first, mx.get_peak_memory() / 1e9
+    n = max(len(tokens) - 1, 0)
+    return tokens, Stats(
+        prompt_tokens=len(ids),
+        time_to_first_token=first - tic,
+        generation_tokens=len(tokens),
+        decode_seconds=end - first,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        cycles=n,
+        committed=n,
+    )
 
 
 def _first_difference(expected: list[int], got: list[int]) -> int | None:
@@ -153,17 +159,15 @@ def at_context(ids: list[int], filler: list[int], n: int) -> list[int]:
     return (filler * reps)[len(filler) * reps - need :] + ids
 
 
-def _cost_ratios(model, draft, runs, depth: int) -> dict[str, float]:
+def _cost_ratios(pair: Pair, runs, depth: int) -> dict[str, float]:
     """t_plain / (t_verify(W) + t_draft(L)) of each fixed-width run at `depth`, from the
     pair's calibrated costs (measured now if not cached)."""
-    from .calibrate import load_or_measure
-
     try:
-        curves = load_or_measure(model, draft)
+        curves = pair.costs()
     except OSError:  # no writable cache: no efficiency figures
         return {}
     verify, drafting = curves.at(depth)
-    rows = draft.config.block_size  # the bench runs the draft's whole block at fixed widths
+    rows = pair.draft.config.block_size  # the bench runs the draft's whole block at fixed widths
     out = {}
     for name, width in runs:
         if isinstance(width, int):
@@ -173,8 +177,7 @@ def _cost_ratios(model, draft, runs, depth: int) -> dict[str, float]:
 
 
 def run_benchmark(
-    model: nn.Module,
-    draft: DFlashDraft | None,
+    pair: Pair,
     tokenizer,
     prompts: Sequence[BenchPrompt],
     *,
@@ -191,7 +194,8 @@ def run_benchmark(
     progress: Progress | None = None,
     draft_window: int | None = None,
 ) -> BenchResult:
-    """Measure the baseline and DFlash at each verify width on `prompts`, side by side.
+    """Measure the baseline (`pair.model` alone, through mlx-lm) and DFlash at each verify
+    width on `prompts`, side by side.
 
     `widths` are verify widths W (1 is the target alone through dflash_mlx's engine) or
     "auto" (W chosen per cycle from measured costs); default: ["auto"], the engine's own
@@ -207,7 +211,12 @@ def run_benchmark(
         if not isinstance(n, int) or n < 1:
             raise BadArgument(f"context {n!r} must be an integer >= 1 (tokens)")
     widths = list(dict.fromkeys(widths)) if widths else [AUTO]
-    _check(widths, draft, max_tokens, temperature, repeats)
+    _check(widths, pair, repeats)
+    model, draft = pair.model, pair.draft
+    # Validated before anything runs; each run's options are these with its width and seed.
+    options = GenerateOptions(
+        max_tokens=max_tokens, temperature=temperature, draft_window=draft_window
+    )
     if chat is None:
         chat = bool(getattr(tokenizer, "has_chat_template", False))
     encoded = [
@@ -234,46 +243,22 @@ def run_benchmark(
     total = len(runs) * (1 + repeats * len(prompts))
     done = 0
 
-    def one(name: str, width: int | None, ids: list[int], n: int, run_seed: int):
-        """(tokens, RunRecord fields) for one generation."""
+    def one(width: int | str | None, ids: list[int], n: int, run_seed: int):
+        """(tokens, Stats, finish reason) of one generation."""
+        # Greedy runs pass no seed: a seeded request keeps its widths from learning
+        # wall-clock costs.
+        run = options.replace(
+            max_tokens=n,
+            seed=run_seed if temperature > 0 else None,
+            verify_width=None if width in (None, AUTO) else width,
+        )
         if width is None:
             mx.random.seed(run_seed)
-            tokens, t_prompt, t_gen, peak = _baseline(
-                model, ids, n, make_sampler(temp=temperature), eos
-            )
-            return tokens, dict(
-                prompt_time=t_prompt,
-                generation_time=t_gen,
-                peak_memory=peak,
-                cycles=max(len(tokens) - 1, 0),
-                accepted_per_position=[],
-                drafted_per_position=[],
-                finish_reason="stop" if tokens and tokens[-1] in eos else "length",
-            )
-        # Looked up at call time: the public API, exactly as users call it. Greedy runs
-        # pass no seed: a seeded request keeps its widths from learning wall-clock costs.
-        r = dflash_mlx.generate(
-            model,
-            draft,
-            tokenizer,
-            ids,
-            max_tokens=n,
-            temperature=temperature,
-            seed=run_seed if temperature > 0 else None,
-            block_size=None if width == AUTO else width,
-            draft_window=draft_window,
-        )
-        t_gen = (r.generation_tokens - 1) / r.generation_tps if r.generation_tps > 0 else 0.0
-        return r.tokens, dict(
-            prompt_time=r.time_to_first_token,
-            generation_time=t_gen,
-            peak_memory=r.peak_memory,
-            cycles=r.cycles,
-            accepted_per_position=list(r.accepted_per_position),
-            drafted_per_position=list(r.drafted_per_position),
-            finish_reason=r.finish_reason,
-            ran=r.stats.what_ran(),
-        )
+            tokens, stats = _baseline(model, ids, run, eos)
+            return tokens, stats, "stop" if tokens and tokens[-1] in eos else "length"
+        # Looked up at call time: the public API, exactly as users call it.
+        r = dflash_mlx.generate(pair, tokenizer, ids, run)
+        return r.tokens, r.stats, r.finish_reason
 
     def tick(what: str) -> None:
         nonlocal done
@@ -282,7 +267,7 @@ def run_benchmark(
             progress(done, total, what)
 
     for name, width in runs:  # warm-up: compile, allocate, fill caches; not measured
-        one(name, width, encoded[0], min(max_tokens, warmup_tokens), seed)
+        one(width, encoded[0], min(max_tokens, warmup_tokens), seed)
         tick(f"warm-up {name}")
 
     records: list[RunRecord] = []
@@ -293,20 +278,9 @@ def run_benchmark(
             outputs: dict[str, list[int]] = {}
             for name, width in runs[shift:] + runs[:shift]:
                 run_seed = seed + rep * len(prompts) + i
-                tokens, fields = one(name, width, ids, max_tokens, run_seed)
+                tokens, stats, finish = one(width, ids, max_tokens, run_seed)
                 outputs[name] = tokens
-                records.append(
-                    RunRecord(
-                        suite=p.suite,
-                        prompt_index=p.index,
-                        repeat=rep,
-                        run=name,
-                        width=width,
-                        prompt_tokens=len(ids),
-                        generation_tokens=len(tokens),
-                        **fields,
-                    )
-                )
+                records.append(RunRecord(p.suite, p.index, rep, name, width, stats, finish))
                 tick(f"{p.suite} #{p.index + 1} {name}")
             if temperature == 0:
                 mismatches += _compare(p, rep, outputs, runs, tokenizer)
@@ -318,7 +292,7 @@ def run_benchmark(
         if draft is None:
             return None
         depth = round(statistics.mean(len(ids) for ids in group)) + max_tokens // 2
-        return _cost_ratios(model, draft, runs, depth)
+        return _cost_ratios(pair, runs, depth)
 
     return BenchResult(
         environment=environment(),
@@ -338,7 +312,7 @@ def run_benchmark(
             "seed": seed,
             "chat_template": chat,
             "warmup_tokens": min(max_tokens, warmup_tokens),
-            "prefill_step": PREFILL_STEP,
+            "prefill_step": options.prefill_step,
             "suites": suites,
             "contexts": list(dict.fromkeys(contexts)) if contexts else None,
         },

@@ -6,7 +6,9 @@ the curves per (device, model pair, mlx version, conditions) under the user cach
 (`$DFLASH_MLX_CACHE`, else `$XDG_CACHE_HOME/dflash-mlx`, else `~/.cache/dflash-mlx`). The
 conditions are what the speed depends on beyond the device: the BLAS library loaded in this
 process, and on macOS the power source (Low Power Mode follows it); when they change, the
-pair is calibrated again. Knows nothing about acceptance or decoding policy.
+pair is calibrated again. `Calibration` is a `Pair`'s: it remembers the curves it read for
+this process and follows the file when another process re-writes it. Knows nothing about
+acceptance or decoding policy.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,11 +31,11 @@ import mlx_lm
 from mlx.utils import tree_flatten
 
 from .adaptive import CostCurves
-from .draft import DFlashDraft
-from .loading import bind_draft
 from .paths import cache_dir
 from .sampling import SamplingParams, propose
-from .target import TargetAdapter
+
+if TYPE_CHECKING:
+    from .pair import Pair
 
 CONTEXT = 128  # tokens of context the shallowest passes are timed at
 DEPTHS = (CONTEXT, 2048, 8192)  # context depths calibrated (those within the model's context)
@@ -97,8 +100,8 @@ def _fingerprint(module: nn.Module, extra: dict) -> dict:
     }
 
 
-def calibration_key(model: nn.Module, draft: DFlashDraft) -> dict:
-    t = TargetAdapter.of(model)
+def calibration_key(pair: Pair) -> dict:
+    model, draft, t = pair.model, pair.draft, pair.target
     quant = getattr(getattr(model, "args", None), "quantization", None)
     return {
         "device": device_description(),
@@ -112,9 +115,9 @@ def calibration_key(model: nn.Module, draft: DFlashDraft) -> dict:
     }
 
 
-def cache_path(model: nn.Module, draft: DFlashDraft) -> Path:
+def cache_path(pair: Pair) -> Path:
     """Where this pair's curves for this device and mlx version are cached."""
-    return _cache_path(calibration_key(model, draft))
+    return _cache_path(calibration_key(pair))
 
 
 def _cache_path(key: dict) -> Path:
@@ -133,8 +136,7 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
 
 
 def measure(
-    model: nn.Module,
-    draft: DFlashDraft,
+    pair: Pair,
     *,
     repeats: int = 3,
     depths: tuple[int, ...] | None = None,
@@ -142,15 +144,14 @@ def measure(
 ) -> CostCurves:
     """Time verify passes of 1..block tokens and draft passes of 1..block rows, at each of
     `depths` tokens of context (default: `DEPTHS` within the model's context)."""
-    bind_draft(draft, model)
-    target = TargetAdapter.of(model)
+    target, draft = pair.target, pair.draft
     block = draft.config.block_size
     ids = draft.config.target_layer_ids
-    depths = depths or calibration_depths(model, draft)
+    depths = depths or calibration_depths(pair)
     cache = target.make_cache()
     prompt = mx.random.randint(0, draft.config.vocab_size, (1, depths[-1]), key=mx.random.key(0))
     _, feats = target.forward(prompt[:, : depths[0]], cache, ids)
-    state = draft.make_state()
+    state = pair.draft_state()
     draft.add_context(feats, state)
     mx.eval([c.state for c in cache], state.arrays)
     anchor = mx.array([1], dtype=mx.int32)
@@ -208,55 +209,82 @@ def measure(
     return CostCurves(verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper))
 
 
-def calibration_depths(model: nn.Module, draft: DFlashDraft) -> tuple[int, ...]:
+def calibration_depths(pair: Pair) -> tuple[int, ...]:
     """The depths of `DEPTHS` a block still fits after, within the target's and the draft's
     context."""
-    block = draft.config.block_size
-    limits = [
-        getattr(getattr(model, "args", None), "max_position_embeddings", None),
-        draft.config.max_position_embeddings,
-    ]
+    block = pair.draft.config.block_size
+    limits = [pair.context_limit, pair.draft.config.max_position_embeddings]
     limit = min((int(n) for n in limits if n), default=DEPTHS[-1] + 2 * block)
     return tuple(d for d in DEPTHS if d + 2 * block <= limit) or (min(CONTEXT, limit // 2),)
 
 
+class Calibration:
+    """A pair's cost curves: read from the cache file (or measured and written there), then
+    remembered for this process, so that a request costs no fingerprinting. The file is
+    checked for a newer measurement (another process, or another pair of the same models,
+    re-calibrated): every request decides from the same curves a fresh process would read,
+    so that seeded requests replay across processes."""
+
+    def __init__(self, pair: Pair):
+        self.pair = pair
+        # (mlx version, conditions) -> (curves, file, its stamp when read)
+        self._known: dict[tuple, tuple[CostCurves, Path, tuple[int, int] | None]] = {}
+
+    def curves(
+        self,
+        *,
+        refresh: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> CostCurves:
+        """Cached curves for this pair on this device, mlx version and conditions, measured
+        when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them)."""
+        memo = (mx.__version__, tuple(sorted(conditions().items())))
+        if not refresh and memo in self._known:
+            curves, path, stamp = self._known[memo]
+            if _stamp(path) == stamp:
+                return curves
+        key = calibration_key(self.pair)
+        path = _cache_path(key)
+        curves = None if refresh else _read(path, key)
+        if curves is None:
+            curves = measure(self.pair, progress=progress)
+            _write(path, key, curves)
+        self._known[memo] = (curves, path, _stamp(path))
+        return curves
+
+    def forget(self) -> None:
+        """Read the file again at the next request (as a new process would)."""
+        self._known.clear()
+
+
 def load_or_measure(
-    model: nn.Module,
-    draft: DFlashDraft,
+    pair: Pair,
     *,
     refresh: bool = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
-    """Cached curves for this pair on this device, mlx version and conditions, measured
-    when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them)."""
-    bind_draft(draft, model)
-    # Remembered on the draft for this process, so a request costs no fingerprinting.
-    # The cached file is checked for a newer measurement (another process, or another
-    # instance of the same model, re-calibrated): every request decides from the same curves
-    # a fresh process would read, so that seeded requests replay across processes.
-    known = draft.__dict__.setdefault("_dflash_cost_curves", {})
-    memo = (id(model), mx.__version__, tuple(sorted(conditions().items())))
-    if not refresh and memo in known:
-        curves, path, stamp = known[memo]
-        if _stamp(path) == stamp:
-            return curves
-    key = calibration_key(model, draft)
-    path = _cache_path(key)
-    if not refresh and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            if data.get("key") == key:
-                curves = CostCurves(
-                    tuple(data["verify"]),
-                    tuple(data["draft"]),
-                    depths=tuple(data["depths"]),
-                    deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
-                )
-                known[memo] = (curves, path, _stamp(path))
-                return curves
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable cache: measure again
-    curves = measure(model, draft, progress=progress)
+    """The pair's curves (`Calibration.curves`)."""
+    return pair.costs(refresh=refresh, progress=progress)
+
+
+def _read(path: Path, key: dict) -> CostCurves | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != key:
+            return None
+        return CostCurves(
+            tuple(data["verify"]),
+            tuple(data["draft"]),
+            depths=tuple(data["depths"]),
+            deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable cache: measure again
+
+
+def _write(path: Path, key: dict, curves: CostCurves) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         json.dumps(
@@ -271,8 +299,6 @@ def load_or_measure(
             indent=1,
         )
     )
-    known[memo] = (curves, path, _stamp(path))
-    return curves
 
 
 def _stamp(path: Path) -> tuple[int, int] | None:

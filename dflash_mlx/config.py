@@ -60,6 +60,8 @@ class DraftConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
     conv_cross_block_state: bool = False
+    # The checkpoint's config.json as read (for tools that rewrite the checkpoint).
+    raw: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_dflash2(self) -> bool:
@@ -187,6 +189,7 @@ class DraftConfig:
                 input_embedding_scale=float(dcfg.get("input_embedding_scale", 1.0)),
                 architectures=list(cfg.get("architectures") or []),
                 quantization=cfg.get("quantization"),
+                raw=cfg,
                 **dflash2,
             )
         except (TypeError, ValueError) as e:

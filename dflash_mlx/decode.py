@@ -3,10 +3,12 @@
     prefill -> (choose -> draft -> verify -> accept -> commit)*
 
 `speculative_decode` is that loop and each step is one small function below, all of them
-working on the request's own state (`Request`: target cache, `DraftState`, committed
-tokens); the models hold none of it. Bookkeeping sits beside the cycle, not inside it:
-`_Clock` charges each cycle its wall time for the width chooser, `_follow_capture` moves a
-dormant draft's context, `resume` and `Request.saved` exchange state with a `PromptCache`.
+working on the request's own state (`prefill.Request`: target cache, `DraftState`, committed
+tokens); the models hold none of it, and the `Pair` holds what belongs to the pairing. The
+prefill (and resuming from a `PromptCache`) is `prefill.py`'s. Bookkeeping sits beside the
+cycle, not inside it: `_Clock` charges each cycle its wall time for the width chooser,
+`_follow_capture` moves a dormant draft's context, `resume` and `Request.saved` exchange
+state with a `PromptCache`.
 Yields one `Cycle` per verify pass with the tokens it commits. Knows nothing about text,
 stop strings or statistics: `generate.py` does that.
 """
@@ -15,15 +17,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
-from .draft import DFlashDraft, DraftState
-from .prompt_cache import CachedState, PromptCache, common_prefix
+from .pair import Pair
+from .prefill import PREFILL_STEP, Request, prefill_prompt, resume
+from .prompt_cache import PromptCache
 from .sampling import (
     PositionKeys,
     SamplingParams,
@@ -33,13 +36,6 @@ from .sampling import (
     rejection_accept,
     sample,
 )
-from .target import TargetAdapter
-
-PREFILL_STEP = 512
-
-# Fallback verify-width cap for quantized targets, before anything is measured on the
-# device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
-QUANTIZED_VERIFY_CAP = 5
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
 # buffers of a long decode (growing caches, verify passes of every width) are returned.
@@ -56,49 +52,6 @@ class Cycle:
     reused: int = 0  # prompt tokens taken from a PromptCache instead of prefilled (first only)
 
 
-@dataclass
-class Request:
-    """Everything one request's decoding reads and changes."""
-
-    target: TargetAdapter
-    draft: DFlashDraft | None
-    params: SamplingParams
-    keys: PositionKeys
-    prompt: list[int]
-    cache: list  # the target's cache
-    state: DraftState | None  # the draft's context and conv rows
-    reused: int  # prompt positions the caches held when the request started
-    ids: list[int] | None  # target layers the draft reads
-    keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
-    generated: list[int] = field(default_factory=list)
-    pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
-    # The draft's context fell behind (dormant: plain steps capture no features).
-    stale: bool = False
-    # Recurrent states: before the prompt's last token, and after the latest cycle.
-    prompt_snapshot: tuple[int, dict] | None = None
-    latest_snapshot: tuple[int, dict] | None = None
-
-    def feed_draft(self) -> None:
-        """Give the draft the features of committed positions it has not seen yet."""
-        if self.pending:
-            self.draft.add_context(mx.concatenate(self.pending, axis=1), self.state)
-            self.pending.clear()
-
-    def saved(self) -> CachedState:
-        """The state as of the last committed cycle, for the next request to resume from
-        (the caches may hold positions after it: they are trimmed on reuse)."""
-        end = len(self.prompt) + len(self.generated) - 1
-        return CachedState(
-            owner=(self.target.model, self.draft),
-            tokens=self.prompt + self.generated,
-            target_cache=self.cache,
-            draft=self.state,
-            pending=list(self.pending),
-            draft_end=end if self.stale else None,
-            snapshots=[s for s in (self.prompt_snapshot, self.latest_snapshot) if s],
-        )
-
-
 class _Step(NamedTuple):
     """One launched cycle, until its result reaches the host."""
 
@@ -111,27 +64,8 @@ class _Step(NamedTuple):
     chained: bool  # launched before the previous cycle's result reached the host
 
 
-def is_quantized(model) -> bool:
-    args = getattr(model, "args", None)
-    if getattr(args, "quantization", None):
-        return True
-    from mlx.nn import QuantizedLinear
-
-    return any(isinstance(m, QuantizedLinear) for _, m in model.named_modules())
-
-
-def default_verify_width(model, draft: DFlashDraft | None) -> int:
-    if draft is None:
-        return 1
-    width = draft.config.block_size
-    if is_quantized(model):
-        width = min(width, QUANTIZED_VERIFY_CAP)
-    return width
-
-
 def speculative_decode(
-    target: TargetAdapter,
-    draft: DFlashDraft | None,
+    pair: Pair,
     prompt: list[int],
     *,
     max_tokens: int,
@@ -146,8 +80,10 @@ def speculative_decode(
     progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
     draft_window: int | None = None,
+    speculate: bool = True,
 ) -> Iterator[Cycle]:
-    """Decode up to `max_tokens` tokens after `prompt`, yielding each committed cycle.
+    """Decode up to `max_tokens` tokens after `prompt` with `pair`, yielding each committed
+    cycle (`speculate=False`, or a pair without a draft: the target alone).
 
     `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
     number of rows L >= W the draft runs. With a `chooser`, (W, L) are chosen each cycle
@@ -159,11 +95,12 @@ def speculative_decode(
     bounds the positions a draft block sees (`DFlashDraft.make_state`).
     """
     assert 1 <= width <= max(draft_block, 1)
-    lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(target.model, draft)
+    draft = pair.draft if speculate else None
+    lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(pair.model, draft)
     with mx.stream(generation_stream):
-        cache, state, start = resume(target, draft, prompt, saved, draft_window)
+        cache, state, start = resume(pair, draft, prompt, saved, draft_window)
     req = Request(
-        target,
+        pair,
         draft,
         params,
         PositionKeys(seed),
@@ -172,7 +109,7 @@ def speculative_decode(
         state,
         start,
         draft.config.target_layer_ids if draft is not None else None,
-        keep_snapshots=prompt_cache is not None and target.recurrent,
+        keep_snapshots=prompt_cache is not None and pair.target.recurrent,
     )
     if chooser is not None:
         chooser.begin_request()
@@ -282,129 +219,6 @@ def _cycles(
 
 
 # -- the steps of the cycle -----------------------------------------------------------------
-
-
-def resume(
-    target: TargetAdapter,
-    draft: DFlashDraft | None,
-    prompt: list[int],
-    saved: CachedState | None,
-    window: int | None = None,
-) -> tuple[list, DraftState | None, int]:
-    """The target cache and draft state holding the first `start` prompt positions, and
-    `start` (0: fresh ones), from what a previous request left in a `PromptCache`; the draft
-    state sees `window` positions (see `DFlashDraft.make_state`)."""
-    fresh = target.make_cache()
-    new_state = draft.make_state(window=window) if draft is not None else None
-    if saved is None:
-        return fresh, new_state, 0
-    # Positions of all but the last known token are committed; one prompt token must be
-    # left to prefill, for the logits of the first new token.
-    start = min(common_prefix(saved.tokens[: len(saved.tokens) - 1], prompt), len(prompt) - 1)
-    state = saved.draft
-    if draft is not None:
-        if saved.pending:
-            draft.add_context(mx.concatenate(saved.pending, axis=1), state)
-        if saved.draft_end is not None:
-            # Nothing of the dormant stretch was captured: a gap up to the committed end.
-            state.skip_to(saved.draft_end)
-        state.commit(None)  # a new chain of blocks: no cross-block conv row
-        start = min(start, state.context_end)
-    cache = saved.target_cache
-    if target.recurrent:
-        usable = [(n, snap) for n, snap in saved.snapshots if n <= start]
-        if not usable:
-            return fresh, new_state, 0
-        start, snap = max(usable, key=lambda x: x[0])
-        target.restore(cache, snap)
-    for i, c in enumerate(cache):
-        if i not in target.replay_ids:
-            c.trim(c.offset - start)
-    if draft is not None:
-        state.set_windows(draft.windows(window))
-        state.trim_to(start)
-    return cache, state, start
-
-
-def prefill(
-    req: Request,
-    lo: int,
-    hi: int,
-    step: int,
-    progress: Callable[[int, int], None] | None,
-    capture_from: int | None = None,
-    defer: bool = False,
-) -> mx.array | None:
-    """Feed prompt[lo:hi] in chunks; the draft's context grows chunk by chunk, from
-    position `capture_from` on (default `lo`): a chunk wholly before it takes no target
-    features, one across it keeps the features from it on. With `defer` the features are
-    kept unevaluated in `req.pending` instead: MLX computes them (and whatever target layers
-    only they need) when a probe feeds the draft, or never."""
-    total = len(req.prompt)
-    start = lo if capture_from is None else capture_from
-    tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
-    logits, done = None, lo
-    while done < hi:
-        n = min(step, hi - done)
-        ids = req.ids if done + n > start else None
-        logits, feats = req.target.forward(tokens[:, done - lo : done - lo + n], req.cache, ids)
-        if req.draft is not None and feats is not None:
-            if start > done:
-                feats = feats[:, start - done :]
-            if defer:
-                req.pending.append(feats)
-            else:
-                req.draft.add_context(feats, req.state)
-        done += n
-        if done < total:
-            arrays = [c.state for c in req.cache] + (req.state.arrays if req.state else [])
-            mx.eval(arrays)
-            mx.clear_cache()
-            if progress is not None:
-                progress(done, total)
-    return logits
-
-
-def prefill_prompt(
-    req: Request,
-    step: int,
-    progress: Callable[[int, int], None] | None,
-    chooser: WidthChooser | None = None,
-) -> mx.array:
-    """The prompt from where the reused caches end; logits of its last token.
-
-    When the `chooser` expects to decode plainly from here, the draft's context gets only
-    the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
-    is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
-    feeds them: prefill then costs what the target alone costs (the chunk the window
-    starts in is not split for it; a probe computes that chunk's captured layers whole).
-    Under a draft window, the positions no block will see are skipped the same way."""
-    total = len(req.prompt)
-    cut = req.reused
-    dormant = False
-    if req.draft is not None:
-        if req.state.keep is not None:
-            cut = max(cut, total - req.state.keep)
-        if chooser is not None and chooser.expects_plain(total):
-            cut = max(cut, total - 1 - chooser.window)
-            dormant = True
-    if cut > req.reused:
-        req.state.skip_to(cut)
-    # All but the last token first, as mlx-lm does: only their caches are evaluated, so
-    # the LM head never runs over the prompt (vocabulary x prompt logits).
-    if dormant:
-        prefill(req, req.reused, total - 1, step, progress, capture_from=cut, defer=True)
-    else:
-        # Split at the cut: the target's layers the draft reads run only where it reads.
-        prefill(req, req.reused, cut, step, progress, capture_from=cut)
-        prefill(req, cut, total - 1, step, progress)
-    if req.keep_snapshots:
-        # Recurrent state cannot be trimmed later: keep it as it is before the last token.
-        req.prompt_snapshot = (total - 1, req.target.snapshot(req.cache))
-    logits = prefill(req, total - 1, total, step, progress, defer=dormant)
-    if progress is not None:
-        progress(total, total)
-    return logits
 
 
 def first_token(req: Request, logits: mx.array) -> mx.array:

@@ -3,8 +3,9 @@
 Owns the draft's layers, its KV-injection attention and the per-request `DraftState` it
 reads and extends (context cache of projected K/V of committed target features, skipped
 positions, DFlash 2 conv rows). Attribute names equal the checkpoint's weight names. Knows
-nothing about tokenizers, sampling or the target beyond two bound callables: the target's
-token embedding and its LM head.
+nothing about tokenizers, sampling or the target beyond its `TargetHead`: the target's token
+embedding and LM head, which a request's `DraftState` carries (a `Pair` makes both), so one
+loaded draft can serve two targets at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,29 @@ from .config import DraftConfig
 from .conv import ConvRows, DynamicConv
 from .errors import BadArgument
 from .selector import CandidateSelector
+
+
+class TargetHead:
+    """The draft's view of one target: its token embedding (scaled as the draft expects) and
+    its LM head, borrowed, never part of the draft's parameters. Copies of a request's state
+    share it (the target's weights are never copied)."""
+
+    def __init__(
+        self,
+        embed: Callable[[mx.array], mx.array],
+        lm_head: Callable[[mx.array], mx.array],
+        scale: float = 1.0,
+    ):
+        self.embed_tokens = embed
+        self.lm_head = lm_head
+        self.scale = scale
+
+    def embed(self, ids: mx.array) -> mx.array:
+        x = self.embed_tokens(ids)
+        return x if self.scale == 1.0 else x * self.scale
+
+    def __deepcopy__(self, memo: dict) -> TargetHead:
+        return self
 
 
 class BlockContext:
@@ -217,8 +241,14 @@ class DraftState:
     """
 
     def __init__(
-        self, layers: int, convs: int, base: int = 0, windows: list[int | None] | None = None
+        self,
+        layers: int,
+        convs: int,
+        base: int = 0,
+        windows: list[int | None] | None = None,
+        head: TargetHead | None = None,
     ):
+        self.head = head  # the target's embedding and head, as this request's pair sees them
         self.caches = [ContextCache() for _ in range(layers)]
         self.conv = [ConvRows() for _ in range(convs)]
         self.base = self.origin = base  # origin: the target position of RoPE position 0
@@ -298,7 +328,7 @@ class DraftState:
             end -= cut
         self._set_gap()
         if position < self.base:
-            self.__init__(len(self.caches), len(self.conv), position, self.windows)
+            self.__init__(len(self.caches), len(self.conv), position, self.windows, self.head)
         elif position > end:
             self.skip_to(position)
 
@@ -312,9 +342,10 @@ class DFlashDraft(nn.Module):
     """A DFlash draft (v1, or v2 when the config has the DFlash 2 fields).
 
     Weights and pure functions only: every call that reads or extends the context takes
-    the request's `DraftState`. Call `bind` with the target's embedding and head before use
-    (`dflash_mlx.generate` does). Per cycle the engine calls `add_context`, runs the block
-    (`block_logits`, or `block_hidden` + `logits`), then commits the state. Sampling the
+    the request's `DraftState`, which also carries the target's embedding and head
+    (`TargetHead`, from the `Pair` that made the state). Per cycle the engine calls
+    `add_context`, runs the block (`block_logits`, or `block_hidden` + `logits`), then
+    commits the state. Sampling the
     proposals is `sampling.propose`'s job.
     """
 
@@ -330,34 +361,27 @@ class DFlashDraft(nn.Module):
             self.candidate_selector = CandidateSelector(
                 cfg.vocab_size, cfg.selector_rank, cfg.hidden_size, cfg.selector_top_k
             )
-        # Plain attributes (not modules): the target's frozen embedding and head are
-        # borrowed, never part of the draft's parameters or checkpoint.
-        self._embed: Callable[[mx.array], mx.array] | None = None
-        self._lm_head: Callable[[mx.array], mx.array] | None = None
         if cfg.is_dflash2:
             self.conv_state = "carry" if cfg.conv_cross_block_state else "zero"
 
-    def bind(
+    def head_for(
         self,
         embed: Callable[[mx.array], mx.array],
         lm_head: Callable[[mx.array], mx.array],
         embed_scale: float = 1.0,
-    ) -> None:
-        scale = embed_scale * self.config.input_embedding_scale
-        # object.__setattr__: an nn.Module assigned normally would become a child module,
-        # and the target's weights would join the draft's parameters.
-        object.__setattr__(self, "_embed", embed if scale == 1.0 else lambda i: embed(i) * scale)
-        object.__setattr__(self, "_lm_head", lm_head)
+    ) -> TargetHead:
+        """This draft's view of a target with that embedding (scaled by the target's
+        `embed_scale`) and LM head (`Pair` checks the fit first)."""
+        return TargetHead(embed, lm_head, embed_scale * self.config.input_embedding_scale)
 
-    @property
-    def is_bound(self) -> bool:
-        return self._embed is not None
-
-    def make_state(self, base: int = 0, window: int | None = None) -> DraftState:
+    def make_state(
+        self, base: int = 0, window: int | None = None, head: TargetHead | None = None
+    ) -> DraftState:
         """An empty context whose first row will stand for target position `base`; blocks
         see at most `window` positions (the anchor and `window - 1` context rows; None: the
-        checkpoint's own, a sliding layer's `sliding_window`, else all)."""
-        return DraftState(len(self.layers), len(self._convs()), base, self.windows(window))
+        checkpoint's own, a sliding layer's `sliding_window`, else all); `head`: the target
+        it drafts for (`Pair.draft_state` passes it)."""
+        return DraftState(len(self.layers), len(self._convs()), base, self.windows(window), head)
 
     def windows(self, window: int | None = None) -> list[int | None]:
         """Each layer's window under a request's `window` (see `make_state`)."""
@@ -391,16 +415,15 @@ class DFlashDraft(nn.Module):
 
     def hidden(self, block_ids: mx.array, state: DraftState) -> mx.array:
         """Final normed hidden states of the block rows, `(1, L, D)`."""
-        if self._embed is None:
-            raise RuntimeError("the draft is not bound to a target; call bind() first")
-        x = self._embed(block_ids)
+        x = _head(state.head).embed(block_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, state.caches)):
             rows = state.conv[2 * i : 2 * i + 2] if state.conv else None
             x = layer(x, cache, rows)
         return self.norm(x)
 
-    def logits(self, h: mx.array) -> mx.array:
-        out = self._lm_head(h)
+    def logits(self, h: mx.array, head: TargetHead) -> mx.array:
+        """The target's LM head over draft hidden states, with the draft's output scaling."""
+        out = _head(head).lm_head(h)
         if self.config.output_multiplier != 1.0:
             out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -414,6 +437,7 @@ class DFlashDraft(nn.Module):
         seq_index: mx.array,
         anchors: mx.array,
         block_ids: mx.array,
+        head: TargetHead,
     ) -> mx.array:
         """Many blocks in one pass, each seeing exactly what inference would show it.
 
@@ -422,14 +446,12 @@ class DFlashDraft(nn.Module):
         `anchors[b]` of sequence `seq_index[b]`. Blocks never see each other, and a block
         sees only the context rows before its anchor. Returns logits (n, L-1, V), float32.
         """
-        if self._embed is None:
-            raise RuntimeError("the draft is not bound to a target; call bind() first")
         c = self.hidden_norm(self.fc(features))
-        x = self._embed(block_ids)
+        x = _head(head).embed(block_ids)
         for layer in self.layers:
             k, v = layer.self_attn._kv(c, 0)  # (Bs, Hkv, S, Dh)
             x = layer(x, BlockContext(k[seq_index], v[seq_index], anchors))
-        return self.logits(self.norm(x)[:, 1:]).astype(mx.float32)
+        return self.logits(self.norm(x)[:, 1:], head).astype(mx.float32)
 
     def block_hidden(self, anchor: mx.array, length: int, rows: int, state: DraftState) -> mx.array:
         """Final normed hidden states of block indices `1..rows`, `(rows, D)`."""
@@ -446,7 +468,17 @@ class DFlashDraft(nn.Module):
         go through the LM head, the draft's most expensive matmul on large vocabularies.
         """
         rows = length - 1 if rows is None else rows
-        return self.logits(self.block_hidden(anchor, length, rows, state)).astype(mx.float32)
+        h = self.block_hidden(anchor, length, rows, state)
+        return self.logits(h, state.head).astype(mx.float32)
+
+
+def _head(head: TargetHead | None) -> TargetHead:
+    if head is None:
+        raise RuntimeError(
+            "the draft has no target: make its state with Pair.draft_state() (or pass "
+            "head=pair.head to make_state)"
+        )
+    return head
 
 
 def embedding_scale_for(model_type: str, hidden_size: int) -> float:

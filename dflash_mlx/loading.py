@@ -1,8 +1,8 @@
 """Hub id or local folder -> models, and the draft/target compatibility checks (SPEC 5.1).
 
 Owns: resolving a source (folder, or a Hugging Face Hub id fetched with huggingface_hub),
-reading the z-lab draft format unchanged, and refusing a draft that does not fit a target
-with a message naming both sides. Targets load through `mlx_lm.load`.
+reading the z-lab draft format unchanged. Targets load through `mlx_lm.load`. Whether a
+draft fits a target is the `Pair`'s check (`pair.check_fit`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import mlx.nn as nn
 from .config import DraftConfig
 from .draft import DFlashDraft
 from .errors import BadCheckpoint
-from .target import TargetAdapter
 
 _DRAFT_FILES = ["*.json", "*.safetensors"]
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
@@ -170,33 +169,19 @@ def load_draft(draft: str | Path) -> DFlashDraft:
     mx.eval(model.parameters())
     cpu_float32(model)
     model.eval()
-    model.__dict__["source_config"] = raw  # kept for tools that rewrite the checkpoint
     return model
 
 
-def bind_draft(draft: DFlashDraft, model: nn.Module) -> None:
-    """Check that `draft` was built for `model` and bind it to the target's embedding/head."""
-    t = TargetAdapter.of(model)
-    c = draft.config
-    problems = []
-    if c.hidden_size != t.hidden_size:
-        problems.append(f"hidden size: draft {c.hidden_size}, target {t.hidden_size}")
-    target_vocab = t.vocab_size
-    if c.vocab_size > t.embed_rows or (target_vocab and c.vocab_size != target_vocab):
-        problems.append(
-            f"vocabulary: draft {c.vocab_size}, target {target_vocab or t.embed_rows} "
-            f"({t.embed_rows} embedding rows)"
-        )
-    if c.num_target_layers != t.num_layers:
-        problems.append(
-            f"layers: draft built for a {c.num_target_layers}-layer target, "
-            f"target has {t.num_layers}"
-        )
-    bad = [i for i in c.target_layer_ids if i >= t.num_layers]
-    if bad:
-        problems.append(
-            f"target_layer_ids {c.target_layer_ids} out of range for a {t.num_layers}-layer target"
-        )
-    if problems:
-        raise LoadError(f"draft does not fit target {t.model_type!r}: " + "; ".join(problems))
-    draft.bind(t.embed_tokens, t.lm_head, t.embed_scale)
+def bind_draft(draft: DFlashDraft, model: nn.Module):
+    """Deprecated: use `Pair(model, draft)`, which checks the fit and binds once (and
+    returns here)."""
+    import warnings
+
+    from .pair import Pair
+
+    warnings.warn(
+        "bind_draft(draft, model) is deprecated: use dflash_mlx.Pair(model, draft)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return Pair(model, draft)

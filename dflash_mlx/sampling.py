@@ -113,7 +113,7 @@ def propose(
     `q` `(rows, V)` they were drawn from (SPEC 4). `keys` `(rows, 2)`: one per row."""
     if "candidate_selector" in draft:
         h = draft.block_hidden(anchor, length, rows, state)
-        logits = draft.logits(h).astype(mx.float32)
+        logits = draft.logits(h, state.head).astype(mx.float32)
         return selector_walk(draft.candidate_selector, logits, h, anchor, params.temperature, keys)
     logits = draft.block_logits(anchor, length, rows, state)
     if params.greedy:

@@ -11,6 +11,7 @@ nothing about drafts, sampling or text.
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Any
 
 import mlx.core as mx
@@ -26,7 +27,6 @@ class _Recorder:
     def __init__(self) -> None:
         self.capture_ids: frozenset[int] = frozenset()
         self.replay_ids: frozenset[int] = frozenset()
-        self.active = False
         self.outputs: dict[int, mx.array] = {}
         self.calls: dict[int, tuple[mx.array, tuple, dict]] = {}
 
@@ -37,6 +37,11 @@ class _Recorder:
 
 _CAPTURE_CLASSES: dict[type, type] = {}
 
+# The recorder of the forward pass running in this thread (None: no adapter's pass, e.g.
+# plain mlx-lm decoding of the same model). Each adapter has its own recorder, so two
+# adapters of one model (one target paired with two drafts) never see each other's pass.
+_ACTIVE: ContextVar[_Recorder | None] = ContextVar("dflash_mlx_recorder", default=None)
+
 
 def _capturing_class(cls: type) -> type:
     """A subclass of a decoder-layer class whose instances report their input and output."""
@@ -45,8 +50,8 @@ def _capturing_class(cls: type) -> type:
 
     def __call__(self, x, *args, **kwargs):
         out = cls.__call__(self, x, *args, **kwargs)
-        rec = self._dflash_rec
-        if rec.active:
+        rec = _ACTIVE.get()
+        if rec is not None:
             i = self._dflash_idx
             if i in rec.capture_ids:
                 rec.outputs[i] = out
@@ -79,7 +84,11 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 class TargetAdapter:
-    """Forward passes of an mlx-lm model that also return the features a draft reads."""
+    """Forward passes of an mlx-lm model that also return the features a draft reads.
+
+    Made by a `Pair` (one per pairing: its recorder is its own). Its decoder layers get a
+    capturing subclass that reports to whichever adapter's pass is running in the thread
+    (their index in the model is the only thing a layer keeps: `_dflash_idx`)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -98,19 +107,9 @@ class TargetAdapter:
         self.num_layers = len(self.layers)
         self._rec = _Recorder()
         for i, layer in enumerate(self.layers):
-            if not hasattr(layer, "_dflash_rec"):
+            if type(layer) not in _CAPTURE_CLASSES.values():
                 layer.__class__ = _capturing_class(type(layer))
-            layer._dflash_rec = self._rec
-            layer._dflash_idx = i
-
-    @classmethod
-    def of(cls, model: nn.Module) -> TargetAdapter:
-        """One adapter per model instance, created on first use."""
-        adapter = model.__dict__.get("_dflash_adapter")
-        if adapter is None:
-            adapter = cls(model)
-            model.__dict__["_dflash_adapter"] = adapter
-        return adapter
+                layer._dflash_idx = i
 
     @property
     def context_limit(self) -> int | None:
@@ -164,11 +163,11 @@ class TargetAdapter:
         rec = self._rec
         rec.clear()
         rec.capture_ids = frozenset(capture_ids or ())
-        rec.active = True
+        token = _ACTIVE.set(rec)
         try:
             logits = self.model(tokens, cache=cache)
         finally:
-            rec.active = False
+            _ACTIVE.reset(token)
         feats = None
         if capture_ids:
             feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)

@@ -24,9 +24,11 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .config import DraftConfig, default_target_layer_ids
 from .draft import DFlashDraft
-from .generate import encode_prompt, generate
-from .loading import bind_draft
-from .target import TargetAdapter
+from .generate import generate
+from .options import GenerateOptions
+from .pair import Pair
+from .stats import Stats
+from .text import encode_prompt
 
 
 @dataclass
@@ -89,7 +91,7 @@ def draft_config_for(
     mask_token_id: int,
 ) -> dict:
     """A z-lab style `config.json` for a draft of `model` (shapes follow the target)."""
-    t = TargetAdapter.of(model)
+    t = Pair(model).target
     args = getattr(model, "args", None)
     inner = getattr(model, "language_model", model)
     args = getattr(inner, "args", args)
@@ -116,13 +118,14 @@ def draft_config_for(
     }
 
 
-def init_draft(model: nn.Module, config: dict, seed: int = 0) -> DFlashDraft:
-    """A new draft bound to `model`: layers copied from the target's last layers where the
-    shapes match, final norm from the target, `fc` reading the deepest captured layer."""
+def init_draft(model: nn.Module, config: dict, seed: int = 0) -> Pair:
+    """A new draft for `model`, paired with it (the fit checked): layers copied from the
+    target's last layers where the shapes match, final norm from the target, `fc` reading
+    the deepest captured layer."""
     mx.random.seed(seed)
     draft = DFlashDraft(DraftConfig.from_dict(config))
-    t = TargetAdapter.of(model)
-    for mine, theirs in zip(draft.layers, t.layers[-len(draft.layers) :]):
+    pair = Pair(model, draft)
+    for mine, theirs in zip(draft.layers, pair.target.layers[-len(draft.layers) :]):
         src = dict(tree_flatten(theirs.parameters()))
         own = tree_flatten(mine.parameters())
         if all(k in src and src[k].shape == v.shape for k, v in own):
@@ -134,8 +137,7 @@ def init_draft(model: nn.Module, config: dict, seed: int = 0) -> DFlashDraft:
     fc = mx.zeros((d, n * d))
     draft.fc.weight = fc.at[:, (n - 1) * d :].add(mx.eye(d))
     mx.eval(draft.parameters())
-    bind_draft(draft, model)
-    return draft
+    return pair
 
 
 def save_draft_checkpoint(draft: DFlashDraft, config: dict, out: Path) -> None:
@@ -254,17 +256,15 @@ def sample_batch(
 # -- the loss ----------------------------------------------------------------------------------
 
 
-def block_targets(
-    target: TargetAdapter, tokens: mx.array, layer_ids: list[int]
-) -> tuple[mx.array, mx.array]:
+def block_targets(pair: Pair, tokens: mx.array) -> tuple[mx.array, mx.array]:
     """Target features (B, S, K*D) and the target's own next token at each position."""
-    logits, feats = target.forward(tokens, None, layer_ids)
+    logits, feats = pair.target.forward(tokens, None, pair.draft.config.target_layer_ids)
     nxt = mx.argmax(logits, axis=-1).astype(mx.int32)  # nxt[p] = target's token at p + 1
     return mx.stop_gradient(feats), nxt
 
 
 def block_loss(
-    draft: DFlashDraft,
+    pair: Pair,
     feats: mx.array,
     nxt: mx.array,
     tokens: mx.array,
@@ -273,12 +273,14 @@ def block_loss(
     lengths: mx.array,
     gamma: float,
 ) -> mx.array:
-    """Weighted cross-entropy of every block's predictions of the target's next tokens."""
+    """Weighted cross-entropy of every block's predictions of the target's next tokens
+    (differentiable in `pair.draft`'s parameters)."""
+    draft = pair.draft
     L = draft.config.block_size
     k = mx.arange(1, L)
     block = mx.full((anchors.size, L), draft.config.mask_token_id, dtype=mx.int32)
     block[:, 0] = tokens[seq_index, anchors]
-    logits = draft.training_logits(feats, seq_index, anchors, block)  # (n, L-1, V)
+    logits = draft.training_logits(feats, seq_index, anchors, block, pair.head)  # (n, L-1, V)
     pos = anchors[:, None] + k[None] - 1  # label for index k: the target's token at anchor + k
     valid = (anchors[:, None] + k[None]) < lengths[seq_index][:, None]
     labels = nxt[seq_index[:, None], mx.minimum(pos, tokens.shape[1] - 1)]
@@ -310,28 +312,16 @@ def split_held_out(
     return train_set, [examples[i].tokens[: examples[i].start or 16] for i in sorted(held)]
 
 
-def held_out_tau(target_model, draft, tokenizer, prompts: list[list[int]], tokens: int) -> float:
+def held_out_tau(pair: Pair, tokenizer, prompts: list[list[int]], tokens: int) -> float:
     """Mean tokens per verify of greedy decoding with the real engine, full block: the τ
     `dflash-mlx generate` reports, pooled over the prompts (verified tokens / cycles)."""
-    cycles = committed = 0
-    for ids in prompts:
-        r = generate(
-            target_model,
-            draft,
-            tokenizer,
-            ids,
-            max_tokens=tokens,
-            block_size=draft.config.block_size,
-        )
-        cycles += r.cycles
-        committed += round(r.mean_acceptance * r.cycles)
-    return committed / cycles if cycles else 0.0
+    options = GenerateOptions(max_tokens=tokens, verify_width=pair.draft.config.block_size)
+    return Stats.total([generate(pair, tokenizer, ids, options).stats for ids in prompts]).tau
 
 
 def train(
-    target_model: nn.Module,
+    pair: Pair,
     tokenizer,
-    draft: DFlashDraft,
     config: dict,
     examples: list[Example],
     settings: TrainSettings,
@@ -342,10 +332,8 @@ def train(
     progress: Callable[[dict], None] | None = None,
     log: TrainLog | None = None,
 ) -> TrainLog:
-    """Train `draft` for `settings.steps` steps, checkpointing to `out` (resumable)."""
-    target = TargetAdapter.of(target_model)
-    bind_draft(draft, target_model)
-    ids = draft.config.target_layer_ids
+    """Train `pair.draft` for `settings.steps` steps, checkpointing to `out` (resumable)."""
+    draft = pair.draft
     optimizer = optim.AdamW(learning_rate=_schedule(settings), weight_decay=settings.weight_decay)
     gamma = settings.loss_gamma or gamma_for_block(draft.config.block_size)
     log = log or TrainLog(settings={**asdict(settings), "loss_gamma": gamma})
@@ -356,8 +344,8 @@ def train(
     loss_and_grad = nn.value_and_grad(draft, block_loss)
 
     def step_fn(tokens, lengths, seq_index, anchors):
-        feats, nxt = block_targets(target, tokens, ids)
-        loss, grads = loss_and_grad(draft, feats, nxt, tokens, seq_index, anchors, lengths, gamma)
+        feats, nxt = block_targets(pair, tokens)
+        loss, grads = loss_and_grad(pair, feats, nxt, tokens, seq_index, anchors, lengths, gamma)
         grads, _ = optim.clip_grad_norm(grads, settings.grad_clip)
         optimizer.update(draft, grads)
         return loss
@@ -378,7 +366,7 @@ def train(
         log.steps.append(entry)
         done = step + 1 == settings.steps
         if held_out and (done or (step + 1) % settings.eval_every == 0):
-            tau = held_out_tau(target_model, draft, tokenizer, held_out, settings.eval_tokens)
+            tau = held_out_tau(pair, tokenizer, held_out, settings.eval_tokens)
             log.evals.append({"step": step + 1, "tau": tau})
             entry["tau"] = tau
         if done or (step + 1) % settings.save_every == 0:

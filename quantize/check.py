@@ -7,9 +7,11 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
+from dflash_mlx import Pair
 from dflash_mlx.bench_prompts import load_suite
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.generate import DecodeStats, encode_prompt, generate
+from dflash_mlx.text import encode_prompt
+from dflash_mlx.train import held_out_tau
 
 from .draft import parameter_bytes
 
@@ -32,17 +34,6 @@ class DraftComparison:
         return self.bytes_original - self.bytes_quantized
 
 
-def greedy_tau(model: nn.Module, draft: DFlashDraft, tokenizer, prompts, tokens: int) -> float:
-    """Tau of greedy decoding at the draft's full block, pooled over the prompts (the
-    engine's own statistics: verified tokens / cycles)."""
-    pooled = DecodeStats()
-    for ids in prompts:
-        block = draft.config.block_size
-        r = generate(model, draft, tokenizer, ids, max_tokens=tokens, block_size=block)
-        pooled = pooled.merge(r.stats)
-    return pooled.tau
-
-
 def compare_drafts(
     model: nn.Module,
     tokenizer,
@@ -52,7 +43,8 @@ def compare_drafts(
     prompts: int = 6,
     max_tokens: int = 64,
 ) -> DraftComparison:
-    """Tau (mean tokens per verify at the full block) of both drafts on the same prompts."""
+    """Tau (mean tokens per verify at the full block, greedy: `train.held_out_tau`) of both
+    drafts on the same prompts."""
     suite = load_suite("all")
     chosen = suite[:: max(1, len(suite) // prompts)][:prompts]
     chat = bool(getattr(tokenizer, "has_chat_template", False))
@@ -63,8 +55,8 @@ def compare_drafts(
         for p in chosen
     ]
     return DraftComparison(
-        tau_original=greedy_tau(model, original, tokenizer, ids, max_tokens),
-        tau_quantized=greedy_tau(model, quantized, tokenizer, ids, max_tokens),
+        tau_original=held_out_tau(Pair(model, original), tokenizer, ids, max_tokens),
+        tau_quantized=held_out_tau(Pair(model, quantized), tokenizer, ids, max_tokens),
         bytes_original=parameter_bytes(original),
         bytes_quantized=parameter_bytes(quantized),
         prompts=len(chosen),

@@ -84,7 +84,7 @@ def quantize_draft(
     )
     mx.eval(model.parameters())
     q = {"group_size": group_size, "bits": bits, "mode": mode}
-    config = copy.deepcopy(draft.__dict__.get("source_config") or {})
+    config = copy.deepcopy(draft.config.raw or {})
     config["quantization"] = q
     model.config = replace(draft.config, quantization=q)
     return model, config

@@ -311,39 +311,37 @@ def held_out_prompts(args) -> list[dict]:
     return draft_prompts(texts, args.eval_prompts, SEED + 2, args.prompt_chars)
 
 
-def stage_eval(args, work: Path, pair: Path | None = None, section: str = "draft") -> None:
-    """Held-out τ of the pair in `pair` (default: the work folder's), into BUILD.json."""
+def stage_eval(args, work: Path, folder: Path | None = None, section: str = "draft") -> None:
+    """Held-out τ of the pair in `folder` (default: the work folder's), into BUILD.json."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import generate, load, load_draft
+    from dflash_mlx import GenerateOptions, Stats, generate, load_pair
 
-    pair = pair or work
-    model, tok = load(pair / "target")
-    draft = load_draft(pair / "draft")
+    folder = folder or work
+    pair, tok = load_pair(folder / "target", folder / "draft")
+    options = GenerateOptions(max_tokens=args.eval_tokens, verify_width=16)
     prompts = held_out_prompts(args)
-    acc = [0] * 15
-    drafted = [0] * 15
-    cycles = committed = 0
+    runs = []
     identical = True
     for p in prompts:
         ids = tok.encode(p["text"])
         want = [
             int(t)
             for t, _ in generate_step(
-                mx.array(ids), model, max_tokens=args.eval_tokens, sampler=lambda x: x.argmax(-1)
+                mx.array(ids),
+                pair.model,
+                max_tokens=args.eval_tokens,
+                sampler=lambda x: x.argmax(-1),
             )
         ]
-        r = generate(model, draft, tok, ids, max_tokens=args.eval_tokens, block_size=16)
+        r = generate(pair, tok, ids, options)
         n = min(len(r.tokens), len(want))
         identical &= r.tokens[:n] == want[:n] and n > 0
-        cycles += r.cycles
-        committed += round(r.mean_acceptance * r.cycles)
-        for i, (a, d) in enumerate(zip(r.accepted_per_position, r.drafted_per_position)):
-            acc[i] += a
-            drafted[i] += d
-    tau = committed / cycles
-    per_position = [round(a / d, 3) if d else 0.0 for a, d in zip(acc, drafted)]
+        runs.append(r.stats)
+    pooled = Stats.total(runs)
+    tau = pooled.tau
+    per_position = [round(a, 3) for a in (pooled.acceptance_rates + [0.0] * 15)[:15]]
     print(f"held-out τ at W=16: {tau:.2f} over {len(prompts)} prompts; identical: {identical}")
     print("acceptance by block position:", per_position, flush=True)
     _update(
@@ -412,7 +410,7 @@ def stage_ship(args, work: Path) -> None:
             f"MLX {mx.__version__} CPU, OpenBLAS preloaded: {'LD_PRELOAD' in os.environ}",
         },
     )
-    stage_eval(args, work, pair=tmp, section="shipped")  # the bf16 weights as shipped
+    stage_eval(args, work, folder=tmp, section="shipped")  # the bf16 weights as shipped
     shutil.copy(work / "BUILD.json", tmp / "BUILD.json")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

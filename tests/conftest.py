@@ -6,7 +6,6 @@ The builders live in `dflash_mlx.tiny` (shared with demos and benchmarks).
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ def private_cache(tmp_path_factory):
         os.environ.pop("DFLASH_MLX_CACHE", None)
     else:
         os.environ["DFLASH_MLX_CACHE"] = old
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_pair_state():
-    """Each test module starts with no width chooser learnt by another module's requests
-    through the same session-scoped pair (tests must not depend on their order)."""
-    generate = sys.modules.get("dflash_mlx.generate")
-    if generate is not None:
-        generate._PAIRS.clear()
-    yield
 
 
 @pytest.fixture(scope="session")
@@ -72,3 +61,11 @@ def draft(models_dir):
     from dflash_mlx import load_draft
 
     return load_draft(str(models_dir / "draft"))
+
+
+@pytest.fixture
+def pair(target, draft):
+    """The session target and draft as a fresh Pair (nothing learnt by other tests)."""
+    from dflash_mlx import Pair
+
+    return Pair(target[0], draft)

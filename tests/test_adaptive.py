@@ -10,26 +10,10 @@ import pytest
 
 import dflash_mlx
 import dflash_mlx.calibrate as calibrate
+from dflash_mlx import Pair
 from dflash_mlx.adaptive import CostCurves, WidthChooser
 
 BLOCK = 16
-
-
-@pytest.fixture(autouse=True)
-def _session_calibration_memo_restored(request):
-    """A test that calibrates into its own folder must not leave its curves (fake ones,
-    some) in the session draft's process memo for later tests: `monkeypatch.delitem` of an
-    absent key restores nothing, and a seeded request elsewhere would decide from them."""
-    if "draft" not in request.fixturenames:
-        yield
-        return
-    d = request.getfixturevalue("draft")
-    saved = d.__dict__.get("_dflash_cost_curves")
-    yield
-    if saved is None:
-        d.__dict__.pop("_dflash_cost_curves", None)
-    else:
-        d.__dict__["_dflash_cost_curves"] = saved
 
 
 def curves(verify, draft) -> CostCurves:
@@ -204,9 +188,9 @@ def test_calibration_measures_increasing_verify_cost_and_is_cached(
     target, draft, monkeypatch, tmp_path
 ):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)  # process memo
     model, _ = target
-    curves1 = calibrate.load_or_measure(model, draft)
+    pair = Pair(model, draft)
+    curves1 = calibrate.load_or_measure(pair)
     assert len(curves1.verify) == len(curves1.draft) == draft.config.block_size
     assert all(t > 0 for t in curves1.verify)
     files = list((tmp_path / "calibration").glob("*.json"))
@@ -216,16 +200,15 @@ def test_calibration_measures_increasing_verify_cost_and_is_cached(
         raise AssertionError("cached curves must be reused")
 
     monkeypatch.setattr(calibrate, "measure", no_measure)
-    assert calibrate.load_or_measure(model, draft) == curves1
-    draft.__dict__.pop("_dflash_cost_curves")  # a new process: read back from the file
-    assert calibrate.load_or_measure(model, draft) == curves1
+    assert calibrate.load_or_measure(pair) == curves1
+    pair.calibration.forget()  # a new process: read back from the file
+    assert calibrate.load_or_measure(pair) == curves1
 
 
 @pytest.fixture
 def measure_calls(draft, monkeypatch, tmp_path) -> list[int]:
     """A private cache folder and a calibration that only counts how often it is measured."""
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
     calls: list[int] = []
     fake = CostCurves((1.0,) * 16, (0.1,) * 16)
     monkeypatch.setattr(calibrate, "measure", lambda *a, **k: calls.append(1) or fake)
@@ -238,12 +221,13 @@ def test_a_calibration_rewritten_on_disk_is_what_the_next_request_reads(
     """Another process (or another instance of the model) re-calibrated: this process
     follows the file, as a fresh process would, so seeded widths agree across processes."""
     model, _ = target
-    first = calibrate.load_or_measure(model, draft)
-    path = calibrate.cache_path(model, draft)
+    pair = Pair(model, draft)
+    first = calibrate.load_or_measure(pair)
+    path = calibrate.cache_path(pair)
     data = json.loads(path.read_text())
     data["verify"] = [2 * t for t in data["verify"]]
     path.write_text(json.dumps(data) + "\n")
-    again = calibrate.load_or_measure(model, draft)
+    again = calibrate.load_or_measure(pair)
     assert again != first and again.verify == tuple(data["verify"])
     assert len(measure_calls) == 1
 
@@ -252,13 +236,14 @@ def test_a_changed_mlx_version_invalidates_the_calibration(
     target, draft, monkeypatch, tmp_path, measure_calls
 ):
     model, _ = target
+    pair = Pair(model, draft)
     calls = measure_calls
-    calibrate.load_or_measure(model, draft)
-    draft.__dict__.pop("_dflash_cost_curves")
-    calibrate.load_or_measure(model, draft)
+    calibrate.load_or_measure(pair)
+    pair.calibration.forget()
+    calibrate.load_or_measure(pair)
     assert len(calls) == 1
     monkeypatch.setattr(mx, "__version__", "0.0.0-other")
-    calibrate.load_or_measure(model, draft)
+    calibrate.load_or_measure(pair)
     assert len(calls) == 2
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 2
 
@@ -267,38 +252,37 @@ def test_a_changed_blas_library_or_power_source_invalidates_the_calibration(
     target, draft, monkeypatch, tmp_path, measure_calls
 ):
     model, _ = target
+    pair = Pair(model, draft)
     calls = measure_calls
     monkeypatch.setattr(calibrate, "_conditions", None)
-    calibrate.load_or_measure(model, draft)
-    calibrate.load_or_measure(model, draft)
+    calibrate.load_or_measure(pair)
+    calibrate.load_or_measure(pair)
     assert len(calls) == 1
     # The same process, later: OpenBLAS is not what was loaded, or the Mac is on battery.
     for what, value in (("blas_library", "libopenblas.so.0"), ("_power_source", "Battery")):
         monkeypatch.setattr(calibrate, what, lambda value=value: value)
         monkeypatch.setattr(calibrate, "_conditions", None)
-        calibrate.load_or_measure(model, draft)
+        calibrate.load_or_measure(pair)
     assert len(calls) == 3
     assert len(list((tmp_path / "calibration").glob("*.json"))) == 3
 
 
 def test_calibration_covers_several_depths_and_reads_back(target, draft, monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    monkeypatch.delitem(draft.__dict__, "_dflash_cost_curves", raising=False)
     model, _ = target
+    pair = Pair(model, draft)
     real = calibrate.measure
     monkeypatch.setattr(
-        calibrate, "measure", lambda m, d, **k: real(m, d, repeats=1, depths=(16, 300), **k)
+        calibrate, "measure", lambda p, **k: real(p, repeats=1, depths=(16, 300), **k)
     )
-    curves1 = calibrate.load_or_measure(model, draft)
+    curves1 = calibrate.load_or_measure(pair)
     assert curves1.depths == (16, 300) and len(curves1.deeper) == 1
     assert all(t > 0 for t in curves1.deeper[0][0])
-    draft.__dict__.pop("_dflash_cost_curves")
+    pair.calibration.forget()
     monkeypatch.setattr(calibrate, "measure", None)  # must come from the file now
-    assert calibrate.load_or_measure(model, draft) == curves1
+    assert calibrate.load_or_measure(pair) == curves1
     limit = min(model.args.max_position_embeddings, draft.config.max_position_embeddings)
-    assert all(
-        d + 2 * draft.config.block_size <= limit for d in calibrate.calibration_depths(model, draft)
-    )
+    assert all(d + 2 * draft.config.block_size <= limit for d in calibrate.calibration_depths(pair))
 
 
 def test_measured_cycle_costs_override_an_optimistic_calibration():
@@ -511,15 +495,13 @@ def test_probes_keep_within_a_budget_per_request():
 
 
 def decode_with(model, d, ids, n, chooser):
+    """`model`: a target model, or a Pair (then `d` is its draft)."""
     from dflash_mlx.decode import speculative_decode
-    from dflash_mlx.loading import bind_draft
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.target import TargetAdapter
 
-    bind_draft(d, model)
+    pair = model if isinstance(model, Pair) else Pair(model, d)
     cycles = speculative_decode(
-        TargetAdapter.of(model),
-        d,
+        pair,
         ids,
         max_tokens=n,
         params=SamplingParams(),
@@ -541,7 +523,6 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import decode
-    from dflash_mlx.target import TargetAdapter
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
@@ -566,14 +547,14 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     monkeypatch.setattr(
         decode, "first_token", lambda req, lg: events.append(("prefilled", 0)) or first(req, lg)
     )
-    adapter = TargetAdapter.of(model)
-    forward = adapter.forward
-    monkeypatch.setitem(  # undo: the class method again
-        vars(adapter),
+    pair = Pair(model, draft)
+    forward = pair.target.forward
+    monkeypatch.setattr(  # this pair's adapter alone
+        pair.target,
         "forward",
         lambda t, c, ids: events.append(("target", t.shape[1])) or forward(t, c, ids),
     )
-    out = decode_with(model, draft, ids, 16, ch)
+    out = decode_with(pair, draft, ids, 16, ch)
     ref = [int(t) for t, _ in generate_step(mx.array(ids), model, max_tokens=16, sampler=None)]
     assert out == ref
     at = events.index(("prefilled", 0))
@@ -616,7 +597,7 @@ def test_every_result_says_what_ran(target, draft):
     """Cycles and tokens per width, the plain share, probes and the draft's state."""
     model, tok = target
     ids = tok.encode("for i in range(10):\n    print(i)\n")
-    fixed = dflash_mlx.generate(model, draft, tok, ids, max_tokens=24, block_size=4)
+    fixed = dflash_mlx.generate(model, draft, tok, ids, max_tokens=24, verify_width=4)
     auto = dflash_mlx.generate(model, draft, tok, ids, max_tokens=24)
     for r in (fixed, auto):
         ran = r.stats.what_ran()
@@ -633,15 +614,15 @@ def test_every_result_says_what_ran(target, draft):
     assert none.stats.draft is None and none.stats.plain_fraction == 1.0
 
 
-def test_decode_stats_count_cycles_and_tokens_per_width():
-    from dflash_mlx.generate import DecodeStats
+def test_stats_count_cycles_and_tokens_per_width():
+    from dflash_mlx import Stats
 
-    s = DecodeStats(draft="active")
+    s = Stats(draft="active")
     for width, accepted in [(4, 3), (1, 0), (4, 1), (1, 0)]:
         s.add(width, accepted)
     assert s.widths == {4: [2, 6], 1: [2, 2]}
     assert s.plain_fraction == pytest.approx(2 / 8)
-    both = s.merge(DecodeStats(widths={2: [1, 2]}, cycles=1, committed=2, probes=3))
+    both = s.merge(Stats(widths={2: [1, 2]}, cycles=1, committed=2, probes=3))
     assert both.widths == {4: [2, 6], 1: [2, 2], 2: [1, 2]} and both.probes == 3
     assert both.what_ran()["widths"]["4"] == {"cycles": 2, "tokens": 6}
 

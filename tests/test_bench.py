@@ -52,7 +52,7 @@ def run(*args: str):
 def bench(target, draft, prompts=PROMPTS, **kwargs):
     model, tokenizer = target
     kwargs = {"widths": [1, 4], "max_tokens": MAX_TOKENS, "repeats": 1, **kwargs}
-    return run_benchmark(model, draft, tokenizer, prompts, **kwargs)
+    return run_benchmark(dflash_mlx.Pair(model, draft), tokenizer, prompts, **kwargs)
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_losslessness_check_flags_a_corrupted_dflash_token(target, draft, monkey
 
     def corrupted(*args, **kwargs):
         result = real(*args, **kwargs)
-        if args[3] == victim and kwargs["block_size"] == 4:
+        if args[2] == victim and args[3].verify_width == 4:
             tokens = list(result.tokens)
             tokens[3] = (tokens[3] + 1) % 7
             return dataclasses.replace(result, tokens=tokens)
@@ -245,16 +245,15 @@ def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
 
     model, tok = target
     prompts = [BenchPrompt(suite="code", index=0, text="def add(a, b):", messages=None)]
-    result = run_benchmark(model, draft, tok, prompts, widths=[2, "auto"], max_tokens=12, repeats=1)
+    pair = dflash_mlx.Pair(model, draft)
+    result = run_benchmark(pair, tok, prompts, widths=[2, "auto"], max_tokens=12, repeats=1)
     names = [r.run for r in result.overall.runs]
     assert names == ["mlx-lm", "W=2", "auto"]
     assert result.lossless is True
     data = json.loads(json.dumps(result.to_dict()))
     assert data["settings"]["verify_widths"] == [2, "auto"]
     assert result.comparisons == [], "one pair per run: no interval can be given"
-    again = run_benchmark(
-        model, draft, tok, prompts * 2, widths=[2, "auto"], max_tokens=12, repeats=2
-    )
+    again = run_benchmark(pair, tok, prompts * 2, widths=[2, "auto"], max_tokens=12, repeats=2)
     assert {c.other for c in again.comparisons} == {"mlx-lm", "W=2"}
     assert all(c.pairs == 4 and c.low <= c.ratio <= c.high for c in again.comparisons)
     assert json.loads(json.dumps(again.to_dict()))["comparisons"][0]["run"] == "auto"
@@ -263,10 +262,17 @@ def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
 def _records(run: str, speeds: list[float]):
     from dflash_mlx.bench_results import RunRecord
 
-    return [
-        RunRecord("code", i, 0, run, run, 5, 0.01, 101, 100 / tps, 0.0, 100, [], [], "length")
-        for i, tps in enumerate(speeds)
-    ]
+    def stats(tps: float) -> dflash_mlx.Stats:
+        return dflash_mlx.Stats(
+            prompt_tokens=5,
+            time_to_first_token=0.01,
+            generation_tokens=101,
+            decode_seconds=100 / tps,
+            cycles=100,
+            committed=100,
+        )
+
+    return [RunRecord("code", i, 0, run, run, stats(tps), "length") for i, tps in enumerate(speeds)]
 
 
 def test_auto_is_compared_with_every_fixed_choice_pairwise():
@@ -340,14 +346,13 @@ def test_a_prompt_is_padded_in_front_or_cut_to_a_context_keeping_its_end():
 def test_bench_at_given_contexts_runs_each_prompt_at_each_length(
     target, draft, monkeypatch, tmp_path
 ):
-    from dflash_mlx import calibrate
     from dflash_mlx.adaptive import CostCurves
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     block = draft.config.block_size
     verify = tuple(1.0 + 0.5 * (w - 1) for w in range(1, block + 1))
     curves = CostCurves(verify, tuple(0.05 * n for n in range(block)))
-    monkeypatch.setattr(calibrate, "load_or_measure", lambda *a, **k: curves)
+    monkeypatch.setattr(dflash_mlx.Pair, "costs", lambda self, **k: curves)
     result = bench(target, draft, contexts=[40, 90])
     assert [s.suite for s in result.suites] == ["40 tokens", "90 tokens"]
     assert sorted(p["prompt_tokens"] for p in result.prompts) == [40, 40, 90, 90]

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import dflash_mlx
 from dflash_mlx import chat_session
-from dflash_mlx.chat_session import ChatSession, ChatSettings
+from dflash_mlx.chat_session import CHAT_DEFAULTS, ChatSession
 from dflash_mlx.cli import chat_repl
 from dflash_mlx.cli.chat_input import history_path, make_reader
 from dflash_mlx.cli.chat_ui import ChatUI, ReplyView
@@ -29,9 +29,8 @@ SETTING_NAMES = chat_repl.SET_NAMES
 
 
 @pytest.fixture
-def session(target, draft) -> ChatSession:
-    model, tok = target
-    return ChatSession(model, draft, tok, settings=ChatSettings(max_tokens=MAX_TOKENS))
+def session(pair, target) -> ChatSession:
+    return ChatSession(pair, target[1], options=CHAT_DEFAULTS.replace(max_tokens=MAX_TOKENS))
 
 
 def drive(session: ChatSession, *lines: str, tmp_path) -> tuple[str, str]:
@@ -105,23 +104,69 @@ def test_set_changes_the_settings_and_refuses_bad_values(session, tmp_path):
         "/set nonsense 1",
         tmp_path=tmp_path,
     )
-    assert session.settings == ChatSettings(
-        temperature=0.5, top_p=0.9, max_tokens=3, block_size=4, seed=7, draft_window=64
+    assert session.options == CHAT_DEFAULTS.replace(
+        temperature=0.5, top_p=0.9, max_tokens=3, verify_width=4, seed=7, draft_window=64
     )
-    assert "error: block_size '99'" in err and "1..16" in err
-    assert "error: draft_window '1'" in err
-    assert "error: temp 'hot'" in err
+    assert "error: verify_width 99 exceeds the draft's trained block size 16" in err
+    assert "error: draft_window 1 must be an integer >= 2" in err
+    assert "error: temperature 'hot' must be a number" in err
     assert "error: unknown setting 'nonsense'" in err
-    drive(session, "/set block_size auto", "a b c", tmp_path=tmp_path)
-    assert session.settings.block_size is None
-    assert session.last.generation_tokens == 3, "/set max_tokens applies to the next reply"
+    drive(session, "/set verify_width auto", "a b c", tmp_path=tmp_path)
+    assert session.options.verify_width is None
+    assert session.last.stats.generation_tokens == 3, "/set max_tokens applies to the next reply"
+
+
+def test_set_confirms_each_change_and_shows_every_setting(session, tmp_path):
+    _, err = drive(
+        session,
+        "/set draft_window 64",
+        "/set top_k 5",
+        "/set min_p 0.1",
+        "/set",
+        "/help",
+        tmp_path=tmp_path,
+    )
+    assert "draft_window set to 64" in err and "top_k set to 5" in err
+    assert (
+        "temp 0 · top_p 1 · top_k 5 · min_p 0.1 · max_tokens 6 · verify_width auto · "
+        "seed none · draft_window 64 · thinking shown"
+    ) in err
+    help_text = err.split("thinking shown")[-1]
+    for name in ("top_k", "min_p", "verify_width", "seed", "draft_window", "thinking"):
+        assert name in help_text, f"/help does not list {name}"
+
+
+def test_set_block_size_is_the_deprecated_name_of_verify_width(session, tmp_path):
+    _, err = drive(session, "/set block_size 4", tmp_path=tmp_path)
+    assert session.options.verify_width == 4
+    assert "block_size is deprecated: use verify_width" in err
+    assert "verify_width set to 4" in err
+
+
+def test_set_refuses_a_verify_width_the_draft_cannot_hold(session, target, draft, tmp_path):
+    _, err = drive(session, "/set verify_width 99", tmp_path=tmp_path)
+    block = draft.config.block_size
+    assert f"error: verify_width 99 exceeds the draft's trained block size {block}" in err
+    assert session.options.verify_width is None, "a refused value changes nothing"
+    alone = ChatSession(dflash_mlx.Pair(target[0]), target[1])
+    _, err = drive(alone, "/set verify_width 2", "/set verify_width 1", tmp_path=tmp_path)
+    assert "error: verify_width 2 exceeds 1 (no draft given)" in err
+    assert alone.options.verify_width == 1
+
+
+def test_one_pair_serves_the_session_so_its_width_chooser_learns_across_turns(session):
+    list(session.send("one"))
+    (chooser,) = session.pair.choosers.values()
+    list(session.send("two"))
+    assert list(session.pair.choosers.values()) == [chooser], "the same chooser, not a new one"
+    assert session.totals.requests == 2 and session.totals.tau > 0
 
 
 def test_retry_replaces_the_last_reply(session, tmp_path):
     _, err = drive(session, "/retry", "import os", "/retry", tmp_path=tmp_path)
     assert "error: nothing to retry yet" in err
     assert [m["role"] for m in session.messages] == ["user", "assistant"]
-    assert session.totals.replies == 2, "the reply was generated twice"
+    assert session.totals.requests == 2, "the reply was generated twice"
     assert err.count(f"{MAX_TOKENS} tokens ·") == 2, "two stats lines: the reply and its retry"
     assert "at temperature 0 the reply comes out the same" in err
 
@@ -248,22 +293,22 @@ def test_second_turn_prefills_only_the_new_tokens_and_equals_a_fresh_conversatio
     ids2 = tok.apply_chat_template(history, add_generation_prompt=True)
     assert ids2[: len(ids1) + len(tokens1)] == ids1 + tokens1
     new = len(ids2) - len(ids1) - len(tokens1)
-    stats = session.last
+    stats = session.last.stats
     # The engine never feeds the last generated token, so it is prefilled with the new ones.
     assert stats.prefilled_tokens == new + 1, "turn 2 re-prefilled part of turn 1"
     assert stats.cached_tokens == len(ids1) + len(tokens1) - 1
     expected = fresh(target, draft, history)
     assert session.messages[-1]["content"] == expected.text
-    assert session.replies[-1].generation_tokens == len(expected.tokens)
+    assert session.replies[-1].stats.generation_tokens == len(expected.tokens)
 
 
 def test_hybrid_target_keeps_its_history_and_stays_exact(models_dir, draft):
     model, tok = dflash_mlx.load(str(models_dir / "qwen35"))
-    s = ChatSession(model, draft, tok, settings=ChatSettings(max_tokens=MAX_TOKENS))
+    s = ChatSession(model, draft, tok, options=CHAT_DEFAULTS.replace(max_tokens=MAX_TOKENS))
     list(s.send("def add(a, b):"))
-    first_prompt = s.last.prompt_tokens
+    first_prompt = s.last.stats.prompt_tokens
     list(s.send("print(i * i)"))
-    assert s.last.cached_tokens >= first_prompt - 1, "the history before the reply is kept"
+    assert s.last.stats.cached_tokens >= first_prompt - 1, "the history before the reply is kept"
     expected = fresh((model, tok), draft, s.conversation()[:-1])
     assert s.messages[-1]["content"] == expected.text
 
@@ -272,8 +317,8 @@ def test_ten_turns_prefill_only_what_the_previous_prompt_did_not_hold(session):
     prompts, prefilled = [], []
     for i in range(10):
         list(session.send(f"and then? {i}"))
-        prompts.append(session.last.prompt_tokens)
-        prefilled.append(session.last.prefilled_tokens)
+        prompts.append(session.last.stats.prompt_tokens)
+        prefilled.append(session.last.stats.prefilled_tokens)
     for n in range(1, 10):
         # New to turn n: the previous reply as the template renders it, and the new message.
         assert prefilled[n] <= prompts[n] - prompts[n - 1], (
@@ -303,7 +348,7 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_next_turn_stays_exact(
     session, target, draft, monkeypatch, tmp_path
 ):
     session.set("max_tokens", 40)
-    session.set("block_size", 1)  # one token per response: a predictable cut
+    session.set("verify_width", 1)  # one token per response: a predictable cut
     full = fresh(target, draft, [{"role": "user", "content": "import os"}], max_tokens=40)
     interrupt_after(5, monkeypatch)
     out, err = drive(session, "import os", tmp_path=tmp_path)
@@ -317,7 +362,7 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_next_turn_stays_exact(
     _, err = drive(session, "print(1)", tmp_path=tmp_path)
     expected = fresh(target, draft, session.conversation()[:-1])
     assert session.messages[-1]["content"] == expected.text
-    assert session.last.cached_tokens > 0
+    assert session.last.stats.cached_tokens > 0
 
 
 def test_ctrl_c_before_the_first_token_drops_the_message(session, monkeypatch, tmp_path):

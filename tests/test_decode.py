@@ -64,7 +64,7 @@ def test_greedy_dflash_equals_target_greedy(any_target, draft, width):
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
         ref = target_greedy(model, ids, 40)
-        out = generate(model, draft, tok, ids, max_tokens=40, block_size=width)
+        out = generate(model, draft, tok, ids, max_tokens=40, verify_width=width)
         assert out.tokens == ref, f"{name} W={width} diverged on {prompt!r}"
         assert out.finish_reason == "length"
 
@@ -76,7 +76,7 @@ def test_partially_right_drafts_rewind_exactly(any_target, draft, width):
     ids = tok.encode(PROMPTS[0])
     ref = target_greedy(model, ids, 60)
     scripted = ScriptedDraft(draft, ids + ref, right=lambda c: (c * 7) % 17)
-    out = generate(model, scripted, tok, ids, max_tokens=60, block_size=width)
+    out = generate(model, scripted, tok, ids, max_tokens=60, verify_width=width)
     assert out.tokens == ref, f"{name} W={width}: rewind corrupted the target state"
     assert 1 < out.mean_acceptance < width, "the script should give partial acceptance"
 
@@ -86,7 +86,7 @@ def test_always_right_draft_is_accepted_whole(target, draft):
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 1 + 16 * 4)
     oracle = ScriptedDraft(draft, ids + ref, right=lambda c: 99)
-    out = generate(model, oracle, tok, ids, max_tokens=1 + 16 * 4, block_size=16)
+    out = generate(model, oracle, tok, ids, max_tokens=1 + 16 * 4, verify_width=16)
     assert out.tokens == ref
     assert out.cycles == 4 and out.mean_acceptance == 16.0
     assert out.acceptance_rates == [1.0] * 15
@@ -97,7 +97,7 @@ def test_always_wrong_draft_still_gives_target_output(target, draft):
     ids = tok.encode(PROMPTS[2])
     ref = target_greedy(model, ids, 30)
     wrong = ScriptedDraft(draft, ids + ref, right=lambda c: 0)
-    out = generate(model, wrong, tok, ids, max_tokens=30, block_size=8)
+    out = generate(model, wrong, tok, ids, max_tokens=30, verify_width=8)
     assert out.tokens == ref
     assert out.mean_acceptance == 1.0 and out.cycles == 29
     assert out.acceptance_rates == [0.0] * 7
@@ -109,7 +109,7 @@ def test_max_tokens_inside_a_block(target, draft, max_tokens):
     ids = tok.encode(PROMPTS[0])
     ref = target_greedy(model, ids, max_tokens)
     oracle = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99)
-    out = generate(model, oracle, tok, ids, max_tokens=max_tokens, block_size=16)
+    out = generate(model, oracle, tok, ids, max_tokens=max_tokens, verify_width=16)
     assert out.tokens == ref and len(out.tokens) == max_tokens
     assert out.finish_reason == "length"
     assert out.verify_width == 16, "the request's width, even when the budget capped a cycle"
@@ -125,7 +125,7 @@ def test_eos_inside_an_accepted_block_stops_there(target, draft):
     tok.eos_token_ids = {ref[j]}
     try:
         oracle = ScriptedDraft(draft, ids + ref, right=lambda c: 99)
-        out = generate(model, oracle, tok, ids, max_tokens=40, block_size=16)
+        out = generate(model, oracle, tok, ids, max_tokens=40, verify_width=16)
         expect_text = tok.decode(ref[:j])
     finally:
         tok.eos_token_ids = old
@@ -137,12 +137,12 @@ def test_eos_inside_an_accepted_block_stops_there(target, draft):
 def test_chat_messages_and_stop_strings(target, draft):
     model, tok = target
     msgs = [{"role": "user", "content": "hello"}]
-    full = generate(model, draft, tok, msgs, max_tokens=30, block_size=4)
+    full = generate(model, draft, tok, msgs, max_tokens=30, verify_width=4)
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
     assert full.tokens == target_greedy(model, list(ids), 30)
     stop = full.text[5:8]
     assert stop
-    cut = generate(model, draft, tok, msgs, max_tokens=30, block_size=4, stop=[stop])
+    cut = generate(model, draft, tok, msgs, max_tokens=30, verify_width=4, stop=[stop])
     assert cut.text == full.text[: full.text.index(stop)]
     assert cut.finish_reason == "stop"
     # A right draft commits 8 tokens a cycle: the reply still ends at the token that
@@ -150,7 +150,7 @@ def test_chat_messages_and_stop_strings(target, draft):
     oracle = ScriptedDraft(draft, list(ids) + full.tokens + [0] * 32, right=lambda c: 99)
     text = full.text
     stop = next(text[i : i + 2] for i in range(2, len(text)) if text[i : i + 2].isalnum())
-    cut = generate(model, oracle, tok, msgs, max_tokens=30, block_size=8, stop=[stop])
+    cut = generate(model, oracle, tok, msgs, max_tokens=30, verify_width=8, stop=[stop])
     n = len(cut.tokens)
     assert n < len(full.tokens) and cut.tokens == full.tokens[:n] and cut.generation_tokens == n
     assert stop in tok.decode(cut.tokens) and stop not in tok.decode(cut.tokens[:-1])
@@ -162,7 +162,7 @@ def test_stream_text_joins_to_the_decoded_tokens(target, draft):
 
     model, tok = target
     ids = tok.encode(PROMPTS[2])
-    chunks = list(stream_generate(model, draft, tok, ids, max_tokens=25, block_size=8))
+    chunks = list(stream_generate(model, draft, tok, ids, max_tokens=25, verify_width=8))
     tokens = [t for c in chunks for t in c.tokens]
     assert "".join(c.text for c in chunks) == tok.decode(tokens)
     assert chunks[-1].finish_reason == "length" and all(
@@ -174,8 +174,8 @@ def test_stream_text_joins_to_the_decoded_tokens(target, draft):
 def test_bad_generation_arguments_name_the_value(target, draft):
     model, tok = target
     for kwargs, word in [
-        ({"block_size": 17}, "17"),
-        ({"block_size": 0}, "0"),
+        ({"verify_width": 17}, "verify_width 17"),
+        ({"verify_width": 0}, "verify_width 0"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 1.5}, "top_p"),
@@ -204,7 +204,7 @@ def test_bad_arguments_are_the_callers_errors(target, draft):
     from dflash_mlx.errors import UserError
 
     model, tok = target
-    for kwargs in [{"block_size": 17}, {"max_tokens": 0}, {"temperature": -1.0}, {"top_k": -1}]:
+    for kwargs in [{"verify_width": 17}, {"max_tokens": 0}, {"temperature": -1.0}, {"top_k": -1}]:
         with pytest.raises(UserError):
             generate(model, draft, tok, "hi", **kwargs)
     for prompt in ([], [{"role": "user"}], 3.5):
@@ -216,13 +216,14 @@ def test_bad_arguments_are_the_callers_errors(target, draft):
 def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch):
     """A prompt longer than the prefill step is processed in chunks, reporting progress;
     the last prompt token goes alone, so the LM head never runs over the prompt."""
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx import Pair
 
     model, tok = load(str(models_dir / name))
     ids = tok.encode(" ".join(PROMPTS) * 3)
     assert len(ids) > 40
     ref = target_greedy(model, ids, 20)
-    adapter = TargetAdapter.of(model)
+    pair = Pair(model, draft)
+    adapter = pair.target
     passes, real_forward = [], adapter.forward
 
     def forward(tokens, cache, capture_ids):
@@ -232,12 +233,11 @@ def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch)
     monkeypatch.setitem(vars(adapter), "forward", forward)  # undo: the class method again
     seen = []
     out = generate(
-        model,
-        draft,
+        pair,
         tok,
         ids,
         max_tokens=20,
-        block_size=4,
+        verify_width=4,
         prefill_step=16,
         prompt_progress=lambda done, total: seen.append((done, total)),
     )
@@ -248,13 +248,14 @@ def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch)
 
 
 def test_quantized_targets_default_to_the_capped_verify_width(models_dir, draft):
-    from dflash_mlx.decode import QUANTIZED_VERIFY_CAP, default_verify_width
+    from dflash_mlx import Pair
+    from dflash_mlx.pair import QUANTIZED_VERIFY_CAP
 
     q_model, _ = load(str(models_dir / "qwen3-4bit"))
     f_model, _ = load(str(models_dir / "qwen3"))
-    assert default_verify_width(q_model, draft) == QUANTIZED_VERIFY_CAP == 5
-    assert default_verify_width(f_model, draft) == draft.config.block_size
-    assert default_verify_width(f_model, None) == 1
+    assert Pair(q_model, draft).default_verify_width() == QUANTIZED_VERIFY_CAP == 5
+    assert Pair(f_model, draft).default_verify_width() == draft.config.block_size
+    assert Pair(f_model).default_verify_width() == 1
 
 
 def test_automatic_width_is_lossless(any_target, draft):
@@ -268,14 +269,63 @@ def test_automatic_width_is_lossless(any_target, draft):
         assert out.verify_width is None
 
 
-def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(target, draft):
-    from dflash_mlx import stream_generate
+def simulated_device(monkeypatch, cost) -> list[tuple[int, float]]:
+    """The decode loop's clock reads simulated time, never the wall: each cycle's host sync
+    advances it by `cost(W)` seconds for the cycle's verify width W (W = 1: a plain step),
+    so the width chooser learns exactly these costs, however busy the machine is.
+    Returns the cycles charged, `(W, seconds)`."""
+    import types
+
+    import dflash_mlx.decode as decode
+
+    now, charged = [0.0], []
+    monkeypatch.setattr(decode, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    sync = decode.result
+
+    def result(req, step):
+        now[0] += cost(step.width)
+        charged.append((step.width, cost(step.width)))
+        return sync(req, step)
+
+    monkeypatch.setattr(decode, "result", result)
+    return charged
+
+
+def flat_curves(block: int):
+    """A calibration that says speculation is free: every verify costs a plain step's
+    millisecond and the draft nothing (it never says W = 1 pays)."""
+    from dflash_mlx.adaptive import CostCurves
+
+    return CostCurves((1e-3,) * block, (0.0,) * block)
+
+
+@pytest.mark.parametrize("device", ["steep", "flat"])
+def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(
+    target, draft, monkeypatch, device
+):
+    """The random draft is never right. Its calibration says speculation costs nothing;
+    the (simulated) device says a cycle of W tokens costs 1 + (W - 1) / 2 plain steps: the
+    chooser learns that from the cycles it runs and decodes plainly, probing now and then.
+    On a device where speculation really is free, it keeps speculating: the fallback comes
+    from the costs, not from the draft alone."""
+    from dflash_mlx import Pair, stream_generate
 
     model, tok = target
+    pair = Pair(model, draft)
+    block = draft.config.block_size
+    monkeypatch.setattr(pair, "costs", lambda **_: flat_curves(block))
+    steep = device == "steep"
+    charged = simulated_device(monkeypatch, lambda w: 1e-3 * (1 + (w - 1) / 2 if steep else 1))
     ids = tok.encode(PROMPTS[1])
-    widths = [r.width for r in stream_generate(model, draft, tok, ids, max_tokens=120)][1:]
+    widths = [r.width for r in stream_generate(pair, tok, ids, max_tokens=120)][1:]
+    assert len(widths) == 119 and [w for w, _ in charged] == widths, "every cycle was charged"
     plain = sum(w == 1 for w in widths)
-    assert plain >= 0.8 * len(widths), f"a never-right draft kept being verified: {widths}"
+    if steep:
+        assert plain >= 0.8 * len(widths), f"a never-right draft kept being verified: {widths}"
+        assert widths[0] > 1, "the calibration alone says speculate"
+    else:
+        # Plain only where the token budget leaves one token (the last cycle).
+        assert 1 not in widths[:-1], f"free speculation was given up: {widths}"
 
 
 def dormant_chooser(**kw):
@@ -300,14 +350,16 @@ def dormant_chooser(**kw):
 
 
 def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
+    """`model`: a target model, or a Pair (then `d` must be its draft)."""
+    from dflash_mlx import Pair
     from dflash_mlx.decode import speculative_decode
     from dflash_mlx.sampling import SamplingParams
-    from dflash_mlx.target import TargetAdapter
 
+    pair = model if isinstance(model, Pair) else Pair(model, d)
+    assert pair.draft is d
     return list(
         speculative_decode(
-            TargetAdapter.of(model),
-            d,
+            pair,
             ids,
             max_tokens=n,
             params=SamplingParams(),
@@ -371,19 +423,11 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     import types
 
     import dflash_mlx.decode as decode
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx import Pair
 
     model, tok = target
     clock = [0.0]
     monkeypatch.setattr(decode, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    adapter = TargetAdapter.of(model)
-    real_forward = adapter.forward
-
-    def forward(tokens, cache, capture_ids):
-        clock[0] += 1.0 + tokens.shape[1]
-        return real_forward(tokens, cache, capture_ids)
-
-    monkeypatch.setitem(vars(adapter), "forward", forward)  # undo: the class method again
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 80)
     # Stretches of right and of wrong drafts: chained probes, runs of speculative cycles,
@@ -392,7 +436,15 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     ch, log = dormant_chooser(probe_interval=3, max_probe_interval=6)
     seen = []
     ch.observe = lambda w, seconds, smoothing=0.2: seen.append((w, seconds))
-    cycles = auto_decode(model, d, ids, 80, ch)
+    pair = Pair(model, d)
+    real_forward = pair.target.forward
+
+    def forward(tokens, cache, capture_ids):
+        clock[0] += 1.0 + tokens.shape[1]
+        return real_forward(tokens, cache, capture_ids)
+
+    monkeypatch.setattr(pair.target, "forward", forward)  # this pair's adapter alone
+    cycles = auto_decode(pair, d, ids, 80, ch)
     assert [t for c in cycles for t in c.tokens] == ref
     kinds = {(a > 1, b > 1) for (a, _), (b, _) in zip(seen, seen[1:])}
     assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
@@ -417,7 +469,7 @@ def test_a_draft_window_stays_lossless_and_bounds_the_drafts_memory(models_dir, 
     for d in (scripted, draft):
         pc = PromptCache()
         out = generate(
-            model, d, tok, ids, max_tokens=n, block_size=8, draft_window=8, prompt_cache=pc
+            model, d, tok, ids, max_tokens=n, verify_width=8, draft_window=8, prompt_cache=pc
         )
         assert out.tokens == ref, f"{name}: a windowed draft changed the output"
         st, pending = pc.state.draft, sum(f.shape[1] for f in pc.state.pending)
@@ -438,10 +490,10 @@ def test_prefill_projects_only_the_positions_the_window_shows(target, draft, mon
     monkeypatch.setattr(
         DFlashDraft, "add_context", lambda self, f, st: (rows.append(f.shape[1]), add(self, f, st))
     )
-    out = generate(model, draft, tok, ids, max_tokens=1, block_size=4, draft_window=16)
+    out = generate(model, draft, tok, ids, max_tokens=1, verify_width=4, draft_window=16)
     assert sum(rows) == 15, f"prefill projected {sum(rows)} rows for a window of 16"
     rows.clear()
-    generate(model, draft, tok, ids, max_tokens=1, block_size=4)
+    generate(model, draft, tok, ids, max_tokens=1, verify_width=4)
     assert sum(rows) == len(ids), "without a window the whole prompt is the draft's context"
     assert out.tokens == target_greedy(model, ids, 1)
 
@@ -455,7 +507,8 @@ def test_a_conversation_resumes_under_another_draft_window(target, draft):
     d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: (c * 3) % 7)
     pc = PromptCache()
     assert (
-        generate(model, d, tok, turn1, max_tokens=50, block_size=6, prompt_cache=pc).tokens == ref1
+        generate(model, d, tok, turn1, max_tokens=50, verify_width=6, prompt_cache=pc).tokens
+        == ref1
     )
     turn2 = turn1 + ref1 + tok.encode(" print")
     ref2 = target_greedy(model, turn2, 40)
@@ -464,7 +517,7 @@ def test_a_conversation_resumes_under_another_draft_window(target, draft):
 
     chunks = list(
         stream_generate(
-            model, d, tok, turn2, max_tokens=40, block_size=6, draft_window=12, prompt_cache=pc
+            model, d, tok, turn2, max_tokens=40, verify_width=6, draft_window=12, prompt_cache=pc
         )
     )
     assert [t for c in chunks for t in c.tokens] == ref2

@@ -22,7 +22,7 @@ from dflash_mlx.conv import (
     use_metal_kernel,
 )
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.loading import bind_draft
+from dflash_mlx.pair import Pair
 from dflash_mlx.sampling import SamplingParams, propose, selector_walk
 from dflash_mlx.selector import CandidateSelector
 
@@ -306,8 +306,7 @@ def test_identity_conv_and_zero_selector_propose_like_dflash1(target, draft2):
     sel.successor_codebook = mx.zeros_like(sel.successor_codebook)
     states = []
     for d in (d1, d2):
-        bind_draft(d, model)
-        states.append(d.make_state())
+        states.append(Pair(model, d).draft_state())
         mx.random.seed(4)
         d.add_context(mx.random.normal((1, 12, 128)), states[-1])
     greedy = SamplingParams()
@@ -320,10 +319,10 @@ def test_identity_conv_and_zero_selector_propose_like_dflash1(target, draft2):
 
 def test_conv_state_after_partial_full_and_no_acceptance(target, draft2):
     model, _ = target
-    bind_draft(draft2, model)
+    pair = Pair(model, draft2)
     draft2.conv_state = "carry"
     try:
-        st = draft2.make_state()
+        st = pair.draft_state()
         mx.random.seed(6)
         draft2.add_context(mx.random.normal((1, 9, 128)), st)
         rows = st.conv[3]  # layer 1's mlp_conv
@@ -356,7 +355,7 @@ def test_greedy_dflash2_equals_target_greedy(target, draft2, width, conv_state):
     try:
         for prompt in PROMPTS[:2]:
             ids = tok.encode(prompt)
-            out = generate(model, draft2, tok, ids, max_tokens=30, block_size=width)
+            out = generate(model, draft2, tok, ids, max_tokens=30, verify_width=width)
             assert out.tokens == target_greedy(model, ids, 30), f"W={width} {conv_state}"
     finally:
         draft2.conv_state = "zero"
@@ -365,7 +364,7 @@ def test_greedy_dflash2_equals_target_greedy(target, draft2, width, conv_state):
 def test_dflash2_refuses_a_shorter_draft_block(target, draft2):
     model, tok = target
     with pytest.raises(ValueError, match="DFlash 2 draft always drafts its trained block"):
-        generate(model, draft2, tok, "hi", max_tokens=4, block_size=4, draft_block=8)
+        generate(model, draft2, tok, "hi", max_tokens=4, verify_width=4, draft_block=8)
 
 
 @pytest.fixture(scope="module")

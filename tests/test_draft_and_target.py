@@ -5,17 +5,16 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import load
+from dflash_mlx import Pair, load
 from dflash_mlx.config import DraftConfig, default_target_layer_ids
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.loading import bind_draft
 from dflash_mlx.target import TargetAdapter
 
 from .conftest import draft_config
 
 
-def block_logits_after(draft: DFlashDraft, feats: mx.array, chunks: list[int]) -> mx.array:
-    st = draft.make_state()
+def block_logits_after(draft: DFlashDraft, feats: mx.array, chunks: list[int], head) -> mx.array:
+    st = draft.make_state(head=head)
     start = 0
     for n in chunks:
         draft.add_context(feats[:, start : start + n], st)
@@ -26,23 +25,23 @@ def block_logits_after(draft: DFlashDraft, feats: mx.array, chunks: list[int]) -
 
 def test_incremental_context_equals_whole_context(target, draft):
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     mx.random.seed(0)
     feats = mx.random.normal((1, 300, 2 * 64))  # crosses the cache's 256-row growth step
-    whole = block_logits_after(draft, feats, [300])
-    pieces = block_logits_after(draft, feats, [1, 7, 250, 3, 39])
+    whole = block_logits_after(draft, feats, [300], head)
+    pieces = block_logits_after(draft, feats, [1, 7, 250, 3, 39], head)
     assert mx.allclose(whole, pieces, atol=1e-4).item(), "context cache drifted"
 
 
 def test_block_sees_context_and_position(target, draft):
     """Logits must depend on the context (KV injection) and on the block's position."""
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     mx.random.seed(1)
     feats = mx.random.normal((1, 20, 2 * 64))
-    a = block_logits_after(draft, feats, [20])
-    b = block_logits_after(draft, feats * 2.0 + 1.0, [20])
-    c = block_logits_after(draft, feats[:, :19], [19])
+    a = block_logits_after(draft, feats, [20], head)
+    b = block_logits_after(draft, feats * 2.0 + 1.0, [20], head)
+    c = block_logits_after(draft, feats[:, :19], [19], head)
     assert not mx.allclose(a, b, atol=1e-3).item()
     assert not mx.allclose(a, c, atol=1e-3).item()
     assert a.shape == (draft.config.block_size - 1, draft.config.vocab_size)
@@ -52,17 +51,17 @@ def test_skipped_positions_keep_true_rope_distances(target, draft):
     """A context may start anywhere and have gaps (positions decoded without features):
     only distances matter, so a shifted context drafts the same block, a gap does not."""
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     mx.random.seed(3)
     feats = mx.random.normal((1, 12, 2 * 64))
     block = draft.config.block_size
-    plain = block_logits_after(draft, feats, [12])
-    st = draft.make_state(base=40)
+    plain = block_logits_after(draft, feats, [12], head)
+    st = draft.make_state(head=head, base=40)
     draft.add_context(feats, st)
     assert st.context_end == 52
     shifted = draft.block_logits(mx.array([5]), block, None, st)
     assert mx.allclose(plain, shifted, atol=1e-4).item()
-    st = draft.make_state()
+    st = draft.make_state(head=head)
     draft.add_context(feats[:, :5], st)
     st.skip_to(9)  # positions 5..8 decoded without capturing features
     draft.add_context(feats[:, 5:], st)
@@ -70,7 +69,7 @@ def test_skipped_positions_keep_true_rope_distances(target, draft):
     gapped = draft.block_logits(mx.array([5]), block, None, st)
     assert not mx.allclose(plain, gapped, atol=1e-3).item(), "the gap was ignored"
     # The same rows, each placed at its position one by one, draft the same block.
-    st = draft.make_state()
+    st = draft.make_state(head=head)
     for i in range(12):
         st.skip_to(i + (4 if i >= 5 else 0))
         draft.add_context(feats[:, i : i + 1], st)
@@ -80,11 +79,11 @@ def test_skipped_positions_keep_true_rope_distances(target, draft):
 
 def test_trimming_a_gapped_context_to_a_position(target, draft):
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     feats = mx.zeros((1, 10, 2 * 64))
 
     def build():
-        st = draft.make_state(base=100)
+        st = draft.make_state(head=head, base=100)
         draft.add_context(feats[:, :4], st)  # 100..103
         st.skip_to(110)  # 104..109 skipped
         draft.add_context(feats[:, 4:], st)  # 110..115
@@ -115,10 +114,10 @@ def test_causal_sliding_layer_masks_future_block_rows(target):
     cfg = draft_config(4, [1, 2], block=8, layers=1)
     cfg.update(layer_types=["sliding_attention"], sliding_window=4)
     d = DFlashDraft(DraftConfig.from_dict(cfg))
-    bind_draft(d, model)
+    head = Pair(model, d).head
     assert d.layers[0].self_attn.causal and d.layers[0].self_attn.window == 4
     mx.random.seed(2)
-    st = d.make_state()
+    st = d.make_state(head=head)
     d.add_context(mx.random.normal((1, 10, 128)), st)
     # With a causal block, row 1's output cannot depend on the tokens after it.
     h1 = d.hidden(mx.array([[5, 1, 1, 1, 1, 1, 1, 1]]), st)
@@ -144,7 +143,7 @@ def test_block_size_read_from_top_level_or_dflash_config():
 @pytest.mark.parametrize("keep", [1, 3, 5])
 def test_rewind_then_regenerate_equals_a_clean_run(models_dir, name, keep):
     model, _ = load(str(models_dir / name))
-    t = TargetAdapter.of(model)
+    t = TargetAdapter(model)
     seq = mx.array([[7, 8, 9, 10, 11, 12, 40, 41, 42, 43, 44]])
     clean = t.make_cache()
     ref, ref_feats = t.forward(seq, clean, [1, 2])
@@ -164,10 +163,26 @@ def test_capture_does_not_change_plain_mlx_lm_decoding(models_dir):
     model, _ = load(str(models_dir / "qwen3"))
     x = mx.array([[3, 4, 5, 6]])
     before = model(x)
-    TargetAdapter.of(model)
+    TargetAdapter(model)
     after = model(x)
     assert mx.array_equal(before, after).item()
-    assert TargetAdapter.of(model) is TargetAdapter.of(model)
+
+
+def test_two_adapters_of_one_model_each_see_their_own_pass(models_dir):
+    """No recorder is shared through the model: a pass of one adapter (one Pair) records
+    nothing into another adapter of the same model, and each captures its own features."""
+    model, _ = load(str(models_dir / "qwen35"))
+    a, b = TargetAdapter(model), TargetAdapter(model)
+    ca, cb = a.make_cache(), b.make_cache()
+    assert a.replay_ids and a.replay_ids == b.replay_ids
+    _, fa = a.forward(mx.array([[3, 4, 5]]), ca, [1])
+    calls_a = a.recorded_calls()
+    _, fb = b.forward(mx.array([[7, 8]]), cb, [1, 2])
+    assert a.recorded_calls().keys() == calls_a.keys()
+    assert all(x.shape[1] == 3 for x, _, _ in a.recorded_calls().values()), "b's pass leaked"
+    assert all(x.shape[1] == 2 for x, _, _ in b.recorded_calls().values())
+    assert fa.shape[1] == 3 and fb.shape[1] == 2 and fb.shape[-1] == 2 * fa.shape[-1]
+    assert not any(k.startswith("_dflash") for k in vars(model)), "state stashed on the model"
 
 
 def test_a_cache_that_can_be_neither_trimmed_nor_replayed_is_refused(models_dir, monkeypatch):
@@ -181,7 +196,7 @@ def test_a_cache_that_can_be_neither_trimmed_nor_replayed_is_refused(models_dir,
         model, "make_cache", lambda: [KVCache(), SealedCache(), KVCache(), KVCache()], raising=False
     )
     with pytest.raises(ValueError, match=r"layer 1 uses SealedCache, which can be neither"):
-        TargetAdapter.of(model).make_cache()
+        TargetAdapter(model).make_cache()
 
 
 def test_binding_does_not_adopt_the_targets_weights(target, draft):
@@ -189,9 +204,11 @@ def test_binding_does_not_adopt_the_targets_weights(target, draft):
 
     model, _ = target
     before = {k for k, _ in tree_flatten(draft.parameters())}
-    bind_draft(draft, model)
+    attrs = set(vars(draft))
+    Pair(model, draft)
     after = {k for k, _ in tree_flatten(draft.parameters())}
     assert before == after and not any("embed" in k or "lm_head" in k for k in after)
+    assert set(vars(draft)) == attrs, "pairing changed the draft"
 
 
 def test_the_draft_holds_weights_only_and_never_samples(target, draft):
@@ -199,11 +216,11 @@ def test_the_draft_holds_weights_only_and_never_samples(target, draft):
     import dflash_mlx.draft as draft_module
 
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     assert not hasattr(draft_module, "sample") and not hasattr(draft_module, "probabilities")
     assert not any(hasattr(draft, name) for name in ("propose", "_caches", "gaps", "reset"))
     before = {k: v for k, v in vars(draft).items() if not k.startswith("_")}
-    a, b = draft.make_state(), draft.make_state()
+    a, b = draft.make_state(head=head), draft.make_state(head=head)
     draft.add_context(mx.ones((1, 3, 2 * 64)), a)
     assert (a.context_length, b.context_length) == (3, 0), "states are independent"
     assert {k: v for k, v in vars(draft).items() if not k.startswith("_")}.keys() == before.keys()
@@ -219,14 +236,14 @@ def test_a_windowed_draft_drafts_as_if_given_only_its_window(target, draft):
     from dflash_mlx.draft import FORGET_SLACK
 
     model, _ = target
-    bind_draft(draft, model)
+    head = Pair(model, draft).head
     mx.random.seed(4)
     window = 24
     n = 295  # chunks of 38 reach 290 rows: past window - 1 + FORGET_SLACK; then 5 more
     assert 252 <= window - 1 + FORGET_SLACK < 290
     feats = mx.random.normal((1, n, 2 * 64))
     block = draft.config.block_size
-    st = draft.make_state(window=window)
+    st = draft.make_state(head=head, window=window)
     draft.add_context(feats[:, :100], st)
     st.skip_to(130)  # positions 100..129 without features
     for i in range(100, n - 5, 38):  # in cycles' worth of rows, the last one drops rows
@@ -235,11 +252,11 @@ def test_a_windowed_draft_drafts_as_if_given_only_its_window(target, draft):
     draft.add_context(feats[:, n - 5 :], st)  # the window now straddles the drop
     assert st.context_end == n + 30
     windowed = draft.block_logits(mx.array([5]), block, None, st)
-    only = draft.make_state(base=n + 30 - (window - 1))
+    only = draft.make_state(head=head, base=n + 30 - (window - 1))
     draft.add_context(feats[:, n - (window - 1) :], only)
     alone = draft.block_logits(mx.array([5]), block, None, only)
     assert mx.allclose(windowed, alone, atol=1e-4).item(), "the window saw other rows"
-    unlimited = draft.make_state()
+    unlimited = draft.make_state(head=head)
     draft.add_context(feats, unlimited)
     whole = draft.block_logits(mx.array([5]), block, None, unlimited)
     assert not mx.allclose(windowed, whole, atol=1e-3).item(), "the window was ignored"

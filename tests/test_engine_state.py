@@ -12,11 +12,9 @@ import sys
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import PromptCache, generate, load, stream_generate
+from dflash_mlx import Pair, PromptCache, generate, load, stream_generate
 from dflash_mlx.decode import speculative_decode
-from dflash_mlx.loading import bind_draft
 from dflash_mlx.sampling import SamplingParams
-from dflash_mlx.target import TargetAdapter
 
 from .test_decode import PROMPTS
 
@@ -24,9 +22,8 @@ from .test_decode import PROMPTS
 
 
 def cycles_of(model, draft, ids, **kw):
-    bind_draft(draft, model)
     args = dict(max_tokens=40, params=SamplingParams(), width=4, draft_block=4) | kw
-    return speculative_decode(TargetAdapter.of(model), draft, ids, **args)
+    return speculative_decode(Pair(model, draft), ids, **args)
 
 
 def record(cycle):
@@ -138,7 +135,7 @@ def test_draws_follow_the_position_not_the_cycle(target, draft):
     wrong.update(draft.parameters())
     kw = dict(max_tokens=30, temperature=0.05, seed=11)
     plain = generate(model, None, tok, ids, **kw)
-    wide = generate(model, wrong, tok, ids, block_size=4, **kw)
+    wide = generate(model, wrong, tok, ids, verify_width=4, **kw)
     assert wide.cycles == 29 and wide.mean_acceptance == 1.0, "every draft rejected"
     assert wide.tokens == plain.tokens
 
@@ -164,22 +161,17 @@ def fails_on(n: int, real, when=lambda *a: True):
     return wrapper
 
 
-def run_tokens(model, draft, tok, ids, pc, **kw):
-    stream = stream_generate(
-        model, draft, tok, ids, max_tokens=16, block_size=4, prompt_cache=pc, **kw
-    )
+def run_tokens(pair, tok, ids, pc, **kw):
+    stream = stream_generate(pair, tok, ids, max_tokens=16, verify_width=4, prompt_cache=pc, **kw)
     return [t for r in stream for t in r.tokens]
 
 
-def injections(model, tok):
+def injections(pair, tok):
     """Stage -> (patch installer, extra stream_generate arguments)."""
-    import importlib
-
     import dflash_mlx.decode as decode
+    from dflash_mlx.text import StopMatcher
 
-    gen_mod = importlib.import_module("dflash_mlx.generate")  # the module, not the function
-
-    adapter = TargetAdapter.of(model)
+    adapter = pair.target
     detok = type(tok.detokenizer)
 
     def chunks(tokens, *_):
@@ -200,9 +192,7 @@ def injections(model, tok):
         ),
         "detokenizer": (lambda m: m.setattr(detok, "add_token", fails_on(5, detok.add_token)), {}),
         "stop matcher": (
-            lambda m: m.setattr(
-                gen_mod._StopMatcher, "feed", fails_on(3, gen_mod._StopMatcher.feed)
-            ),
+            lambda m: m.setattr(StopMatcher, "feed", fails_on(3, StopMatcher.feed)),
             {"stop": ["zzzz"]},
         ),
     }
@@ -229,17 +219,16 @@ def test_a_failure_at_any_stage_leaves_a_cache_the_next_request_can_use(
     same PromptCache gives what a fresh request gives, and leaves a cache the one after
     can use too."""
     model, tok = load(str(models_dir / name))
+    pair = Pair(model, draft)
     ids = tok.encode(" ".join(PROMPTS) * 2)
     nxt = ids + tok.encode(" return a + b")
     other = tok.encode(" ".join(reversed(PROMPTS)) * 2)
-    want = run_tokens(model, draft, tok, nxt, None)
+    want = run_tokens(pair, tok, nxt, None)
     pc = PromptCache()
-    run_tokens(model, draft, tok, ids, pc)
+    run_tokens(pair, tok, ids, pc)
     late = None
     if stage in ("consumer", "abandoned stream", "server disconnect"):
-        stream = stream_generate(
-            model, draft, tok, ids, max_tokens=16, block_size=4, prompt_cache=pc
-        )
+        stream = stream_generate(pair, tok, ids, max_tokens=16, verify_width=4, prompt_cache=pc)
         shown = next(stream).tokens + next(stream).tokens
         if stage == "consumer":
             with pytest.raises(Boom):
@@ -252,21 +241,21 @@ def test_a_failure_at_any_stage_leaves_a_cache_the_next_request_can_use(
         else:
             late = stream  # abandoned: closed late, after the next request ended
     else:
-        install, extra = injections(model, tok)[stage]
+        install, extra = injections(pair, tok)[stage]
         with monkeypatch.context() as m:
             install(m)
             with pytest.raises(Boom):  # another prompt: it would rewrite the reused caches
-                run_tokens(model, draft, tok, other, pc, **extra)
-    got = run_tokens(model, draft, tok, nxt, pc)
+                run_tokens(pair, tok, other, pc, **extra)
+    got = run_tokens(pair, tok, nxt, pc)
     assert got == want, f"{name}: after a failure in the {stage}"
     if late is not None:
         # The abandoned stream ends now: it must not replace the newer request's state
         # with one claiming its own tokens (a prompt continuing them would trust it).
         late.close()
         cont = ids + shown + tok.encode(" print")
-        cont_want = run_tokens(model, draft, tok, cont, None)
-        assert run_tokens(model, draft, tok, cont, pc) == cont_want, f"{name}: {stage}"
-    again = run_tokens(model, draft, tok, nxt, pc)
+        cont_want = run_tokens(pair, tok, cont, None)
+        assert run_tokens(pair, tok, cont, pc) == cont_want, f"{name}: {stage}"
+    again = run_tokens(pair, tok, nxt, pc)
     assert again == want, f"{name}: the cache left after the {stage} is not usable"
 
 
@@ -288,8 +277,8 @@ def test_the_owner_check_is_identity_not_equality(target, draft):
     twin.update(draft.parameters())
     pc = PromptCache()
     ids = tok.encode(PROMPTS[0])
-    list(stream_generate(model, draft, tok, ids, max_tokens=8, block_size=4, prompt_cache=pc))
+    list(stream_generate(model, draft, tok, ids, max_tokens=8, verify_width=4, prompt_cache=pc))
     chunks = list(
-        stream_generate(model, twin, tok, ids, max_tokens=8, block_size=4, prompt_cache=pc)
+        stream_generate(model, twin, tok, ids, max_tokens=8, verify_width=4, prompt_cache=pc)
     )
     assert chunks[0].cached_tokens == 0, "another draft object must not reuse the state"

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import LoadError, generate, load, load_draft
-from dflash_mlx.loading import bind_draft
+from dflash_mlx.pair import Pair
 
 from .conftest import build_draft, draft_config
 
@@ -47,7 +47,7 @@ def test_draft_for_another_hidden_size_is_refused(target, tmp_path):
     cfg.update(hidden_size=32, head_dim=8)
     d = load_draft(build_draft(tmp_path / "d", cfg, seed=0))
     with pytest.raises(LoadError, match=r"hidden size: draft 32, target 64"):
-        bind_draft(d, model)
+        Pair(model, d)
 
 
 def test_draft_for_another_vocabulary_is_refused(target, tmp_path):
@@ -62,7 +62,7 @@ def test_draft_for_a_deeper_target_is_refused(target, tmp_path):
     cfg = draft_config(36, [1, 9, 17, 25, 33])
     d = load_draft(build_draft(tmp_path / "d", cfg, seed=0))
     with pytest.raises(LoadError) as e:
-        bind_draft(d, model)
+        Pair(model, d)
     msg = str(e.value)
     assert "36-layer target, target has 4" in msg and "[1, 9, 17, 25, 33] out of range" in msg
 
@@ -191,7 +191,7 @@ def test_half_precision_weights_run_in_float32_on_a_cpu_with_openblas(
     assert _dtypes(model) == {mx.float32} and _dtypes(d) == {mx.float32}
     # still lossless: the upcast pair against its own plain greedy decode
     assert (
-        generate(model, d, tok, "hello", max_tokens=12, block_size=4).tokens
+        generate(model, d, tok, "hello", max_tokens=12, verify_width=4).tokens
         == generate(model, None, tok, "hello", max_tokens=12).tokens
     )
     monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "0")

@@ -26,7 +26,7 @@ def run(model, draft, tok, ids, pc, **kw):
     width = 4 if draft is not None else 1
     chunks = list(
         stream_generate(
-            model, draft, tok, ids, max_tokens=12, block_size=width, prompt_cache=pc, **kw
+            model, draft, tok, ids, max_tokens=12, verify_width=width, prompt_cache=pc, **kw
         )
     )
     return [t for c in chunks for t in c.tokens], chunks[0].cached_tokens
@@ -67,9 +67,11 @@ def test_a_reply_cut_by_a_stop_string_leaves_a_usable_cache(target, draft):
     model, tok = target
     pc = PromptCache()
     ids = tok.encode("The quick brown fox")
-    full = generate(model, draft, tok, ids, max_tokens=20, block_size=8)
+    full = generate(model, draft, tok, ids, max_tokens=20, verify_width=8)
     stop = full.text[6:9]
-    cut = generate(model, draft, tok, ids, max_tokens=20, block_size=8, stop=stop, prompt_cache=pc)
+    cut = generate(
+        model, draft, tok, ids, max_tokens=20, verify_width=8, stop=stop, prompt_cache=pc
+    )
     assert cut.finish_reason == "stop"
     nxt = ids + cut.tokens + tok.encode(" jumps")
     out, cached = run(model, draft, tok, nxt, pc)
@@ -125,7 +127,7 @@ def test_a_hybrid_target_resumes_after_the_reply_or_else_at_the_prompt(models_di
         scripted.script = ids + greedy(model, tok, ids, 13) + [0] * 32
         chunks = list(
             stream_generate(
-                model, scripted, tok, ids, max_tokens=13, block_size=width, prompt_cache=pc, **kw
+                model, scripted, tok, ids, max_tokens=13, verify_width=width, prompt_cache=pc, **kw
             )
         )
         out = [t for c in chunks for t in c.tokens]
@@ -143,7 +145,7 @@ def test_a_hybrid_target_resumes_after_the_reply_or_else_at_the_prompt(models_di
     _, cached, _ = turn(turn3)
     assert cached == len(turn2) - 1
     # A stop string ends the reply while the next cycle is already on the device.
-    full = generate(model, draft, tok, turn3, max_tokens=13, block_size=width).text
+    full = generate(model, draft, tok, turn3, max_tokens=13, verify_width=width).text
     cut, _, reason = turn(turn3, stop=full[4:7])
     assert reason == "stop"
     turn4 = turn3 + cut + tok.encode(" jumps")

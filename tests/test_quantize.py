@@ -9,10 +9,9 @@ import mlx.nn as nn
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import generate, load, load_draft
+from dflash_mlx import Pair, generate, load, load_draft
 from dflash_mlx.cli.main import app
 from dflash_mlx.conv import DynamicConv
-from dflash_mlx.loading import bind_draft
 from dflash_mlx.quantize import compare_drafts, quantize_draft, quantize_target, save_draft
 
 from .conftest import build_draft, draft_config
@@ -20,8 +19,7 @@ from .test_decode import PROMPTS, target_greedy
 
 
 def block_logits(draft, model, seed=0):
-    bind_draft(draft, model)
-    state = draft.make_state()
+    state = Pair(model, draft).draft_state()
     mx.random.seed(seed)
     draft.add_context(mx.random.normal((1, 24, 128)), state)
     return draft.block_logits(mx.array([9]), draft.config.block_size, None, state)
@@ -82,9 +80,10 @@ def test_dflash2_conv_and_selector_stay_float(target, draft2, tmp_path):
 def test_greedy_decoding_with_a_quantized_draft_is_still_lossless(target, draft, bits):
     model, tok = target
     q, _ = quantize_draft(draft, bits=bits, group_size=32)
+    pair = Pair(model, q)
     for prompt in PROMPTS[:2]:
         ids = tok.encode(prompt)
-        out = generate(model, q, tok, ids, max_tokens=30, block_size=8)
+        out = generate(pair, tok, ids, max_tokens=30, verify_width=8)
         assert out.tokens == target_greedy(model, ids, 30)
 
 
@@ -156,6 +155,6 @@ def test_target_wrapper_writes_a_folder_dflash_mlx_loads(models_dir, draft, tmp_
     assert json.loads((out / "config.json").read_text())["quantization"]["bits"] == 4
     assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     ids = tok.encode(PROMPTS[0])
-    assert generate(model, draft, tok, ids, max_tokens=12, block_size=4).tokens == (
+    assert generate(Pair(model, draft), tok, ids, max_tokens=12, verify_width=4).tokens == (
         target_greedy(model, ids, 12)
     )

@@ -16,9 +16,8 @@ import pytest
 import dflash_mlx.decode as decode
 from dflash_mlx.config import DraftConfig
 from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.loading import bind_draft
+from dflash_mlx.pair import Pair
 from dflash_mlx.sampling import SamplingParams, probabilities, rejection_accept
-from dflash_mlx.target import TargetAdapter
 
 from .conftest import draft_config, qwen3_config
 
@@ -147,7 +146,6 @@ def build_tiny_vocab_pair(draft_seed: int, dflash2: bool = False):
         sel.predecessor_codebook = mx.random.normal(sel.predecessor_codebook.shape)
         sel.successor_codebook = mx.random.normal(sel.successor_codebook.shape)
     mx.eval(model.parameters(), draft.parameters())
-    bind_draft(draft, model)
     return model, draft
 
 
@@ -169,13 +167,12 @@ def exact_second_token(model, t, top_k, top_p) -> np.ndarray:
 
 
 def second_token_counts(model, draft, params, draws):
-    target = TargetAdapter.of(model)
+    pair = Pair(model, draft)
     counts = np.zeros(V, dtype=np.int64)
     accepted = 0
     for seed in range(draws):
         cycles = decode.speculative_decode(
-            target,
-            draft,
+            pair,
             PROMPT,
             max_tokens=3,
             params=params,
@@ -223,9 +220,9 @@ def test_seeded_sampling_is_reproducible(target, draft):
     from dflash_mlx import generate
 
     model, tok = target
-    a = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, block_size=4)
-    b = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, block_size=4)
-    c = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=8, block_size=4)
+    a = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, verify_width=4)
+    b = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=7, verify_width=4)
+    c = generate(model, draft, tok, "def", max_tokens=20, temperature=0.9, seed=8, verify_width=4)
     assert a.tokens == b.tokens
     assert a.tokens != c.tokens, "a different seed should sample differently"
 
@@ -243,7 +240,6 @@ class TableDraft(DFlashDraft):
     def __init__(self, base: DFlashDraft, table: dict[int, list[int]], sharpness: float = 3.0):
         super().__init__(base.config)
         self.update(base.parameters())
-        self.bind(base._embed, base._lm_head)
         self.table, self.sharpness = table, sharpness
         self._anchor = 0
 
@@ -259,7 +255,7 @@ class TableDraft(DFlashDraft):
         self._anchor = anchor.item()
         return super().block_hidden(anchor, length, rows, state)
 
-    def logits(self, h):
+    def logits(self, h, head=None):
         return self._table_logits(h.shape[0])
 
 
@@ -291,13 +287,12 @@ def exact_joint(model, t, top_k, top_p, n=JOINT) -> dict[tuple[int, ...], float]
 def joint_counts(model, draft, params, draws) -> tuple[dict, list[int]]:
     """Counts of the first `JOINT` tokens over `draws` seeds (width 4), and how many drafts
     the first cycle accepted, by count 0..3."""
-    target = TargetAdapter.of(model)
+    pair = Pair(model, draft)
     counts: dict[tuple[int, ...], int] = {}
     by_accepted = [0, 0, 0, 0]
     for seed in range(draws):
         cycles = decode.speculative_decode(
-            target,
-            draft,
+            pair,
             PROMPT,
             max_tokens=JOINT,
             params=params,

@@ -8,6 +8,7 @@ command in a subprocess. Every wait is bounded.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -32,7 +33,7 @@ from dflash_mlx.cli.main import app as cli_app
 from dflash_mlx.cli.serve import exposure_warning
 from dflash_mlx.generate import encode_prompt
 from dflash_mlx.prompt_cache import common_prefix
-from dflash_mlx.server import Engine, ServerSettings, context_length, create_server
+from dflash_mlx.server import Engine, ServerSettings, create_server
 
 MODEL = "tiny"
 WIDTH = 4  # the main server's verify width: real draft-and-verify cycles (tau ~ 1 here)
@@ -77,11 +78,15 @@ def serving(
     """A real uvicorn server on a free loopback port over its own copy of a model pair;
     `settings`: ServerSettings fields beyond the defaults here."""
     api_key = engine_kwargs.pop("api_key", None)
+    # The server's generation defaults (e.g. verify_width) go to the engine's options.
+    names = {f.name for f in dataclasses.fields(dflash_mlx.GenerateOptions)}
+    defaults = {k: engine_kwargs.pop(k) for k in list(engine_kwargs) if k in names}
     model, tok = dflash_mlx.load(str(models_dir / target))
-    drafter = dflash_mlx.load_draft(str(models_dir / draft))
-    engine = Engine(model, drafter, tok, **engine_kwargs)
+    pair = dflash_mlx.Pair(model, dflash_mlx.load_draft(str(models_dir / draft)))
+    options = dflash_mlx.GenerateOptions(**defaults)
+    engine = Engine(pair, tok, options=options, **engine_kwargs)
     fields = dict(
-        model_id=MODEL, api_key=api_key, default_max_tokens=16, context_length=context_length(model)
+        model_id=MODEL, api_key=api_key, default_max_tokens=16, context_length=pair.context_limit
     )
     settings = ServerSettings(**{**fields, **(settings or {})})
     sock = socket.socket()
@@ -111,7 +116,7 @@ def serving(
 
 @pytest.fixture(scope="module")
 def server(models_dir) -> Iterator[Server]:
-    with serving(models_dir, block_size=WIDTH) as s:
+    with serving(models_dir, verify_width=WIDTH) as s:
         yield s
 
 
@@ -131,7 +136,7 @@ def client(server) -> openai.OpenAI:
 def reference(target, draft, prompt, max_tokens: int, **kw) -> dflash_mlx.GenerationResult:
     model, tok = target
     return dflash_mlx.generate(
-        model, draft, tok, prompt, max_tokens=max_tokens, temperature=0, block_size=WIDTH, **kw
+        model, draft, tok, prompt, max_tokens=max_tokens, temperature=0, verify_width=WIDTH, **kw
     )
 
 
@@ -237,7 +242,7 @@ def test_stop_strings_are_never_emitted_even_across_chunk_boundaries(client, tar
     pieces = [
         r.text
         for r in dflash_mlx.stream_generate(
-            model, draft, tok, USER, max_tokens=24, temperature=0, block_size=WIDTH
+            model, draft, tok, USER, max_tokens=24, temperature=0, verify_width=WIDTH
         )
     ]
     full = "".join(pieces)
@@ -308,7 +313,7 @@ def test_a_new_conversation_reuses_a_prefix_another_one_cached(models_dir, targe
     c = [system, {"role": "user", "content": "import os"}]
     pa, pb, pc = (encode_prompt(tok, m) for m in (a, b, c))
     ref_a, ref_b, ref_c = (reference(target, draft, m, 6) for m in (a, b, c))
-    with serving(models_dir, block_size=WIDTH, prompt_cache_slots=2) as s:
+    with serving(models_dir, verify_width=WIDTH, prompt_cache_slots=2) as s:
         client = s.client()
         kw = dict(model=MODEL, max_tokens=6, temperature=0)
         out_a = client.chat.completions.create(messages=a, **kw)

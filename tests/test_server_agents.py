@@ -133,14 +133,14 @@ def scripted_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def agent(scripted_dir):
     settings = dict(cors_origins=(ALLOWED,), max_body_mb=1.0, body_timeout=1.0, header_timeout=1.0)
-    pair = dict(target="scripted", draft="scripted-draft", block_size=4)
+    pair = dict(target="scripted", draft="scripted-draft", verify_width=4)
     with serving(scripted_dir, settings=settings, **pair) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def keyed(scripted_dir):
-    pair = dict(target="scripted", draft="scripted-draft", block_size=4)
+    pair = dict(target="scripted", draft="scripted-draft", verify_width=4)
     with serving(scripted_dir, api_key=KEY, **pair) as s:
         yield s
 

@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx import generate, load_draft
+from dflash_mlx import Pair, generate, load_draft
 from dflash_mlx.cli.main import app
 from dflash_mlx.cli.train import _regenerator
-from dflash_mlx.target import TargetAdapter
 from dflash_mlx.tiny import CORPUS
 from dflash_mlx.train import (
     Example,
@@ -45,7 +44,7 @@ def regen_data(target, tmp_path_factory):
     return examples
 
 
-def fresh_draft(model, block=8):
+def fresh_pair(model, block=8):
     cfg = draft_config_for(model, layers=1, block_size=block, mask_token_id=1)
     return init_draft(model, cfg, seed=0), cfg
 
@@ -56,15 +55,16 @@ def test_training_blocks_see_exactly_what_inference_shows(target, sliding):
     cfg = draft_config_for(model, layers=2, block_size=8, mask_token_id=1)
     if sliding:
         cfg.update(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
-    draft = init_draft(model, cfg)
+    pair = init_draft(model, cfg)
+    draft = pair.draft
     seq = mx.array([tok.encode("def add(a, b):\n    return a + b\nfor i in range(10):")])
-    _, feats = TargetAdapter.of(model).forward(seq, None, draft.config.target_layer_ids)
+    _, feats = pair.target.forward(seq, None, draft.config.target_layer_ids)
     anchors = mx.array([2, 9, 15])
     block = mx.full((3, 8), 1, dtype=mx.int32)
     block[:, 0] = seq[0, anchors]
-    batch = draft.training_logits(feats, mx.array([0, 0, 0]), anchors, block)
+    batch = draft.training_logits(feats, mx.array([0, 0, 0]), anchors, block, pair.head)
     for i, s in enumerate(anchors.tolist()):
-        state = draft.make_state()
+        state = pair.draft_state()
         draft.add_context(feats[:, :s], state)
         engine = draft.block_logits(seq[0, s : s + 1], 8, None, state)
         assert mx.allclose(batch[i], engine, atol=1e-4).item(), f"anchor {s}"
@@ -76,25 +76,25 @@ def test_short_training_with_the_defaults_lowers_loss_and_raises_engine_tau(
     """The default learning rate, schedule and γ (by block size) distil a useful draft in a
     few dozen steps (a small batch keeps the test fast)."""
     model, tok = target
-    draft, cfg = fresh_draft(model)
+    pair, cfg = fresh_pair(model)
     prompts = [e.tokens[: e.start] for e in regen_data[:4]]
-    before = held_out_tau(model, draft, tok, prompts, 32)
+    before = held_out_tau(pair, tok, prompts, 32)
     settings = TrainSettings(
         steps=60, batch=4, anchors_per_seq=8, seq_len=96, eval_every=1000, save_every=1000
     )
-    log = train(model, tok, draft, cfg, regen_data, settings, tmp_path / "d")
+    log = train(pair, tok, cfg, regen_data, settings, tmp_path / "d")
     first = np.mean([s["loss"] for s in log.steps[:5]])
     last = np.mean([s["loss"] for s in log.steps[-5:]])
-    after = held_out_tau(model, draft, tok, prompts, 32)
+    after = held_out_tau(pair, tok, prompts, 32)
     assert last < 0.6 * first, (first, last)
     assert after > before + 0.25, (before, after)
     assert log.settings["loss_gamma"] == 4.0, "block 8 takes the paper's γ = 4"
     # The saved draft is a published-format checkpoint the engine loads, still lossless.
     loaded = load_draft(tmp_path / "d")
     ids = prompts[0]
-    out = generate(model, loaded, tok, ids, max_tokens=24, block_size=8)
+    out = generate(Pair(model, loaded), tok, ids, max_tokens=24, verify_width=8)
     assert out.tokens == target_greedy(model, ids, 24)[: len(out.tokens)]
-    assert out.mean_acceptance > 1.0
+    assert out.stats.tau > 1.0
 
 
 def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
@@ -104,8 +104,8 @@ def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
     )
 
     def run(out: str, **kw):
-        draft, cfg = fresh_draft(model)  # a resumed run takes weights from the checkpoint
-        return train(model, tok, draft, cfg, regen_data, settings, tmp_path / out, **kw)
+        pair, cfg = fresh_pair(model)  # a resumed run takes weights from the checkpoint
+        return train(pair, tok, cfg, regen_data, settings, tmp_path / out, **kw)
 
     straight = run("a")
 

@@ -12,382 +12,59 @@ tokenizer wrapper's markers and parser (inferred by `mlx_lm.load` from the chat 
 and its `TextStateMachine`, fed whatever text a DFlash cycle committed. Markup never
 reaches `Text`; a call cut off by the token budget is reported in `Finish`, not leaked.
 
-`APIError` is the one error type the APIs render, each in its own shape.
+Its parts: `request.py` (the `Request`), `events.py` (the result stream and its usage),
+`errors.py` (`APIError`, the one error type the APIs render); their names are re-exported
+here, where the APIs import them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import json
-import logging
 import threading
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from jinja2 import TemplateError
-from mlx_lm.generate import TextStateMachine, make_text_state_machine
+from mlx_lm.generate import make_text_state_machine
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import UserError
-from ..generate import GenerationResponse, encode_prompt
-from .engine import Engine, EngineClosed, EngineDown, Job, QueueFull
+from ..errors import ContextTooLong
+from ..options import GenerateOptions
+from ..pair import check_context
+from ..text import encode_prompt
+from .engine import Engine
+from .errors import APIError, as_api_error
+from .events import (
+    Event,
+    Finish,
+    Generation,
+    Reasoning,
+    Text,
+    ToolCall,
+    Usage,
+    collect,
+    merged,
+    new_id,
+)
+from .request import MIN_TEMPERATURE, SEED_MODULUS, Request, _text_bytes, check_unicode
 
-log = logging.getLogger("dflash_mlx.server")
-
-# Below this, a temperature is greedy decoding: 1/T overflows float32 long before T = 0.
-MIN_TEMPERATURE = 1e-3
-SEED_MODULUS = 2**64  # seeds are any integer; the engine's key takes an unsigned 64-bit one
-
-
-class APIError(Exception):
-    """An error the client must know about: HTTP status, message, OpenAI's type/param/code.
-
-    The APIs render it in their own shapes; `kind` is the OpenAI `type`.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-
-def as_api_error(exc: BaseException) -> APIError:
-    """Any exception as the error a client sees: the caller's with its message, ours generic."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFull):
-        return APIError(
-            503,
-            f"The server is busy: {exc}.",
-            code="queue_full",
-            headers={"Retry-After": str(exc.retry_after)},
-        )
-    if isinstance(exc, EngineDown):
-        return APIError(503, str(exc), code="engine_restarting", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineClosed):
-        return APIError(503, str(exc), code="shutting_down")
-    if isinstance(exc, UserError):
-        return APIError(400, str(exc), code="invalid_value")
-    log.error("internal error", exc_info=(type(exc), exc, exc.__traceback__))
-    return APIError(500, "The server had an internal error; its log has the details.")
-
-
-# ---------------------------------------------------------------------------------------
-# The internal request
-
-
-@dataclass
-class Request:
-    messages: list[dict[str, Any]] | None = None  # chat, in the template's shape
-    prompt: str | list[int] | None = None  # a raw completion prompt instead
-    tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {...}}]
-    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"name": ...}
-    parallel_tool_calls: bool = True  # False: the first call of a reply only
-    max_tokens: int | None = None  # None: the server's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    param: str = "messages"  # the request field errors about the prompt name
-
-    def sampling(self) -> dict[str, Any]:
-        top_p, top_k = self.top_p, max(self.top_k, 0)
-        if top_p == 0:  # the smallest set holding mass 0 is the top token alone
-            top_p, top_k = 1.0, 1
-        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
-        return {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "min_p": self.min_p,
-            "seed": None if self.seed is None else self.seed % SEED_MODULUS,
-            "stop": self.stop,
-        }
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools the chat template shows the model (tool_choice none: none)."""
-        if not self.tools or self.tool_choice == "none":
-            return None
-        if isinstance(self.tool_choice, dict):
-            name = self.tool_choice["name"]
-            chosen = [t for t in self.tools if t["function"].get("name") == name]
-            if not chosen:
-                raise APIError(
-                    400,
-                    f"tool_choice names the function {name!r}, which is not among the tools "
-                    f"({', '.join(repr(t['function'].get('name')) for t in self.tools)})",
-                    param="tool_choice",
-                    code="invalid_value",
-                )
-            return chosen
-        return self.tools
-
-
-def check_unicode(value: Any, param: str) -> None:
-    """Refuse lone surrogates (valid JSON escapes, invalid Unicode) before any tokenizer."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise APIError(
-                400,
-                f"Invalid '{param}': the text holds an invalid Unicode code point "
-                f"{value[e.start]!r} at position {e.start} (a lone surrogate)",
-                param=param,
-                code="invalid_value",
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_unicode(k, param)
-            check_unicode(v, param)
-    elif isinstance(value, list):
-        for v in value:
-            check_unicode(v, param)
-
-
-def _text_bytes(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value.encode("utf-8"))
-    if isinstance(value, dict):
-        return sum(_text_bytes(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
-    return 0
-
-
-# ---------------------------------------------------------------------------------------
-# The result stream
-
-
-@dataclass
-class Text:
-    text: str
-
-
-@dataclass
-class Reasoning:
-    text: str
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-@dataclass
-class Finish:
-    reason: str  # stop | length | tool_calls
-    usage: Usage
-    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
-    truncated_tool_call: bool = False  # the budget ran out inside a tool call
-
-
-Event = Text | Reasoning | ToolCall | Finish
-
-
-class Usage:
-    """Running totals of one request's `GenerationResponse`s: usage and DFlash timings."""
-
-    def __init__(self, prompt_tokens: int) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.last: GenerationResponse | None = None
-        self.drafted = 0  # tokens the target verified beyond each cycle's anchor
-        self.accepted = 0
-
-    def add(self, r: GenerationResponse) -> None:
-        self.last = r
-        self.drafted += max(r.width - 1, 0)
-        self.accepted += r.accepted
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.last.generation_tokens if self.last else 0
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.last.cached_tokens if self.last else 0
-
-    def timings(self) -> dict[str, Any]:
-        """llama-server's `timings` keys, plus DFlash's: tau, cycles, verify width, memory."""
-        r = self.last
-        if r is None:
-            return {}
-        prefilled = r.prompt_tokens - r.cached_tokens
-        # generation_tps counts the tokens after the first over their own time.
-        predicted_ms = (
-            (r.generation_tokens - 1) / r.generation_tps * 1000 if r.generation_tps else 0
-        )
-        return {
-            "cache_n": r.cached_tokens,
-            "prompt_n": prefilled,
-            "prompt_ms": r.time_to_first_token * 1000,
-            "prompt_per_second": r.prompt_tps,
-            "predicted_n": r.generation_tokens,
-            "predicted_ms": predicted_ms,
-            "predicted_per_second": r.generation_tps,
-            "draft_n": self.drafted,
-            "draft_n_accepted": self.accepted,
-            "tau": r.mean_acceptance,
-            "cycles": r.cycles,
-            "verify_width": r.block_size,  # None: chosen per cycle
-            "peak_memory_gb": r.peak_memory,
-            # What ran: cycles and tokens per width (1: plain), plain share, probes, draft.
-            "ran": r.stats.what_ran(),
-        }
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-class Generation:
-    """One queued request: its events, in order, as the worker commits tokens."""
-
-    def __init__(self, service: Service, job: Job, req: Request, ids: list[int], chat: bool):
-        self._service = service
-        self.job = job
-        self.request = req
-        self.prompt_tokens = len(ids)
-        self.usage = Usage(len(ids))  # running totals, up to date after each event
-        self.chat = chat
-        tok = service.tokenizer
-        initial = "normal"
-        if chat and tok.has_thinking:
-            if tok.rfind_think_start(ids) > tok.rfind_think_end(ids):
-                initial = "reasoning"  # the template opened the reasoning block
-        self._state = service.text_machine.make_state(initial) if chat else None
-
-    def cancel(self) -> None:
-        self.job.cancel()
-
-    async def events(self) -> AsyncIterator[Event]:
-        """The request's events; leaving early (a client gone) cancels the request."""
-        usage = self.usage
-        raw: list[str] = []  # the text as stream_generate gave it, markup included
-        tokens: list[int] = []
-        mode = self._state[0] if self._state else "normal"
-        tool_text = ""
-        made_call = False
-        try:
-            async for r in self.job.responses():
-                usage.add(r)
-                raw.append(r.text)
-                tokens.extend(r.tokens)
-                if self._state is None:
-                    if r.text:
-                        yield Text(r.text)
-                    continue
-                self._state, segments = TextStateMachine.split(self._state, r.text)
-                if r.finish_reason is not None:  # the end: whatever was held back is text
-                    self._state, rest, current = TextStateMachine.flush(self._state)
-                    segments.append((current, rest))
-                for state, text in segments:
-                    if mode == "tool" and state != "tool":  # a call just closed
-                        for c in self._parse_calls(tool_text):
-                            if made_call and not self.request.parallel_tool_calls:
-                                break
-                            made_call = True
-                            yield c
-                        tool_text = ""
-                    mode = state
-                    if not text:
-                        continue
-                    if state == "tool":
-                        tool_text += text
-                    elif state == "reasoning":
-                        yield Reasoning(text)
-                    else:
-                        yield Text(text)
-            last = usage.last
-            if last is None:  # cancelled before the first token
-                return
-            reason = last.finish_reason or "length"
-            truncated = False
-            if mode == "tool" and tool_text.strip():  # the reply ended inside a call
-                calls = self._parse_calls(tool_text) if reason == "stop" else []
-                for c in calls:
-                    if made_call and not self.request.parallel_tool_calls:
-                        break
-                    made_call = True
-                    yield c
-                truncated = not calls
-                if truncated:
-                    log.warning("a tool call was cut off (%s): %r", reason, tool_text[:200])
-            stop_sequence = None
-            if reason == "stop" and tokens and tokens[-1] not in self._service.eos_ids:
-                stop_sequence = self._service.which_stop(self.request.stop, "".join(raw), tokens)
-            if made_call and reason == "stop" and stop_sequence is None:
-                reason = "tool_calls"
-            yield Finish(reason, usage, stop_sequence, truncated)
-        finally:
-            self.job.cancel()
-
-    def _parse_calls(self, text: str) -> list[ToolCall]:
-        parser = self._service.tokenizer.tool_parser
-        try:
-            parsed = parser(text, self.request.tools)
-        except Exception as e:  # the model wrote something its family's parser rejects
-            log.warning("unparsable tool call (%s: %s): %r", type(e).__name__, e, text[:200])
-            return []
-        out = []
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or "name" not in call:
-                log.warning("unparsable tool call: %r", text[:200])
-                continue
-            args = call.get("arguments", {})
-            if not isinstance(args, str):
-                args = json.dumps(args, ensure_ascii=False)
-            out.append(ToolCall(call.get("id") or new_id("call_"), str(call["name"]), args))
-        return out
-
-
-async def collect(gen: Generation, receive) -> list[Event]:
-    """All of a request's events; a client that disconnects meanwhile cancels it."""
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gen.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        return [e async for e in gen.events()]
-    finally:
-        watcher.cancel()
-        gen.cancel()
-
-
-def merged(events: list[Event]) -> tuple[str, str, list[ToolCall], Finish | None]:
-    """text, reasoning, tool calls and the finish of a collected request."""
-    text = "".join(e.text for e in events if isinstance(e, Text))
-    reasoning = "".join(e.text for e in events if isinstance(e, Reasoning))
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    finish = next((e for e in events if isinstance(e, Finish)), None)
-    return text, reasoning, calls, finish
-
-
-# ---------------------------------------------------------------------------------------
-# The service: checks, renders, tokenizes and queues
+__all__ = [
+    "MIN_TEMPERATURE",
+    "SEED_MODULUS",
+    "APIError",
+    "Event",
+    "Finish",
+    "Generation",
+    "Reasoning",
+    "Request",
+    "Service",
+    "Text",
+    "ToolCall",
+    "Usage",
+    "as_api_error",
+    "check_unicode",
+    "collect",
+    "merged",
+    "new_id",
+]
 
 
 class Service:
@@ -395,6 +72,7 @@ class Service:
 
     def __init__(self, engine: Engine, *, context_length: int | None, default_max_tokens: int):
         self.engine = engine
+        # The context a request may use: the target's, or less (`serve --max-context`).
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
         # The app tokenizes on its own copy (off the event loop, one at a time): the worker
@@ -488,7 +166,9 @@ class Service:
     def budget(self, req: Request, n: int) -> int:
         """max_tokens for this request: asked for (or the default), cut to the context left."""
         limit = self.context_length
-        if limit is not None and n >= limit:
+        try:
+            check_context(n, limit, "this server's")
+        except ContextTooLong:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your "
@@ -496,27 +176,18 @@ class Service:
                 f"{req.param}.",
                 param=req.param,
                 code="context_length_exceeded",
-            )
+            ) from None
         wanted = req.max_tokens or self.default_max_tokens
         return wanted if limit is None else min(wanted, limit - n)
 
+    def options(self, req: Request, n: int) -> GenerateOptions:
+        """The engine's options for a request of `n` prompt tokens."""
+        return req.options(self.engine.options, self.budget(req, n))
+
     async def start(self, req: Request) -> Generation:
         ids = await self.tokenize(req)
-        max_tokens = self.budget(req, len(ids))
-        job = self.engine.submit(ids, max_tokens=max_tokens, **req.sampling())
+        job = self.engine.submit(ids, self.options(req, len(ids)))
         return Generation(self, job, req, ids, chat=req.messages is not None)
 
     async def count(self, req: Request) -> int:
         return len(await self.tokenize(req))
-
-    def which_stop(self, stops: list[str], raw: str, tokens: list[int]) -> str | None:
-        """The stop string that ended a reply: it starts where the returned text ends."""
-        if not stops:
-            return None
-        with self._lock:
-            full = self.tokenizer.decode(tokens)
-        for s in stops:
-            if full.startswith(s, len(raw)):
-                return s
-        found = [(full.find(s), s) for s in stops if s and s in full]
-        return min(found)[1] if found else stops[0]

@@ -6,13 +6,14 @@ request prefills only what its history does not share. Requests arrive from an a
 event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
 dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
 has taken its place. Knows nothing about HTTP or
-OpenAI's formats: it takes token ids and `stream_generate` keyword arguments.
+OpenAI's formats: it takes token ids and a `GenerateOptions`, and serves one `Pair`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import math
 import threading
@@ -21,8 +22,11 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..generate import GenerationResponse, encode_prompt, stream_generate
+from ..generate import GenerationResponse, stream_generate
+from ..options import GenerateOptions
+from ..pair import Pair
 from ..prompt_cache import PromptCache, common_prefix
+from ..text import encode_prompt
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -47,16 +51,6 @@ class _Cancelled(Exception):
     """Raised from the prefill progress callback to abandon a cancelled request."""
 
 
-def context_length(model) -> int | None:
-    """The target's `max_position_embeddings` (top level or in `text_config`), if it has one."""
-    args = getattr(model, "args", None)
-    n = getattr(args, "max_position_embeddings", None)
-    if n is None:
-        text = getattr(args, "text_config", None)
-        n = text.get("max_position_embeddings") if isinstance(text, dict) else None
-    return int(n) if n else None
-
-
 def vocab_size(model) -> int | None:
     """Rows of the target's embedding: token ids must be below it."""
     args = getattr(model, "args", None)
@@ -68,11 +62,11 @@ def vocab_size(model) -> int | None:
 
 
 class Job:
-    """One request: its prompt ids and settings, and the responses streaming back."""
+    """One request: its prompt ids and options, and the responses streaming back."""
 
-    def __init__(self, engine: Engine, prompt: list[int], params: dict[str, Any]):
+    def __init__(self, engine: Engine, prompt: list[int], options: GenerateOptions):
         self.prompt = prompt
-        self.params = params
+        self.options = options
         self._engine = engine
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -112,9 +106,18 @@ def fork(pc: PromptCache) -> PromptCache:
     out = PromptCache()
     state = pc.state
     if state is not None:
-        memo = {id(x): x for x in state.owner}  # the models themselves are shared, not copied
         lease, _ = out.take(*state.owner)
-        out.commit(lease, copy.deepcopy(state, memo))
+        # The caches and the draft's context are copied; the models (the owner, and the
+        # target head a DraftState carries) are shared.
+        copied = dataclasses.replace(
+            state,
+            tokens=list(state.tokens),
+            target_cache=copy.deepcopy(state.target_cache),
+            draft=copy.deepcopy(state.draft),
+            pending=list(state.pending),
+            snapshots=list(state.snapshots),
+        )
+        out.commit(lease, copied)
     return out
 
 
@@ -138,19 +141,17 @@ class PromptCachePool:
             raise ValueError(f"prompt cache slots {slots} must be >= 1")
         self.slots = slots
         self._caches: list[PromptCache] = []
-        self._prompt_len: dict[int, int] = {}  # id(cache) -> length of its last prompt
+        self._prompt_len: list[int] = []  # the length of each cache's last prompt
 
     def acquire(self, prompt: list[int]) -> PromptCache:
         caches = self._caches
         shared = [common_prefix(pc.tokens, prompt) for pc in caches]
         continued = [
-            k
-            for k, pc in enumerate(caches)
-            if shared[k] > 0 and shared[k] >= self._prompt_len[id(pc)] - 1
+            k for k in range(len(caches)) if shared[k] > 0 and shared[k] >= self._prompt_len[k] - 1
         ]
         best = max(range(len(caches)), key=lambda k: (shared[k], k), default=None)
         if continued:
-            pc = caches.pop(max(continued, key=lambda k: shared[k]))
+            pc = self._drop(max(continued, key=lambda k: shared[k]))
         elif best is not None and shared[best] >= self.MIN_SHARED and self.slots > 1:
             pc = fork(caches[best])
             if len(caches) >= self.slots:  # evict the least recently used other cache
@@ -159,14 +160,14 @@ class PromptCachePool:
             pc = PromptCache()
         else:
             empty = [k for k, c in enumerate(caches) if not c.tokens]
-            pc = caches.pop(empty[0] if empty else (best if shared[best] else 0))
+            pc = self._drop(empty[0] if empty else (best if shared[best] else 0))
         caches.append(pc)
-        self._prompt_len[id(pc)] = len(prompt)
+        self._prompt_len.append(len(prompt))
         return pc
 
-    def _drop(self, k: int) -> None:
-        pc = self._caches.pop(k)
-        self._prompt_len.pop(id(pc), None)
+    def _drop(self, k: int) -> PromptCache:
+        self._prompt_len.pop(k)
+        return self._caches.pop(k)
 
 
 class Engine:
@@ -174,25 +175,24 @@ class Engine:
 
     def __init__(
         self,
-        model,
-        draft,
+        pair: Pair,
         tokenizer,
         *,
+        options: GenerateOptions | None = None,
         max_queue: int = 16,
         prompt_cache_slots: int = 4,
-        block_size: int | None = None,
         warm_up: bool = True,
-        draft_window: int | None = None,
     ):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue} must be >= 0")
-        self.model = model
-        self.draft = draft
+        if not isinstance(pair, Pair):
+            raise TypeError(f"Engine serves a Pair, got {type(pair).__name__}")
+        self.pair = pair
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size(model)
+        self.vocab_size = vocab_size(pair.model)
         self.max_queue = max_queue
-        self.block_size = block_size  # the verify width W; None: chosen per cycle
-        self.draft_window = draft_window  # positions a draft block sees; None: the draft's
+        # The server's defaults (verify width, draft window, budget): requests start from them.
+        self.options = options or GenerateOptions()
         self._pool = PromptCachePool(prompt_cache_slots)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -236,9 +236,9 @@ class Engine:
                 job._put(_END)
             time.sleep(min(0.1 * self.restarts, 2.0))  # a worker that dies at once: back off
 
-    def submit(self, prompt: list[int], **params: Any) -> Job:
+    def submit(self, prompt: list[int], options: GenerateOptions | None = None) -> Job:
         """Queue a request (from the event loop); `QueueFull` when `max_queue` are waiting."""
-        job = Job(self, prompt, params)
+        job = Job(self, prompt, options or self.options)
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
@@ -321,13 +321,7 @@ class Engine:
         try:
             ids = encode_prompt(self.tokenizer, "Hello")
             for _ in stream_generate(
-                self.model,
-                self.draft,
-                self.tokenizer,
-                ids,
-                max_tokens=2,
-                block_size=self.block_size,
-                draft_window=self.draft_window,
+                self.pair, self.tokenizer, ids, self.options.replace(max_tokens=2, stop=())
             ):
                 pass
         except Exception as e:  # reported by /health; requests will fail the same way
@@ -347,15 +341,12 @@ class Engine:
                 raise _Cancelled
 
         stream = stream_generate(
-            self.model,
-            self.draft,
+            self.pair,
             self.tokenizer,
             job.prompt,
-            block_size=self.block_size,
-            draft_window=self.draft_window,
+            job.options,
             prompt_cache=pc,
             prompt_progress=progress,
-            **job.params,
         )
         outcome = "completed"
         last = None
@@ -377,5 +368,5 @@ class Engine:
         with self._cond:
             self.counts[outcome] += 1
             if last is not None:
-                self.generated_tokens += last.generation_tokens
+                self.generated_tokens += last.stats.generation_tokens
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds

@@ -1,0 +1,205 @@
+"""`Pair`: a target and its draft, bound and checked once (SPEC 5.1).
+
+A Pair owns everything that belongs to that pairing, and nothing is stashed on the models:
+- the target adapter (hidden-state capture, caches, rewind) with its own recorder;
+- the draft's view of the target (`TargetHead`: the target's embedding and LM head), which
+  every request's `DraftState` carries;
+- the calibration (measured cost curves, their file, when to measure again);
+- the width choosers carried across requests (one per fixed draft block), so what a
+  request learnt about acceptance and costs serves the next one.
+One draft used with two targets is two Pairs, and works. A Pair with no draft decodes with
+the target alone. `load_pair` loads both from Hub ids or folders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.nn as nn
+
+from .adaptive import CostCurves, WidthChooser
+from .draft import DFlashDraft, DraftState, TargetHead
+from .errors import BadArgument, ContextTooLong
+from .options import GenerateOptions
+from .target import TargetAdapter
+
+# Fallback verify-width cap for quantized targets, before anything is measured on the
+# device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
+QUANTIZED_VERIFY_CAP = 5
+
+
+class Pair:
+    """A target model and (optionally) a DFlash draft built for it."""
+
+    def __init__(self, model: nn.Module, draft: DFlashDraft | None = None):
+        from .calibrate import Calibration
+
+        self.model = model
+        self.draft = draft
+        self.target = TargetAdapter(model)
+        self.head: TargetHead | None = None
+        if draft is not None:
+            check_fit(draft, self.target)
+            t = self.target
+            self.head = draft.head_for(t.embed_tokens, t.lm_head, t.embed_scale)
+        self.calibration = Calibration(self) if draft is not None else None
+        # One chooser per fixed draft block (None: chosen per cycle), carried across requests.
+        self.choosers: dict[int | None, WidthChooser] = {}
+        self.recalibrated = False  # measured again this process (at most once)
+
+    def __repr__(self) -> str:
+        draft = "no draft" if self.draft is None else f"draft block {self.draft.config.block_size}"
+        return f"Pair({self.target.model_type!r}, {self.target.num_layers} layers, {draft})"
+
+    # -- what the pairing knows ---------------------------------------------------------
+
+    @property
+    def context_limit(self) -> int | None:
+        """Positions the target can hold (its `max_position_embeddings`), if it says."""
+        return self.target.context_limit
+
+    def check_context(self, prompt_tokens: int) -> None:
+        """A prompt must leave at least one position of the target's context to generate."""
+        check_context(prompt_tokens, self.context_limit)
+
+    def draft_state(self, window: int | None = None, base: int = 0) -> DraftState:
+        """A fresh draft context for one request (see `DFlashDraft.make_state`)."""
+        if self.draft is None:
+            raise BadArgument("this pair has no draft")
+        return self.draft.make_state(base, window, self.head)
+
+    @property
+    def is_quantized(self) -> bool:
+        args = getattr(self.model, "args", None)
+        if getattr(args, "quantization", None):
+            return True
+        return any(isinstance(m, nn.QuantizedLinear) for _, m in self.model.named_modules())
+
+    def default_verify_width(self) -> int:
+        """W before anything is measured: the draft's block (capped for quantized targets)."""
+        if self.draft is None:
+            return 1
+        width = self.draft.config.block_size
+        return min(width, QUANTIZED_VERIFY_CAP) if self.is_quantized else width
+
+    def costs(
+        self, *, refresh: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> CostCurves:
+        """The pair's cost curves on this device (cached on disk, measured when missing)."""
+        if self.calibration is None:
+            raise BadArgument("a pair without a draft has no cost curves")
+        return self.calibration.curves(refresh=refresh, progress=progress)
+
+    # -- planning a request ---------------------------------------------------------------
+
+    def plan(self, options: GenerateOptions) -> tuple[int, int, WidthChooser | None]:
+        """Verify width W, draft block L, and the chooser that picks them per cycle (auto).
+
+        A seeded request gets a chooser of its own, fresh from the calibrated curves, so that
+        its widths follow from the request alone (the acceptance its own tokens show), never
+        from what earlier requests taught or from wall-clock timings: seeds replay.
+        """
+        width, draft_block = options.verify_width, options.draft_block
+        draft = self.draft
+        if draft is None:
+            if width not in (None, 1):
+                raise BadArgument(f"verify_width {width} exceeds 1 (no draft given)")
+            if draft_block is not None:
+                raise BadArgument(f"draft_block {draft_block}: no draft given")
+            return 1, 1, None
+        block = draft.config.block_size
+        if draft_block is not None:
+            if draft_block > block:
+                raise BadArgument(f"draft_block {draft_block!r} must be an integer in 2..{block}")
+            if draft.config.is_dflash2 and draft_block != block:
+                raise BadArgument(
+                    f"draft_block {draft_block}: a DFlash 2 draft always drafts its trained "
+                    f"block of {block} (its conv and selector see the whole block)"
+                )
+        rows = draft_block or block
+        if width is not None:
+            if width > block:
+                raise BadArgument(
+                    f"verify_width {width} exceeds the draft's trained block size {block}"
+                )
+            if width > rows:
+                raise BadArgument(f"verify_width {width} exceeds draft_block {rows}")
+            return width, rows, None
+        fixed = block if draft.config.is_dflash2 else draft_block
+        known = self.choosers.get(fixed)
+        # Measured costs that kept disagreeing with the calibration: measure it again (once
+        # per pair and process: a difference that persists is the engine's, not the device's).
+        refresh = known is not None and known.recalibrate and not self.recalibrated
+        try:
+            curves = self.costs(refresh=refresh)
+        except OSError:  # no writable cache: fall back to the fixed default
+            return min(self.default_verify_width(), rows), rows, None
+        self.recalibrated = self.recalibrated or refresh
+        if options.seed is not None:
+            return rows, rows, WidthChooser(curves, block, draft_block=fixed)
+        if known is None or known.costs != curves:
+            known = self.choosers[fixed] = WidthChooser(curves, block, draft_block=fixed)
+        return rows, rows, known
+
+    def forget(self) -> None:
+        """Drop what requests taught the choosers (the calibration stays)."""
+        self.choosers.clear()
+
+
+def check_context(prompt_tokens: int, limit: int | None, what: str = "the target's") -> None:
+    """The one context check: `ContextTooLong` unless a prompt of `prompt_tokens` tokens
+    leaves at least one of `limit` positions (None: no limit) to generate."""
+    if limit is not None and prompt_tokens >= limit:
+        raise ContextTooLong(
+            f"prompt of {prompt_tokens} tokens does not fit {what} context of {limit} "
+            "positions: at least one position must be left to generate"
+        )
+
+
+def check_fit(draft: DFlashDraft, target: TargetAdapter) -> None:
+    """Refuse a draft that was not built for `target`, naming what differs."""
+    c = draft.config
+    problems = []
+    if c.hidden_size != target.hidden_size:
+        problems.append(f"hidden size: draft {c.hidden_size}, target {target.hidden_size}")
+    vocab = target.vocab_size
+    if c.vocab_size > target.embed_rows or (vocab and c.vocab_size != vocab):
+        problems.append(
+            f"vocabulary: draft {c.vocab_size}, target {vocab or target.embed_rows} "
+            f"({target.embed_rows} embedding rows)"
+        )
+    if c.num_target_layers != target.num_layers:
+        problems.append(
+            f"layers: draft built for a {c.num_target_layers}-layer target, "
+            f"target has {target.num_layers}"
+        )
+    if any(i >= target.num_layers for i in c.target_layer_ids):
+        problems.append(
+            f"target_layer_ids {c.target_layer_ids} out of range for a "
+            f"{target.num_layers}-layer target"
+        )
+    if problems:
+        from .loading import LoadError
+
+        raise LoadError(f"draft does not fit target {target.model_type!r}: " + "; ".join(problems))
+
+
+def load_pair(target: str | Path, draft: str | Path | None = None):
+    """`(Pair, tokenizer)` for a target and (optionally) a draft, each a Hub id or a local
+    folder: loaded, checked against each other, bound."""
+    from .loading import load, load_draft
+
+    model, tokenizer = load(target)
+    return Pair(model, load_draft(draft) if draft is not None else None), tokenizer
+
+
+def as_pair(model_or_pair: nn.Module | Pair, draft: DFlashDraft | None = None) -> Pair:
+    """A Pair given one, else a new Pair of `model` and `draft`."""
+    if isinstance(model_or_pair, Pair):
+        if draft is not None and draft is not model_or_pair.draft:
+            raise BadArgument("a Pair already holds its draft: pass the pair alone")
+        return model_or_pair
+    if not isinstance(model_or_pair, nn.Module):
+        raise BadArgument(f"expected a Pair or an mlx model, got {type(model_or_pair).__name__}")
+    return Pair(model_or_pair, draft)

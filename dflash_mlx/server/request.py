@@ -1,0 +1,103 @@
+"""The internal request every API translates onto, and the checks on what a client sent.
+
+`Request` is what any API asks for: chat messages in the chat template's own shape
+(OpenAI's: `role`, `content`, `tool_calls`, `tool_call_id`) or a raw prompt, function
+tools, a tool choice, sampling settings, stop strings and a token budget. `options` turns it
+into the engine's one `GenerateOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..options import GenerateOptions
+from .errors import APIError
+
+# Below this, a temperature is greedy decoding: 1/T overflows float32 long before T = 0.
+MIN_TEMPERATURE = 1e-3
+SEED_MODULUS = 2**64  # seeds are any integer; the engine's key takes an unsigned 64-bit one
+
+
+@dataclass
+class Request:
+    messages: list[dict[str, Any]] | None = None  # chat, in the template's shape
+    prompt: str | list[int] | None = None  # a raw completion prompt instead
+    tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {...}}]
+    tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"name": ...}
+    parallel_tool_calls: bool = True  # False: the first call of a reply only
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    param: str = "messages"  # the request field errors about the prompt name
+
+    def options(self, defaults: GenerateOptions, max_tokens: int) -> GenerateOptions:
+        """The engine's options for this request: the server's defaults with what the
+        request sets, in the engine's terms (a near-zero temperature is greedy, top_p 0 is
+        the top token alone, seeds taken modulo 2^64)."""
+        top_p, top_k = self.top_p, max(self.top_k, 0)
+        if top_p == 0:  # the smallest set holding mass 0 is the top token alone
+            top_p, top_k = 1.0, 1
+        return defaults.replace(
+            max_tokens=max_tokens,
+            temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=self.min_p,
+            seed=None if self.seed is None else self.seed % SEED_MODULUS,
+            stop=tuple(self.stop or ()),
+        )
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the chat template shows the model (tool_choice none: none)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, dict):
+            name = self.tool_choice["name"]
+            chosen = [t for t in self.tools if t["function"].get("name") == name]
+            if not chosen:
+                raise APIError(
+                    400,
+                    f"tool_choice names the function {name!r}, which is not among the tools "
+                    f"({', '.join(repr(t['function'].get('name')) for t in self.tools)})",
+                    param="tool_choice",
+                    code="invalid_value",
+                )
+            return chosen
+        return self.tools
+
+
+def check_unicode(value: Any, param: str) -> None:
+    """Refuse lone surrogates (valid JSON escapes, invalid Unicode) before any tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400,
+                f"Invalid '{param}': the text holds an invalid Unicode code point "
+                f"{value[e.start]!r} at position {e.start} (a lone surrogate)",
+                param=param,
+                code="invalid_value",
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_unicode(k, param)
+            check_unicode(v, param)
+    elif isinstance(value, list):
+        for v in value:
+            check_unicode(v, param)
+
+
+def _text_bytes(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    if isinstance(value, dict):
+        return sum(_text_bytes(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_bytes(v) for v in value)
+    return 0

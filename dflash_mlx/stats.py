@@ -1,0 +1,191 @@
+"""`Stats`: one generation's numbers, defined once.
+
+Tokens, cycles, tau, per-position acceptance, what ran at each verify width, and the prompt
+and timing figures. The engine fills one per request (`stream_generate`); responses carry
+a copy as of their cycle; the server's `usage` / `timings`, chat's `/stats` and session
+totals, and the benchmark read it or `merge` several. "Drafted" and tau are defined here and
+nowhere else:
+- a verify pass of width W checks `W - 1` drafted tokens (positions 1..W-1 of the block) and
+  commits `accepted + 1` tokens (the accepted drafts and the target's own);
+- tau is the mean number of tokens committed per verify pass (plain steps included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass
+class Stats:
+    """One request's numbers (or, after `merge`, several requests' pooled)."""
+
+    # Prompt and timing.
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens reused from a PromptCache, not prefilled
+    time_to_first_token: float = 0.0  # seconds (summed over merged requests)
+    generation_tokens: int = 0  # tokens returned, the first one (sampled after prefill) included
+    decode_seconds: float = 0.0  # from the first token to the last (summed when merged)
+    peak_memory: float = 0.0  # GB, the MLX allocator's peak (0.0: not measured)
+    requests: int = 1  # requests pooled here
+    # The request's verify width W as asked; None: chosen per cycle.
+    verify_width: int | None = None
+    # Verify passes (plain steps included) and the tokens they committed (the sum of tau).
+    cycles: int = 0
+    committed: int = 0
+    # Per block position i+1: cycles that drafted it, and that accepted it.
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    # What ran: per verify width W (1: a plain step), [cycles, tokens committed]; the
+    # speculative cycles the width chooser made as probes; the draft at the end: "active",
+    # "dormant" (plain steps capture nothing for it) or None (no draft).
+    widths: dict[int, list[int]] = field(default_factory=dict)
+    probes: int = 0
+    draft: str | None = None
+
+    # -- filling ------------------------------------------------------------------------
+
+    def add(self, width: int, accepted: int) -> None:
+        """One verify pass of `width` tokens that accepted `accepted` drafts."""
+        self.cycles += 1
+        self.committed += accepted + 1
+        ran = self.widths.setdefault(width, [0, 0])
+        ran[0] += 1
+        ran[1] += accepted + 1
+        missing = width - 1 - len(self.drafted_per_position)
+        if missing > 0:
+            self.accepted_per_position += [0] * missing
+            self.drafted_per_position += [0] * missing
+        for i in range(width - 1):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += int(accepted > i)
+
+    def copy(self) -> Stats:
+        """A snapshot (the lists and the width table copied)."""
+        out = Stats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        out.drafted_per_position = list(self.drafted_per_position)
+        out.accepted_per_position = list(self.accepted_per_position)
+        out.widths = {w: list(v) for w, v in self.widths.items()}
+        return out
+
+    def merge(self, other: Stats) -> Stats:
+        """Both pooled: counts and seconds summed, tau over all cycles, the later draft state
+        and verify width, the higher memory peak."""
+        out = self.copy()
+        for name in (
+            "prompt_tokens",
+            "cached_tokens",
+            "time_to_first_token",
+            "generation_tokens",
+            "decode_seconds",
+            "requests",
+            "cycles",
+            "committed",
+            "probes",
+        ):
+            setattr(out, name, getattr(self, name) + getattr(other, name))
+        out.peak_memory = max(self.peak_memory, other.peak_memory)
+        out.draft = other.draft if other.cycles else self.draft
+        out.verify_width = other.verify_width
+        for w, (c, t) in other.widths.items():
+            ran = out.widths.setdefault(w, [0, 0])
+            ran[0] += c
+            ran[1] += t
+        for i, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
+            if i >= len(out.drafted_per_position):
+                out.accepted_per_position.append(0)
+                out.drafted_per_position.append(0)
+            out.accepted_per_position[i] += a
+            out.drafted_per_position[i] += d
+        return out
+
+    @classmethod
+    def total(cls, many: list[Stats]) -> Stats:
+        """All of `many` pooled (no request: zero of everything)."""
+        out = cls(requests=0)
+        for s in many:
+            out = out.merge(s)
+        return out
+
+    # -- derived figures -------------------------------------------------------------------
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify pass (0 before the first)."""
+        return self.committed / self.cycles if self.cycles else 0.0
+
+    @property
+    def drafted(self) -> int:
+        """Drafted tokens the target checked: `W - 1` per verify pass."""
+        return sum(self.drafted_per_position)
+
+    @property
+    def accepted(self) -> int:
+        """Drafted tokens the target accepted."""
+        return sum(self.accepted_per_position)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / drafted; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per block position: the fraction of cycles that drafted it and accepted it."""
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.drafted_per_position)
+        ]
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prefill speed over the tokens actually prefilled (to the first token)."""
+        t = self.time_to_first_token
+        return self.prefilled_tokens / t if t > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """Tokens per second after each request's first token (that one is prefill's)."""
+        decoded = self.generation_tokens - self.requests
+        return decoded / self.decode_seconds if decoded > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def plain_tokens(self) -> int:
+        """Tokens committed by plain steps (W = 1)."""
+        return self.widths.get(1, [0, 0])[1]
+
+    @property
+    def plain_fraction(self) -> float:
+        """The fraction of committed tokens decoded plainly (W = 1)."""
+        return self.plain_tokens / self.committed if self.committed else 0.0
+
+    def what_ran(self) -> dict[str, Any]:
+        """JSON-ready: cycles and tokens per width, plain fraction, probes, draft state."""
+        return {
+            "widths": {
+                str(w): {"cycles": c, "tokens": t} for w, (c, t) in sorted(self.widths.items())
+            },
+            "plain_fraction": round(self.plain_fraction, 4),
+            "probes": self.probes,
+            "draft": self.draft,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field and derived figure, JSON-ready."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "widths"}
+        out.update(
+            tau=self.tau,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            acceptance_rate=self.acceptance_rate,
+            prefilled_tokens=self.prefilled_tokens,
+            prompt_tps=self.prompt_tps,
+            generation_tps=self.generation_tps,
+            plain_tokens=self.plain_tokens,
+            ran=self.what_ran(),
+        )
+        return out
