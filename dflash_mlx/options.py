@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -78,12 +78,11 @@ class GenerateOptions:
     prefill_step: int = 512
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__  # the dataclass is frozen: normalise in place, once
         _int("max_tokens", self.max_tokens, 1)
-        set_(self, "temperature", _number("temperature", self.temperature, 0, math.inf, "[0, inf)"))
-        set_(self, "top_p", _number("top_p", self.top_p, 0, 1, "(0, 1]"))
+        _number("temperature", self.temperature, 0, math.inf, "[0, inf)")
+        _number("top_p", self.top_p, 0, 1, "(0, 1]")
         _int("top_k", self.top_k, 0, " (0 = off)")
-        set_(self, "min_p", _number("min_p", self.min_p, 0, 1, "[0, 1]"))
+        _number("min_p", self.min_p, 0, 1, "[0, 1]")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
         ):
@@ -100,14 +99,11 @@ class GenerateOptions:
                 " (the anchor and at least one position before it), or None for the draft's "
                 "own window",
             )
-        stop = self.stop
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif not isinstance(stop, Sequence) or not all(isinstance(s, str) for s in stop):
-            raise BadArgument(f"stop {stop!r} must be a string or a list of strings")
-        set_(self, "stop", tuple(stop))
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise BadArgument(
+                f"stop {self.stop!r} must be a tuple of strings (from_kwargs and replace also "
+                "take a string or a list)"
+            )
         _int("prefill_step", self.prefill_step, 1)
 
     @classmethod
@@ -125,6 +121,8 @@ class GenerateOptions:
                 if kwargs.get(new, value) != value:
                     raise BadArgument(f"{old} {value!r} and {new} {kwargs[new]!r} disagree")
                 kwargs[new] = value
+        if "stop" in kwargs:
+            kwargs["stop"] = _stops(kwargs["stop"])
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -155,6 +153,12 @@ class GenerateOptions:
         return self.verify_width
 
 
-def options_from(mapping: Mapping[str, Any] | None) -> GenerateOptions:
-    """Options from a mapping of names (`GenerateOptions.from_kwargs` rules)."""
-    return GenerateOptions.from_kwargs(**dict(mapping or {}))
+def _stops(stop: Any) -> Any:
+    """None, a string or a list of strings as a tuple (anything else is left to refuse)."""
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, Sequence) and all(isinstance(s, str) for s in stop):
+        return tuple(stop)
+    return stop

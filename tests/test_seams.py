@@ -83,15 +83,17 @@ def test_options_are_validated_once_naming_the_field():
         ({"verify_width": 0}, "verify_width"),
         ({"draft_block": 1}, "draft_block"),
         ({"draft_window": 1}, "draft_window"),
-        ({"stop": [1]}, "stop"),
+        ({"stop": (1,)}, "stop"),
         ({"prefill_step": 0}, "prefill_step"),
     ]:
         with pytest.raises(BadArgument, match=rf"^{field} "):
             GenerateOptions(**kwargs)
     with pytest.raises(BadArgument, match="unknown generation option 'temp'"):
         GenerateOptions.from_kwargs(temp=0.5)
-    opts = GenerateOptions(stop="END", temperature=1)
-    assert opts.stop == ("END",) and isinstance(opts.temperature, float)
+    opts = GenerateOptions.from_kwargs(stop="END", temperature=1)
+    assert opts.stop == ("END",) and opts.replace(stop=["a", "b"]).stop == ("a", "b")
+    with pytest.raises(BadArgument, match="tuple of strings"):
+        GenerateOptions(stop="END")
     with pytest.raises(AttributeError):
         opts.max_tokens = 3  # frozen: carried unchanged to the decode loop
     assert opts.replace(max_tokens=3).max_tokens == 3 and opts.max_tokens == 256
