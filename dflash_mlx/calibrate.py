@@ -30,7 +30,7 @@ import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
 
-from .adaptive import CostCurves
+from .costs import CostCurves
 from .paths import cache_dir
 from .sampling import SamplingParams, propose
 

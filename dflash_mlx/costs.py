@@ -1,0 +1,110 @@
+"""Cost curves (SPEC 5.4) and the pieces the width chooser prices cycles with.
+
+`CostCurves` are what calibration measures on the device: seconds per verify pass of W
+tokens and per draft pass of L rows, at a few context depths (interpolated between them,
+extrapolated beyond). The chooser keeps what it measures online in depth buckets
+(`_Bucket`), and prices widths it has not measured along the calibrated curve's shape
+(`_between`). Pure Python on a few floats.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+BUCKET_BASE = 512  # depth buckets: [0, 512), [512, 1k), [1k, 2k), [2k, 4k), ...
+
+
+def depth_bucket(depth: int) -> int:
+    """The bucket online costs at context `depth` are kept in."""
+    return 0 if depth < BUCKET_BASE else (depth // BUCKET_BASE).bit_length()
+
+
+Curve = tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class CostCurves:
+    """Seconds per pass, measured on the running device.
+
+    `verify[w - 1]`: the target on `w` tokens (w = 1 is a plain decoding step).
+    `draft[l - 1]`: the draft on a block of `l` rows (l = 1 unused).
+    Both at context depth `depths[0]`; `deeper[i]` holds `(verify, draft)` at `depths[i + 1]`
+    (costs between are interpolated, beyond the last extrapolated along the last segment).
+    """
+
+    verify: Curve
+    draft: Curve
+    depths: tuple[int, ...] = (0,)
+    deeper: tuple[tuple[Curve, Curve], ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.deeper) != len(self.depths) - 1:
+            raise ValueError(
+                f"cost curves at {len(self.depths)} depths need {len(self.depths) - 1} deeper "
+                f"pairs, got {len(self.deeper)}"
+            )
+        if any(b <= a for a, b in zip(self.depths, self.depths[1:])) or self.depths[0] < 0:
+            raise ValueError(f"depths {self.depths} must be increasing and >= 0")
+        for verify, draft in ((self.verify, self.draft), *self.deeper):
+            if not verify or len(verify) != len(draft) or len(verify) != len(self.verify):
+                raise ValueError(
+                    f"cost curves need equal, non-empty verify ({len(verify)}) and draft "
+                    f"({len(draft)}) lengths"
+                )
+            if any(t <= 0 for t in verify) or any(t < 0 for t in draft):
+                raise ValueError("cost curves must hold positive times")
+
+    def at(self, depth: int) -> tuple[Curve, Curve]:
+        """`(verify, draft)` at context `depth`."""
+        tables = ((self.verify, self.draft), *self.deeper)
+        if len(tables) == 1 or depth <= self.depths[0]:
+            return tables[0]
+        i = min(bisect.bisect_right(self.depths, depth), len(self.depths) - 1)
+        (d0, (v0, r0)), (d1, (v1, r1)) = (
+            (self.depths[i - 1], tables[i - 1]),
+            (self.depths[i], tables[i]),
+        )
+        f = (depth - d0) / (d1 - d0)  # > 1 beyond the last depth: extrapolated
+
+        def mix(a: Curve, b: Curve) -> Curve:
+            # Costs never fall with depth: a noisy deeper point does not extrapolate down.
+            return tuple(
+                max(x + f * (y - x), x) if f > 1 else x + f * (y - x) for x, y in zip(a, b)
+            )
+
+        return mix(v0, v1), mix(r0, r1)
+
+
+class _Bucket:
+    """Online costs in one depth bucket: per width, measured / calibrated seconds (`ratio`,
+    an exponentially decayed mean of the cycles seen), and how many cycles were seen."""
+
+    __slots__ = ("ratio", "count", "seen")
+
+    def __init__(self, block: int):
+        self.ratio = [0.0] * (block + 1)  # index w
+        self.count = [0] * (block + 1)
+        self.seen = [False] * (block + 1)
+
+    def widths(self) -> list[int]:
+        return [w for w in range(2, len(self.seen)) if self.seen[w]]
+
+
+def _between(cal: list[float], lo: int, hi: int, y_lo: float, y_hi: float, w: int) -> float:
+    """The cost of width `w` on the line through the measured costs of widths `lo` < `hi`,
+    spaced as the calibration spaces them (in widths where it is flat); never falling with
+    `w` beyond `hi`."""
+    x_lo, x_hi, x = cal[lo - 1], cal[hi - 1], cal[w - 1]
+    if x_hi - x_lo > 1e-12:
+        f = (x - x_lo) / (x_hi - x_lo)
+    else:
+        f = (w - lo) / (hi - lo)
+    y = y_lo + f * (y_hi - y_lo)
+    return max(y, y_hi) if w > hi else y
+
+
+def _depth_key(depth: int) -> int:
+    """Depths within ~3% of each other share cached costs (recomputed as the context grows)."""
+    return int(math.log(depth + 64) * 32)
