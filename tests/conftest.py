@@ -21,6 +21,12 @@ from dflash_mlx.tiny import (  # noqa: F401  (re-exported for the test modules)
 )
 
 
+def pytest_configure(config):
+    # Also in pyproject.toml; registered here for runs without it (.ci/floors.sh runs these
+    # files from a copy outside the checkout, where slow tests are not deselected).
+    config.addinivalue_line("markers", "slow: a slow end-to-end or statistical test")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_cache(tmp_path_factory):
     """Calibration curves go to a session folder, never the user's cache."""

@@ -223,6 +223,7 @@ def test_cli_shouts_losslessness_failure_and_exits_1(models_dir, prompt_file, mo
     assert "What is 12 times 7?" in result.stdout
 
 
+@pytest.mark.slow  # end to end: calibrates the trained demo pair, then benches it
 def test_cli_demo_says_what_the_pair_is_and_runs(prompt_file, tmp_path, monkeypatch):
     from dflash_mlx.demo import NOTICE
 

@@ -424,6 +424,7 @@ def test_bad_options_fail_before_anything_loads(models_dir):
     assert result.exit_code == 2 and "--draft needs --model" in result.stderr
 
 
+@pytest.mark.slow  # end to end: the trained demo pair, calibrated
 def test_demo_works_offline_and_says_what_the_pair_is():
     from dflash_mlx.demo import NOTICE
 
@@ -434,6 +435,7 @@ def test_demo_works_offline_and_says_what_the_pair_is():
     assert "5 tokens" in result.stderr
 
 
+@pytest.mark.slow  # end to end: the real command in a pseudo-terminal
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_the_real_command_in_a_terminal(tmp_path):
     """Banner, prompt, a streamed reply stopped by a real Ctrl-C, the prompt again, /exit."""

@@ -219,6 +219,7 @@ def test_help_does_not_import_mlx():
     assert "generate" in done.stdout
 
 
+@pytest.mark.slow  # end to end: the trained demo pair, calibrated
 def test_generate_demo_runs_offline_and_says_what_the_pair_is():
     from dflash_mlx.demo import NOTICE
 

@@ -372,6 +372,7 @@ def tiny_vocab_pair2():
     return build_tiny_vocab_pair(13, dflash2=True)
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_sampled_dflash2_matches_target_distribution(tiny_vocab_pair2):
     model, draft = tiny_vocab_pair2
     params = SamplingParams(temperature=1.0)
@@ -380,6 +381,7 @@ def test_sampled_dflash2_matches_target_distribution(tiny_vocab_pair2):
     assert not chi_square_rejects(counts, exact_second_token(model, 1.0, 0, 1.0)), counts
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_sampling_test_detects_q_left_on_candidate_indices(tiny_vocab_pair2, monkeypatch):
     """Drop the candidate-index -> token-id mapping of q: the same test must fail."""
     model, draft = tiny_vocab_pair2
@@ -397,6 +399,7 @@ def test_sampling_test_detects_q_left_on_candidate_indices(tiny_vocab_pair2, mon
     assert chi_square_rejects(counts, exact_second_token(model, 1.0, 0, 1.0))
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_selector_walk_past_slot_1_keeps_the_joint_distribution(tiny_vocab_pair2, monkeypatch):
     """DFlash 2 at width 4: slots 2 and 3 are drawn from the walk's q (the pair term of
     their predecessor), each tested, with the bonus after; the joint distribution of the

@@ -189,6 +189,7 @@ def second_token_counts(model, draft, params, draws):
 SETTINGS = [(1.0, 0, 1.0), (0.7, 5, 0.9)]
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 @pytest.mark.parametrize("t,top_k,top_p", SETTINGS)
 def test_dflash_sampling_matches_target_distribution(tiny_vocab_pair, t, top_k, top_p):
     model, draft = tiny_vocab_pair
@@ -198,6 +199,7 @@ def test_dflash_sampling_matches_target_distribution(tiny_vocab_pair, t, top_k, 
     assert not chi_square_rejects(counts, exact_second_token(model, t, top_k, top_p)), counts
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 @pytest.mark.parametrize("t,top_k,top_p", SETTINGS)
 def test_dflash_sampling_test_detects_a_broken_rule(tiny_vocab_pair, monkeypatch, t, top_k, top_p):
     model, draft = tiny_vocab_pair
@@ -331,6 +333,7 @@ def table_pair(tiny_vocab_pair):
     return model, TableDraft(draft, greedy_table(model))
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_joint_distribution_of_a_whole_width_4_cycle_is_the_targets(table_pair):
     """Positions 1..3 are the three drafts of one cycle (accept tests 1, 2 and 3, the
     residual after a rejection at any of them) and position 4 the bonus when all three
@@ -369,6 +372,7 @@ def residual_of_the_first_row(drafts, q, p, accept_keys, final_keys):
     return n, mx.random.categorical(mx.log(final[n]), key=final_keys[n])
 
 
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
 @pytest.mark.parametrize(
     "rule", [later_drafts_accepted_blindly, bonus_from_the_wrong_row, residual_of_the_first_row]
 )
