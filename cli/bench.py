@@ -98,14 +98,12 @@ def run(
         drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
     if calibrate:
-        from dflash_mlx.calibrate import cache_path
-
         progress = bench_ui.BenchProgress()
         try:
             curves = pair.costs(refresh=True, progress=lambda d, t: progress(d, t, "calibrating"))
         finally:
             progress.close()
-        bench_ui.calibration(curves, cache_path(pair))
+        bench_ui.calibration(curves, pair.calibration.path)
         return 0
 
     progress = bench_ui.BenchProgress()

@@ -252,6 +252,11 @@ class Calibration:
         self._known[memo] = (curves, path, _stamp(path))
         return curves
 
+    @property
+    def path(self) -> Path:
+        """The file this pair's curves are cached in (for this device, mlx and conditions)."""
+        return cache_path(self.pair)
+
     def forget(self) -> None:
         """Read the file again at the next request (as a new process would)."""
         self._known.clear()
