@@ -295,3 +295,40 @@ def _stats_summary(reply: Reply) -> str:
     elif reply.finish_reason == "interrupted":
         parts.append("interrupted")
     return " · ".join(parts)
+
+
+def _chat_settings(
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_tokens: int = 2048,
+    block_size: int | None = None,
+    seed: int | None = None,
+    draft_window: int | None = None,
+) -> GenerateOptions:
+    """The old `ChatSettings(...)`: chat's options, as one `GenerateOptions`."""
+    return CHAT_DEFAULTS.replace(
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        verify_width=block_size,
+        seed=seed,
+        draft_window=draft_window,
+    )
+
+
+_DEPRECATED = {
+    "ChatSettings": (_chat_settings, "GenerateOptions (session.options)"),
+    "ReplyStats": (Stats, "dflash_mlx.Stats (session.last.stats)"),
+    "SessionTotals": (Stats, "dflash_mlx.Stats (session.totals)"),
+}
+
+
+def __getattr__(name: str):
+    """Old names, with a DeprecationWarning."""
+    if name in _DEPRECATED:
+        import warnings
+
+        value, new = _DEPRECATED[name]
+        warnings.warn(f"{name} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

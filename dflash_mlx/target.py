@@ -111,6 +111,18 @@ class TargetAdapter:
                 layer.__class__ = _capturing_class(type(layer))
                 layer._dflash_idx = i
 
+    @classmethod
+    def of(cls, model: nn.Module) -> TargetAdapter:
+        """Deprecated: a `Pair` owns its adapter (`pair.target`); this makes a new one."""
+        import warnings
+
+        warnings.warn(
+            "TargetAdapter.of(model) is deprecated: use Pair(model, draft).target",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return cls(model)
+
     @property
     def context_limit(self) -> int | None:
         """The target's `max_position_embeddings` (top level or in `text_config`), if any."""

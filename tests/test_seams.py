@@ -148,3 +148,29 @@ def test_stats_are_one_value_snapshotted_per_response_and_merged(target, draft):
     assert both.generation_tps == pytest.approx(last.generation_tps)
     assert Stats.total([last, last]).to_dict() == both.to_dict()
     assert Stats.total([]).requests == 0
+
+
+def test_old_names_still_work_with_a_deprecation_warning(target, draft):
+    import importlib
+
+    from dflash_mlx.server import Engine
+
+    model, tok = target
+    with pytest.warns(DeprecationWarning, match="Engine"):
+        engine = Engine(model, draft, tok, block_size=4, draft_window=32, warm_up=False)
+    assert isinstance(engine.pair, Pair) and engine.pair.draft is draft
+    assert (engine.options.verify_width, engine.options.draft_window) == (4, 32)
+    with pytest.warns(DeprecationWarning, match="context_limit"):
+        assert dflash_mlx.server.context_length(model) == Pair(model).context_limit
+    with pytest.warns(DeprecationWarning, match="Pair"):
+        assert dflash_mlx.target.TargetAdapter.of(model).model is model
+    calibrate = importlib.import_module("dflash_mlx.calibrate")
+    with pytest.warns(DeprecationWarning, match="costs"):
+        assert calibrate.load_or_measure(model, draft) == Pair(model, draft).costs()
+    chat = importlib.import_module("dflash_mlx.chat_session")
+    with pytest.warns(DeprecationWarning, match="GenerateOptions"):
+        settings = chat.ChatSettings(temperature=0.5, block_size=4)
+    assert (settings.temperature, settings.verify_width, settings.max_tokens) == (0.5, 4, 2048)
+    for name in ("ReplyStats", "SessionTotals"):
+        with pytest.warns(DeprecationWarning, match="Stats"):
+            assert getattr(chat, name) is Stats

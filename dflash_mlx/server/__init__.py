@@ -14,3 +14,19 @@ from .app import ServerSettings, create_app, create_server
 from .engine import Engine
 
 __all__ = ["Engine", "ServerSettings", "create_app", "create_server"]
+
+
+def __getattr__(name: str):
+    """`context_length(model)`, deprecated: `Pair(model).context_limit`."""
+    if name == "context_length":
+        import warnings
+
+        from ..target import TargetAdapter
+
+        warnings.warn(
+            "dflash_mlx.server.context_length is deprecated: use Pair.context_limit",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return lambda model: TargetAdapter(model).context_limit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

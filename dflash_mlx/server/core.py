@@ -110,23 +110,29 @@ class Service:
                     param="tools",
                     code="tools_unsupported",
                 )
-        limit = self.context_length
-        if limit is None:
+        if self.context_length is None:
             return
         if isinstance(req.prompt, list):
             n = len(req.prompt)
         else:  # no tokenizer yet: each token stands for at most _bytes_per_token bytes
             body = [req.messages, req.tools] if req.prompt is None else req.prompt
             n = -(-_text_bytes(body) // self._bytes_per_token)
-        if n >= limit:
+        self._fits(req, n, "would take at least")
+
+    def _fits(self, req: Request, n: int, how: str) -> None:
+        """The engine's one context check (`pair.check_context`'s rule) against this
+        server's context, as the client's error."""
+        limit = self.context_length
+        try:
+            check_context(n, limit, "this server's")
+        except ContextTooLong:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"{req.param} would take at least {n} tokens. Please reduce the length of "
-                f"the {req.param}.",
+                f"{req.param} {how} {n} tokens. Please reduce the length of the {req.param}.",
                 param=req.param,
                 code="context_length_exceeded",
-            )
+            ) from None
 
     def _encode(self, req: Request) -> list[int]:
         with self._lock:
@@ -165,18 +171,8 @@ class Service:
 
     def budget(self, req: Request, n: int) -> int:
         """max_tokens for this request: asked for (or the default), cut to the context left."""
+        self._fits(req, n, "resulted in")
         limit = self.context_length
-        try:
-            check_context(n, limit, "this server's")
-        except ContextTooLong:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {limit} tokens. However, your "
-                f"{req.param} resulted in {n} tokens. Please reduce the length of the "
-                f"{req.param}.",
-                param=req.param,
-                code="context_length_exceeded",
-            ) from None
         wanted = req.max_tokens or self.default_max_tokens
         return wanted if limit is None else min(wanted, limit - n)
 

@@ -170,6 +170,26 @@ class PromptCachePool:
         return self._caches.pop(k)
 
 
+def _old_form(model, draft, args: tuple, options, old: dict):
+    """`Engine(model, draft, tokenizer, block_size=..., draft_window=...)`, deprecated."""
+    import warnings
+
+    warnings.warn(
+        "Engine(model, draft, tokenizer, ...) is deprecated: use Engine(Pair(model, draft), "
+        "tokenizer, options=GenerateOptions(...))",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if len(args) != 1:
+        raise TypeError("Engine(model, draft, tokenizer): the tokenizer is missing")
+    unknown = set(old) - {"block_size", "verify_width", "draft_window"}
+    if unknown:
+        raise TypeError(f"Engine got unexpected keyword arguments {sorted(unknown)}")
+    if "block_size" in old:  # the warning above covers the old keyword too
+        old["verify_width"] = old.pop("block_size")
+    return Pair(model, draft), args[0], GenerateOptions.from_kwargs(options, **old)
+
+
 class Engine:
     """The worker thread that owns MLX, a FIFO queue of at most `max_queue` waiting requests."""
 
@@ -177,16 +197,19 @@ class Engine:
         self,
         pair: Pair,
         tokenizer,
-        *,
+        *args: Any,
         options: GenerateOptions | None = None,
         max_queue: int = 16,
         prompt_cache_slots: int = 4,
         warm_up: bool = True,
+        **old: Any,
     ):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue} must be >= 0")
-        if not isinstance(pair, Pair):
-            raise TypeError(f"Engine serves a Pair, got {type(pair).__name__}")
+        if not isinstance(pair, Pair):  # the old form: Engine(model, draft, tokenizer, ...)
+            pair, tokenizer, options = _old_form(pair, tokenizer, args, options, old)
+        elif args or old:
+            raise TypeError("Engine(pair, tokenizer, *, options=..., ...)")
         self.pair = pair
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size(pair.model)
