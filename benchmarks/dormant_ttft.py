@@ -64,11 +64,10 @@ def run(args) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import load_pair
+    from dflash_mlx import GenerateOptions, load_pair
     from dflash_mlx.adaptive import WidthChooser
     from dflash_mlx.decode import speculative_decode
     from dflash_mlx.demo import SHIPPED, demo_pair
-    from dflash_mlx.sampling import SamplingParams
 
     target_dir, draft_dir = demo_pair()
     pair, tok = load_pair(target_dir, draft_dir)
@@ -92,8 +91,7 @@ def run(args) -> None:
         for cycle in speculative_decode(
             pair,
             ids,
-            max_tokens=2,
-            params=SamplingParams(),
+            GenerateOptions(max_tokens=2),
             width=1 if chooser is None else block,
             draft_block=1 if chooser is None else block,
             chooser=chooser,

@@ -24,12 +24,12 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
+from .options import GenerateOptions
 from .pair import Pair
-from .prefill import PREFILL_STEP, Request, prefill_prompt, resume
+from .prefill import Request, prefill_prompt, resume
 from .prompt_cache import PromptCache
 from .sampling import (
     PositionKeys,
-    SamplingParams,
     greedy_accept,
     probabilities,
     propose,
@@ -67,42 +67,43 @@ class _Step(NamedTuple):
 def speculative_decode(
     pair: Pair,
     prompt: list[int],
+    options: GenerateOptions,
     *,
-    max_tokens: int,
-    params: SamplingParams,
-    seed: int = 0,
-    width: int,
-    draft_block: int,
-    eos_ids: frozenset[int] = frozenset(),
+    width: int | None = None,
+    draft_block: int | None = None,
     chooser: WidthChooser | None = None,
+    seed: int | None = None,
+    eos_ids: frozenset[int] = frozenset(),
     learn_costs: bool = True,
-    prefill_step: int = PREFILL_STEP,
     progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
-    draft_window: int | None = None,
     speculate: bool = True,
 ) -> Iterator[Cycle]:
-    """Decode up to `max_tokens` tokens after `prompt` with `pair`, yielding each committed
-    cycle (`speculate=False`, or a pair without a draft: the target alone).
+    """Decode up to `options.max_tokens` tokens after `prompt` with `pair`, yielding each
+    committed cycle (`speculate=False`, or a pair without a draft: the target alone).
 
-    `width` is the verify width W (1 = plain decoding, no draft pass); `draft_block` is the
-    number of rows L >= W the draft runs. With a `chooser`, (W, L) are chosen each cycle
-    instead; it learns acceptance from every verify and, with `learn_costs`, the wall time
-    of every cycle. Random draws follow `seed` and the generated position (SPEC 4). Stops
-    after EOS or `max_tokens`. With a `prompt_cache`, the state of its previous request is
-    reused from the longest common prefix on; this request's state is committed back when
-    it ends or is closed between cycles, and not at all when it fails. `draft_window`
-    bounds the positions a draft block sees (`DFlashDraft.make_state`).
+    The request's `options` arrive here unchanged. `width` is the verify width W (1 = plain
+    decoding, no draft pass) and `draft_block` the rows L >= W the draft runs; with a
+    `chooser`, (W, L) are chosen each cycle instead, and it learns acceptance from every
+    verify and, with `learn_costs`, the wall time of every cycle (default: `pair.plan`).
+    Random draws follow `seed` (default: `options.seed`, else 0) and the generated position
+    (SPEC 4). Stops after EOS or `max_tokens`. With a `prompt_cache`, the state of its
+    previous request is reused from the longest common prefix on; this request's state is
+    committed back when it ends or is closed between cycles, and not at all when it fails.
+    `options.draft_window` bounds the positions a draft block sees (`make_state`).
     """
+    if width is None:
+        width, draft_block, chooser = pair.plan(options)
     assert 1 <= width <= max(draft_block, 1)
+    seed = seed if seed is not None else options.seed if options.seed is not None else 0
     draft = pair.draft if speculate else None
     lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(pair.model, draft)
     with mx.stream(generation_stream):
-        cache, state, start = resume(pair, draft, prompt, saved, draft_window)
+        cache, state, start = resume(pair, draft, prompt, saved, options.draft_window)
     req = Request(
         pair,
         draft,
-        params,
+        options.sampling,
         PositionKeys(seed),
         list(prompt),
         cache,
@@ -115,11 +116,11 @@ def speculative_decode(
         chooser.begin_request()
     try:
         with mx.stream(generation_stream):
-            logits = prefill_prompt(req, prefill_step, progress, chooser)
+            logits = prefill_prompt(req, options.prefill_step, progress, chooser)
         yield from _cycles(
             req,
             logits,
-            max_tokens=max_tokens,
+            max_tokens=options.max_tokens,
             width=width,
             draft_block=draft_block,
             eos_ids=eos_ids,

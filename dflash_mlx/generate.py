@@ -182,18 +182,15 @@ def stream_generate(
     cycle_iter = speculative_decode(
         pair,
         ids,
-        max_tokens=opts.max_tokens,
-        params=opts.sampling,
-        seed=seed,
+        opts,
         width=width,
         draft_block=rows,
-        eos_ids=eos,
         chooser=chooser,
+        seed=seed,
+        eos_ids=eos,
         learn_costs=opts.seed is None,
-        prefill_step=opts.prefill_step,
         progress=prompt_progress,
         prompt_cache=prompt_cache,
-        draft_window=opts.draft_window,
         speculate=speculate,
     )
     memory = contextlib.ExitStack()

@@ -496,15 +496,14 @@ def test_probes_keep_within_a_budget_per_request():
 
 def decode_with(model, d, ids, n, chooser):
     """`model`: a target model, or a Pair (then `d` is its draft)."""
+    from dflash_mlx import GenerateOptions
     from dflash_mlx.decode import speculative_decode
-    from dflash_mlx.sampling import SamplingParams
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     cycles = speculative_decode(
         pair,
         ids,
-        max_tokens=n,
-        params=SamplingParams(),
+        GenerateOptions(max_tokens=n),
         width=BLOCK,
         draft_block=BLOCK,
         chooser=chooser,

@@ -351,9 +351,8 @@ def dormant_chooser(**kw):
 
 def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
     """`model`: a target model, or a Pair (then `d` must be its draft)."""
-    from dflash_mlx import Pair
+    from dflash_mlx import GenerateOptions, Pair
     from dflash_mlx.decode import speculative_decode
-    from dflash_mlx.sampling import SamplingParams
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     assert pair.draft is d
@@ -361,9 +360,7 @@ def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
         speculative_decode(
             pair,
             ids,
-            max_tokens=n,
-            params=SamplingParams(),
-            seed=0,
+            GenerateOptions(max_tokens=n, seed=0),
             width=16,
             draft_block=16,
             chooser=chooser,

@@ -12,7 +12,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import Pair, PromptCache, generate, load, stream_generate
+from dflash_mlx import GenerateOptions, Pair, PromptCache, generate, load, stream_generate
 from dflash_mlx.decode import speculative_decode
 from dflash_mlx.sampling import SamplingParams
 
@@ -21,9 +21,14 @@ from .test_decode import PROMPTS
 # -- one draft, two requests -----------------------------------------------------------------
 
 
-def cycles_of(model, draft, ids, **kw):
-    args = dict(max_tokens=40, params=SamplingParams(), width=4, draft_block=4) | kw
-    return speculative_decode(Pair(model, draft), ids, **args)
+def cycles_of(model, draft, ids, params=None, seed=0, **kw):
+    """The cycles of one request at W = 4 (greedy, or sampled as `params` says)."""
+    p = params or SamplingParams()
+    options = GenerateOptions(
+        max_tokens=40, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p
+    )
+    args = dict(width=4, draft_block=4, seed=seed) | kw
+    return speculative_decode(Pair(model, draft), ids, options, **args)
 
 
 def record(cycle):

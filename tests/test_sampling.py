@@ -16,6 +16,7 @@ import pytest
 import dflash_mlx.decode as decode
 from dflash_mlx.config import DraftConfig
 from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.options import GenerateOptions
 from dflash_mlx.pair import Pair
 from dflash_mlx.sampling import SamplingParams, probabilities, rejection_accept
 
@@ -166,6 +167,16 @@ def exact_second_token(model, t, top_k, top_p) -> np.ndarray:
     return p0 @ p1
 
 
+def as_options(params: SamplingParams, max_tokens: int) -> GenerateOptions:
+    return GenerateOptions(
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+    )
+
+
 def second_token_counts(model, draft, params, draws):
     pair = Pair(model, draft)
     counts = np.zeros(V, dtype=np.int64)
@@ -174,8 +185,7 @@ def second_token_counts(model, draft, params, draws):
         cycles = decode.speculative_decode(
             pair,
             PROMPT,
-            max_tokens=3,
-            params=params,
+            as_options(params, 3),
             seed=seed,
             width=4,
             draft_block=4,
@@ -296,8 +306,7 @@ def joint_counts(model, draft, params, draws) -> tuple[dict, list[int]]:
         cycles = decode.speculative_decode(
             pair,
             PROMPT,
-            max_tokens=JOINT,
-            params=params,
+            as_options(params, JOINT),
             seed=seed,
             width=4,
             draft_block=4,
