@@ -82,16 +82,34 @@ def test_one_draft_serves_two_interleaved_requests(models_dir, draft, name):
 SEEDED = dict(max_tokens=48, temperature=1.0, seed=3)  # block_size: automatic
 
 
-def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, draft):
+def test_a_seed_replays_under_the_automatic_width_after_other_requests(
+    target, draft, monkeypatch
+):
+    """A seeded request's widths follow from the pair's calibrated curves and its own
+    tokens, never from what other requests taught the pair's chooser (their acceptance,
+    their cycles timed on the wall clock). The curves are injected: a re-calibration that
+    those timings can trigger on a busy machine must not decide the verdict."""
+    from dflash_mlx.adaptive import CostCurves
+
     model, tok = target
-    first = generate(model, draft, tok, "import os", **SEEDED)
+    pair = Pair(model, draft)
+    block = draft.config.block_size
+    curves = CostCurves(
+        tuple(1e-3 * (1 + 0.1 * (w - 1)) for w in range(1, block + 1)),
+        (0.0,) + (1e-4,) * (block - 1),
+    )
+    monkeypatch.setattr(pair, "costs", lambda **_: curves)
+    first = generate(pair, tok, "import os", **SEEDED)
     assert first.verify_width is None, "the width must be the automatic one"
-    # Other requests teach the shared chooser, at other settings and without a seed.
+    assert len(first.stats.widths) > 1, f"the widths should vary: {first.stats.widths}"
+    # Other requests teach the pair's shared chooser, at other settings and without a seed.
     for prompt in PROMPTS:
-        generate(model, draft, tok, prompt, max_tokens=40, temperature=0.7)
-    again = generate(model, draft, tok, "import os", **SEEDED)
+        generate(pair, tok, prompt, max_tokens=40, temperature=0.7)
+    assert pair.choosers, "the unseeded requests kept a chooser on the pair"
+    again = generate(pair, tok, "import os", **SEEDED)
     assert again.tokens == first.tokens
-    other = generate(model, draft, tok, "import os", **(SEEDED | {"seed": 4}))
+    assert again.stats.widths == first.stats.widths
+    other = generate(pair, tok, "import os", **(SEEDED | {"seed": 4}))
     assert other.tokens != first.tokens, "a different seed should sample differently"
 
 
