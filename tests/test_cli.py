@@ -20,6 +20,7 @@ JSON_KEYS = {
     "text",
     "tokens",
     "finish_reason",
+    "stop",
     "prompt_tokens",
     "generation_tokens",
     "generation_tps",
@@ -118,10 +119,22 @@ def test_missing_model_folder_is_a_one_line_error_with_exit_code_2(models_dir, p
 
 
 def test_library_value_error_during_generation_exits_2(pair):
-    result = run(*generate_args(pair, "--block-size", "99"))
+    result = run(*generate_args(pair, "--verify-width", "99"))
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: block_size 99")
+    assert result.stderr.startswith("error: verify_width 99")
     assert "Traceback" not in result.output
+
+
+def test_block_size_is_a_deprecated_name_of_verify_width(pair):
+    old = run(*generate_args(pair, "--raw", "--json", "--block-size", "4"))
+    new = run(*generate_args(pair, "--raw", "--json", "--verify-width", "4"))
+    assert old.exit_code == new.exit_code == 0, old.output
+    assert "deprecated" in old.stderr and "--verify-width" in old.stderr
+    assert "deprecated" not in new.stderr
+    a, b = json.loads(old.stdout), json.loads(new.stdout)
+    assert a["tokens"] == b["tokens"] and a["verify_width"] == b["verify_width"] == 4
+    clash = run(*generate_args(pair, "--block-size", "4", "--verify-width", "2"))
+    assert clash.exit_code == 2 and "disagree" in clash.stderr
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), ValueError("boom")])
@@ -186,7 +199,7 @@ def test_help_and_version():
     assert result.exit_code == 0 and "generate" in result.output
     result = run("generate", "--help")
     assert result.exit_code == 0
-    for option in ["--model", "--draft", "--no-draft", "--block-size", "--raw", "--json"]:
+    for option in ["--model", "--draft", "--no-draft", "--verify-width", "--raw", "--json"]:
         assert option in result.output
     result = run("--version")
     assert result.exit_code == 0, result.output
@@ -259,7 +272,8 @@ def test_draft_window_reaches_the_engine_and_bad_ones_exit_2(pair, target, draft
     real = generate_module.stream_generate
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("draft_window"))
+        options = [a for a in args if isinstance(a, dflash_mlx.GenerateOptions)]
+        seen.append(options[0].draft_window if options else kwargs.get("draft_window"))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(dflash_mlx, "stream_generate", spy)
@@ -267,6 +281,7 @@ def test_draft_window_reaches_the_engine_and_bad_ones_exit_2(pair, target, draft
     result = run(*generate_args(pair, "--raw", "--json", "--draft-window", "8"))
     assert result.exit_code == 0, result.output
     assert seen == [8]
+    monkeypatch.undo()
     model, tokenizer = target
     plain = dflash_mlx.generate(model, None, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
     assert json.loads(result.stdout)["tokens"] == plain.tokens
