@@ -275,6 +275,12 @@ class Engine:
             self._cond.notify()
         return job
 
+    @property
+    def running(self) -> Job | None:
+        """The request the worker is running now (None: idle)."""
+        with self._cond:
+            return self._running
+
     def status(self) -> dict[str, Any]:
         with self._cond:
             return {
