@@ -39,52 +39,26 @@ __all__ = [
 ]
 
 
+def _stat(name: str, doc: str | None = None) -> property:
+    """A read-only property reading `self.stats.<name>`."""
+    return property(lambda self: getattr(self.stats, name), doc=doc or f"`stats.{name}`")
+
+
 class _StatsView:
     """The figures that used to be fields of responses and results, read from `stats`."""
 
     stats: Stats
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.stats.prompt_tokens
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.stats.prompt_tps
-
-    @property
-    def generation_tokens(self) -> int:
-        return self.stats.generation_tokens
-
-    @property
-    def generation_tps(self) -> float:
-        return self.stats.generation_tps
-
-    @property
-    def peak_memory(self) -> float:
-        return self.stats.peak_memory
-
-    @property
-    def cycles(self) -> int:
-        return self.stats.cycles
-
-    @property
-    def mean_acceptance(self) -> float:
-        """tau: mean tokens committed per verify pass."""
-        return self.stats.tau
-
-    @property
-    def time_to_first_token(self) -> float:
-        return self.stats.time_to_first_token
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.stats.cached_tokens
-
-    @property
-    def verify_width(self) -> int | None:
-        """The request's verify width W; None: chosen per cycle."""
-        return self.stats.verify_width
+    prompt_tokens = _stat("prompt_tokens")
+    prompt_tps = _stat("prompt_tps")
+    generation_tokens = _stat("generation_tokens")
+    generation_tps = _stat("generation_tps")
+    peak_memory = _stat("peak_memory")
+    cycles = _stat("cycles")
+    mean_acceptance = _stat("tau", "tau: mean tokens committed per verify pass")
+    time_to_first_token = _stat("time_to_first_token")
+    cached_tokens = _stat("cached_tokens")
+    verify_width = _stat("verify_width", "The request's verify width W; None: chosen per cycle.")
+    acceptance_rates = _stat("acceptance_rates")
 
     @property
     def block_size(self) -> int | None:
@@ -93,10 +67,6 @@ class _StatsView:
             "'block_size' is deprecated: use 'verify_width'", DeprecationWarning, stacklevel=2
         )
         return self.stats.verify_width
-
-    @property
-    def acceptance_rates(self) -> list[float]:
-        return self.stats.acceptance_rates
 
 
 @dataclass
@@ -112,13 +82,8 @@ class GenerationResponse(_StatsView):
     finish_reason: str | None = None  # "stop" | "length" | None while running
     stop: str | None = None  # the stop string that ended the reply, if one did
 
-    @property
-    def drafted_tokens(self) -> int:
-        return self.stats.drafted
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.stats.accepted
+    drafted_tokens = _stat("drafted")
+    accepted_tokens = _stat("accepted")
 
 
 @dataclass
@@ -131,13 +96,8 @@ class GenerationResult(_StatsView):
     stats: Stats = field(repr=False)
     stop: str | None = None
 
-    @property
-    def accepted_per_position(self) -> list[int]:
-        return self.stats.accepted_per_position
-
-    @property
-    def drafted_per_position(self) -> list[int]:
-        return self.stats.drafted_per_position
+    accepted_per_position = _stat("accepted_per_position")
+    drafted_per_position = _stat("drafted_per_position")
 
 
 def stream_generate(
