@@ -39,8 +39,8 @@ class ServerSettings:
     loopback_only: bool = True  # bound to loopback: answer loopback Host names only
     cors_origins: tuple[str, ...] = ()  # origins allowed besides loopback ones
     max_body_mb: float = 32.0
-    body_timeout: float = 30.0  # seconds for a request body to arrive
-    header_timeout: float = 5.0  # seconds for request headers (and idle keep-alive)
+    body_timeout: float = 30.0  # seconds for the whole request body to arrive
+    header_timeout: float = 5.0  # seconds for the whole request headers (and idle keep-alive)
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
@@ -49,6 +49,9 @@ class ServerSettings:
             raise ValueError(f"context length {self.context_length} must be >= 2")
         if not self.max_body_mb > 0:
             raise ValueError(f"max body size {self.max_body_mb} MB must be > 0")
+        for name in ("body_timeout", "header_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} {getattr(self, name)} s must be > 0 and finite")
 
 
 # ---------------------------------------------------------------------------------------
@@ -111,6 +114,34 @@ def _validation_error(errors: list[dict[str, Any]]) -> APIError:
     return APIError(400, f"Invalid '{param}': {msg}.", param=param, code="invalid_value")
 
 
+class Failures:
+    """Any exception a route lets out becomes its error response here, and goes no further:
+    Starlette would log it again (with a traceback) after its handler answered. Expected
+    refusals (4xx, 503 queue_full / shutting_down / engine_restarting) are not logged at all
+    beyond the access log; our own failures once, with their traceback (`as_api_error`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:  # too late for an error response: uvicorn logs it, drops the client
+                raise
+            err = to_api_error(exc, Request(scope))
+            await render_error(err, scope["path"])(scope, receive, send)
+
+
 # ---------------------------------------------------------------------------------------
 # The application.
 
@@ -148,6 +179,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         max_body_bytes=int(settings.max_body_mb * 1e6),
         body_timeout=settings.body_timeout,
     )
+    app.add_middleware(Failures)  # innermost: its responses pass the CORS grants too
     app.add_middleware(Guard, policy=policy, render=render_error)
     # Added last, so a browser's preflight (which carries no key) is answered first; only
     # the allowed origins get a grant.
@@ -215,6 +247,9 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             payload["error"] = engine.error or engine.down
         return JSONResponse(payload, status_code=200 if status == "ok" else 503)
 
+    # HEAD: the same status and headers, no body (uvicorn sends none for HEAD).
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         """The routes and their summaries, from the OpenAPI schema; no external assets."""
@@ -258,7 +293,7 @@ def create_server(
         log_level=log_level,
         timeout_graceful_shutdown=5,
         http=H11Protocol,  # drops clients that never finish their request headers
-        timeout_keep_alive=max(1, round(settings.header_timeout)),
+        timeout_keep_alive=settings.header_timeout,  # seconds, not rounded to whole ones
     )
     server = _Server(config)
     server.engine = engine

@@ -6,9 +6,9 @@ rebinding), the `Origin` (browsers' pages get nothing unless `--cors-origin` all
 loopback origins are allowed), the API key (`Authorization: Bearer` or `x-api-key`,
 compared in constant time on the raw bytes, so a UTF-8 key works), the content type (POST
 bodies must be `application/json`: a web page cannot send that without a CORS preflight),
-and the body (at most `max_body_bytes`, read before anything parses it, and within
-`body_timeout` seconds). `H11Protocol` drops connections whose request headers do not
-arrive within the keep-alive timeout.
+and the body (at most `max_body_bytes`, read before anything parses it, the whole of it
+within `body_timeout` seconds of the headers). `H11Protocol` drops connections whose
+request headers do not all arrive within the keep-alive timeout of their first byte.
 """
 
 from __future__ import annotations
@@ -40,6 +40,22 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_origin(origin: str) -> bool:
+    """Whether `--cors-origin` takes `origin` by name: `http(s)://host[:port]`."""
+    return origin.startswith(("http://", "https://"))
+
+
+def _how_to_allow(origin: str) -> str:
+    if is_origin(origin):
+        return f"start the server with --cors-origin {origin} to let that page use it."
+    # "null": a file:// page or a sandboxed frame, which any page can make itself.
+    return (
+        "a page without an origin of its own (a file:// page, a sandboxed frame) cannot be "
+        "allowed by name: serve it from http://localhost (loopback origins are allowed), or "
+        "start the server with --cors-origin '*' to let every page use it."
+    )
 
 
 @dataclass
@@ -91,8 +107,7 @@ class Guard:
         if origin and not p.origin_allowed(origin):
             raise APIError(
                 403,
-                f"Origin {origin!r} is not allowed: start the server with --cors-origin "
-                f"{origin} to let that page use it.",
+                f"Origin {origin!r} is not allowed: {_how_to_allow(origin)}",
                 kind="permission_error",
                 code="origin_not_allowed",
             )
@@ -141,16 +156,24 @@ class Guard:
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise too_large
+        timeout = self.policy.body_timeout
+        too_slow = APIError(
+            408,
+            f"The request body did not arrive within {timeout:g} s.",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body is not read
+        )
+        # One deadline for the whole body: a client trickling a byte at a time gets no more.
+        deadline = asyncio.get_running_loop().time() + timeout
         chunks, size, more = [], 0, True
         while more:
+            left = deadline - asyncio.get_running_loop().time()
             try:
-                message = await asyncio.wait_for(receive(), self.policy.body_timeout)
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), left)
             except asyncio.TimeoutError:
-                raise APIError(
-                    408,
-                    f"The request body did not arrive within {self.policy.body_timeout:g} s.",
-                    code="request_timeout",
-                ) from None
+                raise too_slow from None
             if message["type"] == "http.disconnect":
                 raise APIError(400, "The client disconnected while sending the body.")
             chunk = message.get("body", b"")
