@@ -204,6 +204,8 @@ def measure(
             _, feats = target.forward(prompt[:, start : min(start + 512, hi)], cache, ids)
             draft.add_context(feats, state)
             mx.eval([c.state for c in cache], state.arrays)
+            if progress is not None:  # no step done, but a caller may stop here too
+                progress(done, steps)
         tables.append(curves())
     (verify_t, draft_t), *deeper = tables
     return CostCurves(verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper))
@@ -223,12 +225,13 @@ class Calibration:
     remembered for this process, so that a request costs no fingerprinting. The file is
     checked for a newer measurement (another process, or another pair of the same models,
     re-calibrated): every request decides from the same curves a fresh process would read,
-    so that seeded requests replay across processes."""
+    so that seeded requests replay across processes. `cached()` never measures."""
 
     def __init__(self, pair: Pair):
         self.pair = pair
         # (mlx version, conditions) -> (curves, file, its stamp when read)
         self._known: dict[tuple, tuple[CostCurves, Path, tuple[int, int] | None]] = {}
+        self.latest: CostCurves | None = None  # the curves last read or measured, if any
 
     def curves(
         self,
@@ -237,20 +240,38 @@ class Calibration:
         progress: Callable[[int, int], None] | None = None,
     ) -> CostCurves:
         """Cached curves for this pair on this device, mlx version and conditions, measured
-        when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them)."""
-        memo = (mx.__version__, tuple(sorted(conditions().items())))
-        if not refresh and memo in self._known:
-            curves, path, stamp = self._known[memo]
-            if _stamp(path) == stamp:
-                return curves
-        key = calibration_key(self.pair)
-        path = _cache_path(key)
-        curves = None if refresh else _read(path, key)
+        when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them).
+        `progress(done, total)` is called as the measurement goes; what it raises abandons
+        the measurement (nothing is written or remembered)."""
+        curves = None if refresh else self.cached()
         if curves is None:
+            memo, key = self._memo(), calibration_key(self.pair)
+            path = _cache_path(key)
             curves = measure(self.pair, progress=progress)
             _write(path, key, curves)
-        self._known[memo] = (curves, path, _stamp(path))
+            self._remember(memo, curves, path)
         return curves
+
+    def cached(self) -> CostCurves | None:
+        """The curves `curves()` returns without measuring: this process's, or the cache
+        file's; None when they would have to be measured."""
+        memo = self._memo()
+        known = self._known.get(memo)
+        if known is not None and _stamp(known[1]) == known[2]:
+            return known[0]
+        key = calibration_key(self.pair)
+        path = _cache_path(key)
+        curves = _read(path, key)
+        if curves is not None:
+            self._remember(memo, curves, path)
+        return curves
+
+    def _memo(self) -> tuple:
+        return (mx.__version__, tuple(sorted(conditions().items())))
+
+    def _remember(self, memo: tuple, curves: CostCurves, path: Path) -> None:
+        self._known[memo] = (curves, path, _stamp(path))
+        self.latest = curves
 
     @property
     def path(self) -> Path:

@@ -47,6 +47,11 @@ class Pair:
         # One chooser per fixed draft block (None: chosen per cycle), carried across requests.
         self.choosers: dict[int | None, WidthChooser] = {}
         self.recalibrated = False  # measured again this process (at most once)
+        # Whether `plan` measures what is due (curves missing for this device and
+        # conditions, a re-calibration the choosers ask for) inside the request it plans.
+        # A server turns it off and measures between requests (`calibration_due`,
+        # `calibrate`): its requests plan from the curves at hand, else the default width.
+        self.calibrate_in_plan = True
 
     def __repr__(self) -> str:
         draft = "no draft" if self.draft is None else f"draft block {self.draft.config.block_size}"
@@ -91,6 +96,27 @@ class Pair:
             raise BadArgument("a pair without a draft has no cost curves")
         return self.calibration.curves(refresh=refresh, progress=progress)
 
+    @property
+    def calibration_due(self) -> bool:
+        """Whether `calibrate` would measure: no curves yet for this device and conditions,
+        or measured costs that kept disagreeing with them (re-measured once per process)."""
+        if self.calibration is None:
+            return False
+        return self._recalibration_asked() or self.calibration.cached() is None
+
+    def calibrate(self, progress: Callable[[int, int], None] | None = None) -> CostCurves:
+        """The cost curves, measured now if `calibration_due` (`progress` as in `costs`:
+        what it raises abandons the measurement, which stays due)."""
+        refresh = self._recalibration_asked()
+        curves = self.costs(refresh=refresh, progress=progress)
+        self.recalibrated = self.recalibrated or refresh
+        return curves
+
+    def _recalibration_asked(self) -> bool:
+        # Measured costs that kept disagreeing with the calibration: measure it again (once
+        # per pair and process: a difference that persists is the engine's, not the device's).
+        return not self.recalibrated and any(c.recalibrate for c in self.choosers.values())
+
     # -- planning a request ---------------------------------------------------------------
 
     def plan(self, options: GenerateOptions) -> tuple[int, int, WidthChooser | None]:
@@ -127,20 +153,24 @@ class Pair:
                 raise BadArgument(f"verify_width {width} exceeds draft_block {rows}")
             return width, rows, None
         fixed = block if draft.config.is_dflash2 else draft_block
-        known = self.choosers.get(fixed)
-        # Measured costs that kept disagreeing with the calibration: measure it again (once
-        # per pair and process: a difference that persists is the engine's, not the device's).
-        refresh = known is not None and known.recalibrate and not self.recalibrated
         try:
-            curves = self.costs(refresh=refresh)
-        except OSError:  # no writable cache: fall back to the fixed default
+            curves = self.calibrate() if self.calibrate_in_plan else self._curves_at_hand()
+        except OSError:  # no writable cache
+            curves = None
+        if curves is None:  # fall back to the fixed default
             return min(self.default_verify_width(), rows), rows, None
-        self.recalibrated = self.recalibrated or refresh
         if options.seed is not None:
             return rows, rows, WidthChooser(curves, block, draft_block=fixed)
+        known = self.choosers.get(fixed)
         if known is None or known.costs != curves:
             known = self.choosers[fixed] = WidthChooser(curves, block, draft_block=fixed)
         return rows, rows, known
+
+    def _curves_at_hand(self) -> CostCurves | None:
+        """Without measuring: the current curves, else the last ones known (e.g. before the
+        conditions changed), else None."""
+        curves = self.calibration.cached()
+        return curves if curves is not None else self.calibration.latest
 
     def forget(self) -> None:
         """Drop what requests taught the choosers (the calibration stays)."""

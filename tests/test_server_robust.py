@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
+from dflash_mlx import calibrate
+from dflash_mlx.adaptive import WidthChooser
+from dflash_mlx.costs import CostCurves
+from dflash_mlx.server import create_server
 from dflash_mlx.server.engine import EngineClosed, EngineDown, QueueFull
 
+from . import test_server
 from .test_server import MODEL, TIMEOUT, serving
 
 DEADLINE = 1.0  # seconds: the configured header and body deadlines
@@ -186,3 +194,117 @@ def test_each_failure_is_logged_once_and_refusals_without_a_traceback(
         assert len(records) == len(REQUESTS) and all(r.exc_info for r in records), shown
     else:  # expected refusals and the 400: nothing to trace, nothing twice
         assert not any(r.exc_info for r in records) and len(records) <= len(REQUESTS), shown
+
+
+# ---------------------------------------------------------------------------------------
+# Calibration: never while a request runs or waits
+
+
+class StandIn:
+    """`calibrate.measure`, replaced: fixed curves at once for the first `free` calls, then
+    held (reporting progress, as a real measurement does) until `release` is set. Records,
+    for each call, the request the engine was running (None: none) and how it ended."""
+
+    def __init__(self, free: int):
+        self.free = free
+        self.engine = None  # the server's, once it is made
+        self.running: list[object] = []
+        self.ended: list[str] = []
+        self.held = threading.Event()  # a held call has begun
+        self.release = threading.Event()
+
+    def __call__(self, pair, *, progress=None, **kwargs) -> CostCurves:
+        self.running.append(self.engine.running if self.engine else None)
+        if len(self.running) > self.free:
+            self.held.set()
+            deadline = time.monotonic() + TIMEOUT
+            while not self.release.wait(0.005) and time.monotonic() < deadline:
+                if progress is not None:
+                    try:
+                        progress(0, 1)
+                    except BaseException:
+                        self.ended.append("abandoned")
+                        raise
+        self.ended.append("measured")
+        block = pair.draft.config.block_size
+        verify = tuple(1e-3 * (1 + 0.2 * w) for w in range(block))
+        return CostCurves(verify, (0.0,) + (5e-4,) * (block - 1), depths=(128,))
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """A fresh calibration cache (nothing measured yet), `measure` replaced, and the
+    server's engine made known to it."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    fake = StandIn(free=1)
+    monkeypatch.setattr(calibrate, "measure", fake)
+    servers = []
+
+    def made(engine, settings, **kwargs):
+        fake.engine = engine
+        servers.append(create_server(engine, settings, **kwargs))
+        return servers[-1]
+
+    monkeypatch.setattr(test_server, "create_server", made)
+    fake.servers = servers
+    yield fake
+    fake.release.set()  # whatever happened, nothing stays held
+
+
+def completion(base: str) -> httpx.Response:
+    body = {"model": MODEL, "prompt": "def", "max_tokens": 3, "temperature": 0}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=TIMEOUT)
+
+
+def test_health_is_not_ok_and_requests_wait_until_the_startup_calibration_ends(
+    models_dir, stand_in
+):
+    stand_in.free = 0  # the startup calibration is held
+    context = serving(models_dir)
+    with ThreadPoolExecutor(2) as pool:
+        started = pool.submit(context.__enter__)  # returns once /health says ok
+        try:
+            assert stand_in.held.wait(TIMEOUT), "no calibration at startup"
+            deadline = time.monotonic() + TIMEOUT
+            while not (stand_in.servers and stand_in.servers[0].started):
+                assert time.monotonic() < deadline, "uvicorn did not start"
+                time.sleep(0.01)
+            port = stand_in.servers[0].servers[0].sockets[0].getsockname()[1]
+            base = f"http://127.0.0.1:{port}"
+            health = httpx.get(f"{base}/health", timeout=TIMEOUT)
+            assert health.status_code == 503 and health.json()["status"] == "loading"
+            early = pool.submit(completion, base)
+            state = test_server.Server(base, stand_in.engine).wait_until(
+                lambda h: h["waiting"] == 1, "the request queued"
+            )
+            assert state["running"] == 0 and not started.done() and not early.done()
+        finally:
+            stand_in.release.set()
+        server = started.result(TIMEOUT)
+        try:
+            assert early.result(TIMEOUT).status_code == 200
+            assert server.health()["status"] == "ok"
+        finally:
+            context.__exit__(None, None, None)
+    assert stand_in.running == [None] and stand_in.ended == ["measured"]
+
+
+def test_a_recalibration_waits_for_no_request(models_dir, stand_in, monkeypatch):
+    """The choosers ask for a re-calibration (measured costs that keep disagreeing): it runs
+    between requests, and gives way to every request that arrives meanwhile."""
+    monkeypatch.setattr(WidthChooser, "recalibrate", property(lambda self: True))
+    with serving(models_dir) as server, ThreadPoolExecutor(1) as pool:
+        pair = server.engine.pair
+        first = pool.submit(completion, server.base)
+        assert stand_in.held.wait(TIMEOUT), "no re-calibration"
+        assert stand_in.running[-1] is None, "a re-calibration ran inside a request"
+        # The calibration is held until released: the requests run all the same.
+        assert first.result(TIMEOUT).status_code == 200
+        assert completion(server.base).status_code == 200
+        assert not pair.recalibrated and not stand_in.release.is_set()
+        stand_in.release.set()
+        server.wait_until(lambda h: pair.recalibrated and not h["running"], "recalibrated")
+        assert completion(server.base).status_code == 200
+    assert stand_in.running == [None] * len(stand_in.running), "measured inside a request"
+    assert "abandoned" in stand_in.ended and stand_in.ended[-1] == "measured"
+    assert len(stand_in.running) == len(stand_in.ended) >= 3

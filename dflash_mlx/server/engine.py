@@ -5,8 +5,11 @@ time in arrival order; a few `PromptCache`s keep recent conversations so that a 
 request prefills only what its history does not share. Requests arrive from an asyncio
 event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
 dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
-has taken its place. Knows nothing about HTTP or
-OpenAI's formats: it takes token ids and a `GenerateOptions`, and serves one `Pair`.
+has taken its place. No request waits for a calibration: the pair's cost curves are
+measured during the warm-up (before `ready`), and one due later (a re-calibration the
+width choosers ask for, new conditions) only while no request waits, abandoned as soon as
+one arrives. Knows nothing about HTTP or OpenAI's formats: it takes token ids and a
+`GenerateOptions`, and serves one `Pair`.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class EngineDown(Exception):
 
 
 class _Cancelled(Exception):
-    """Raised from the prefill progress callback to abandon a cancelled request."""
+    """Raised from a progress callback: abandon a cancelled request's prefill, or a
+    calibration a request arrived during."""
 
 
 def vocab_size(model) -> int | None:
@@ -211,11 +215,15 @@ class Engine:
         elif args or old:
             raise TypeError("Engine(pair, tokenizer, *, options=..., ...)")
         self.pair = pair
+        # The worker measures the pair's costs itself, never inside a request.
+        pair.calibrate_in_plan = False
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size(pair.model)
         self.max_queue = max_queue
         # The server's defaults (verify width, draft window, budget): requests start from them.
         self.options = options or GenerateOptions()
+        # Whether requests choose their width from the pair's measured costs.
+        self._calibrates = pair.calibration is not None and self.options.verify_width is None
         self._pool = PromptCachePool(prompt_cache_slots)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -331,6 +339,7 @@ class Engine:
         self.down = None
         self.ready = True
         while True:
+            self._calibrate(between_requests=True)
             with self._cond:
                 while not self._waiting and not self._closed:
                     self._cond.wait()
@@ -346,7 +355,9 @@ class Engine:
         threading.Event().wait()
 
     def _warm(self) -> None:
-        """One tiny generation: loads kernels and measures the pair's costs (cached) now."""
+        """The pair's costs (measured, or read from their cache) and one tiny generation,
+        which loads the kernels."""
+        self._calibrate(between_requests=False)
         try:
             ids = encode_prompt(self.tokenizer, "Hello")
             for _ in stream_generate(
@@ -355,6 +366,35 @@ class Engine:
                 pass
         except Exception as e:  # reported by /health; requests will fail the same way
             self.error = f"{type(e).__name__}: {e}"
+
+    def _calibrate(self, *, between_requests: bool) -> None:
+        """Measure the pair's costs if due. Between requests: only while none waits, and
+        abandoned (still due) when one arrives, which then runs after at most one timed
+        pass; requests meanwhile plan from the curves at hand, else the default width.
+        Abandoned too when the engine closes."""
+
+        def progress(done: int, total: int) -> None:
+            if self._closed or (between_requests and self._waiting):
+                raise _Cancelled
+
+        if not self._calibrates:
+            return
+        try:
+            if between_requests:
+                progress(0, 0)
+            if self.pair.calibration_due:
+                self.pair.calibrate(progress=progress)
+        except _Cancelled:
+            pass
+        except Exception as e:  # e.g. no writable cache
+            self._calibrates = False  # not again: each try would measure for nothing
+            log.warning(
+                "calibrating the pair failed (%s: %s): automatic widths go on from the "
+                "curves at hand, else the default width",
+                type(e).__name__,
+                e,
+                exc_info=not isinstance(e, OSError),
+            )
 
     def _run(self, job: Job) -> None:
         if job.cancelled:  # withdrawn while the worker was taking it
