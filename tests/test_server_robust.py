@@ -58,8 +58,7 @@ def trickle(base: str, head: bytes, body_length: int | None) -> tuple[int, bytes
             except OSError:
                 break
             reply += data
-            if not data or reply:
-                break
+            break  # an answer, or the connection closed
         sock.settimeout(TIMEOUT)
         try:
             while data := sock.recv(65536):
