@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ from .draft import DFlashDraft
 from .errors import BadCheckpoint
 
 _DRAFT_FILES = ["*.json", "*.safetensors"]
+_TARGET_WEIGHTS = "model*.safetensors"  # what mlx_lm.load reads
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
 
 
@@ -109,6 +111,19 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def read_weights(path: Path) -> dict[str, mx.array]:
+    """The tensors of one safetensors file; one mlx cannot read (truncated, an LFS pointer,
+    not safetensors at all) is a `LoadError` naming it."""
+    try:
+        return mx.load(str(path), format="safetensors")
+    except Exception as e:  # "[load_safetensors] <what>. Perhaps an incomplete download ..."
+        detail = re.sub(r"^\[\w+\] ", "", str(e)).split(" Perhaps ")[0].rstrip(".")
+        raise LoadError(
+            f"{path}: damaged or incomplete safetensors file ({detail}): download or convert "
+            "it again"
+        ) from e
+
+
 def load(target: str | Path):
     """Load a target `(model, tokenizer)` with mlx-lm, from a Hub id or a local folder (on
     the CPU backend, half-precision weights are computed in float32: `cpu_float32`)."""
@@ -124,6 +139,10 @@ def load(target: str | Path):
         model, tokenizer = mlx_lm_load(str(folder))
     except (ValueError, FileNotFoundError) as e:
         raise LoadError(f"target {str(target)!r}: {e}") from e
+    except Exception:  # mlx-lm does not say which file: a damaged one is named, else ours
+        for f in sorted(folder.glob(_TARGET_WEIGHTS)):
+            read_weights(f)
+        raise
     cpu_float32(model)
     return model, tokenizer
 
@@ -142,10 +161,7 @@ def load_draft(draft: str | Path) -> DFlashDraft:
         raise LoadError(f"{folder}: no *.safetensors weights file")
     weights: dict[str, mx.array] = {}
     for f in files:
-        try:
-            weights.update(mx.load(str(f)))
-        except Exception as e:
-            raise LoadError(f"{f}: cannot read safetensors ({e})") from e
+        weights.update(read_weights(f))
     # Drafts borrow the target's embedding and head; ignore copies a checkpoint may carry.
     weights = {k: v for k, v in weights.items() if not k.startswith(("embed_tokens.", "lm_head."))}
     model = DFlashDraft(cfg)
