@@ -44,14 +44,17 @@ def _int(name: str, value: Any, low: int, what: str = "") -> int:
 
 
 def _number(name: str, value: Any, low: float, high: float, interval: str) -> float:
+    """`value` as a float in `interval` ("[low, high]"; a round bracket leaves its end out:
+    "[0, inf)" is every finite number from 0), else a `BadArgument` naming the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise BadArgument(f"{name} {value!r} must be a number in {interval}")
     value = float(value)
     ok = low <= value <= high
-    if interval.startswith("(") and value == low:
+    if (interval.startswith("(") and value == low) or (interval.endswith(")") and value == high):
         ok = False
     if not ok:
-        raise BadArgument(f"{name} {value!r} must be in {interval}")
+        finite = "a finite number " if math.isinf(value) else ""
+        raise BadArgument(f"{name} {value!r} must be {finite}in {interval}")
     return value
 
 
