@@ -56,8 +56,8 @@ def command(
         ),
     ] = False,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.")] = 1.0,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
     max_tokens: Annotated[
         int | None,
         typer.Option(help="Most tokens per reply.", show_default="2048; 200 with --demo"),
@@ -147,10 +147,12 @@ def run(
         seed=seed,
         draft_window=draft_window,
     )
+    if system is not None:
+        options.unicode_text("--system", system)
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
     session = load_session(pair, view, system=system, settings=settings)
     if not sys.stdin.isatty():
-        return chat_repl.answer_once(session, view, sys.stdin.read())
+        return chat_repl.answer_once(session, view, read_stdin())
     view.banner(pair.banner, session.options)
     from . import chat_input
 
@@ -162,6 +164,14 @@ def run(
     )
     chat_repl.Repl(session, view, read).run()
     return 0
+
+
+def read_stdin() -> str:
+    """Piped stdin as text: bytes the locale's encoding cannot decode become lone surrogates
+    (as on the command line), which `answer_once` names, instead of a UnicodeDecodeError."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    return sys.stdin.read()
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dflash_mlx.errors import BadArgument
 
 from . import chat_ui
 from .chat_input import quiet_keys
+from .options import unicode_text
 
 if TYPE_CHECKING:
     from dflash_mlx.chat_session import ChatSession
@@ -42,6 +43,7 @@ def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
     """Piped stdin: the whole input is one message; answer it and stop."""
     if not text.strip():
         raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
+    unicode_text("stdin", text)
     interrupted = stream_reply(
         session, view, lambda progress: session.send(text.strip(), prompt_progress=progress)
     )
@@ -99,7 +101,7 @@ class Repl:
 
     def handle(self, line: str) -> bool:
         """Act on one input; False to leave."""
-        text = line.strip()
+        text = unicode_text("the line", line.strip())
         if not text:
             return True
         if text.startswith("/") and not text.startswith("//"):

@@ -63,10 +63,13 @@ def generate(
         bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
     ] = False,
     max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
-    temp: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.")] = 1.0,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below min_p × the top prob.")] = 0.0,
+    min_p: Annotated[
+        float,
+        typer.Option(help="Drop tokens below min_p × the top prob.", callback=options.finite),
+    ] = 0.0,
     seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
@@ -88,6 +91,7 @@ def generate(
 ) -> None:
     """Stream a completion of --prompt, then one line of statistics."""
     with user_errors():
+        options.unicode_text("--prompt", prompt)
         import dflash_mlx
 
         if demo:
@@ -143,7 +147,10 @@ def bench(
     ] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens per generation.")] = 128,
     temp: Annotated[
-        float, typer.Option(help="Sampling temperature; 0 also checks losslessness.")
+        float,
+        typer.Option(
+            help="Sampling temperature; 0 also checks losslessness.", callback=options.finite
+        ),
     ] = 0.0,
     repeats: Annotated[int, typer.Option(help="Measured passes over the prompts.")] = 3,
     verify_widths: Annotated[
@@ -256,12 +263,19 @@ def train(
     steps: Annotated[int, typer.Option(help="Optimiser steps.")] = 1000,
     batch: Annotated[int, typer.Option(help="Sequences per step.")] = 8,
     seq_len: Annotated[int, typer.Option(help="Longest sequence, in tokens.")] = 512,
-    lr: Annotated[float, typer.Option(help="Peak learning rate (AdamW, cosine).")] = 2e-3,
-    warmup: Annotated[float, typer.Option(help="Warm-up fraction of the steps.")] = 0.04,
+    lr: Annotated[
+        float, typer.Option(help="Peak learning rate (AdamW, cosine).", callback=options.finite)
+    ] = 2e-3,
+    warmup: Annotated[
+        float, typer.Option(help="Warm-up fraction of the steps.", callback=options.finite)
+    ] = 0.04,
     anchors_per_seq: Annotated[int, typer.Option(help="Random anchors per sequence.")] = 32,
     loss_gamma: Annotated[
         float | None,
-        typer.Option(help="Loss decay: w_k = exp(-(k-1)/γ) (default: 7 for block 16, 4 for 8)."),
+        typer.Option(
+            help="Loss decay: w_k = exp(-(k-1)/γ) (default: 7 for block 16, 4 for 8).",
+            callback=options.finite,
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed for data order, anchors and init.")] = 0,
     eval_every: Annotated[int, typer.Option(help="Steps between held-out τ checks.")] = 100,

@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import typer
 
+from dflash_mlx.errors import BadArgument
+
+
+def finite(value: float | None) -> float | None:
+    """Callback of every float option: click's FLOAT accepts inf and nan, which no option
+    means; they are a usage error naming the option (exit 2)."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def unicode_text(option: str, value: str) -> str:
+    """`value` if it is valid Unicode, else a `BadArgument` naming `option` and the position.
+
+    Bytes that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF: the command
+    line and stdin decode with surrogateescape); a tokenizer cannot encode either."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        what = (
+            f"byte 0x{code - 0xDC00:02x} is not UTF-8"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"U+{code:04X} is a lone surrogate"
+        )
+        raise BadArgument(
+            f"{option} is not valid Unicode: at character {e.start} (counting from 0), {what}; "
+            "pass UTF-8 text"
+        ) from None
+    return value
+
+
+Temp = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", callback=finite)]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.", callback=finite)]
 Model = Annotated[str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")]
 Draft = Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")]
 Demo = Annotated[
@@ -36,8 +71,6 @@ BlockSize = Annotated[
 
 def verify_width(width: int | None, block_size: int | None) -> int | None:
     """--verify-width, or the deprecated --block-size (with a note on stderr)."""
-    from dflash_mlx.errors import BadArgument
-
     from . import ui
 
     if block_size is None:

@@ -64,7 +64,10 @@ def serve(
         ),
     ] = None,
     max_body_mb: Annotated[
-        float, typer.Option(help="Largest request body in MB; larger ones get 413.")
+        float,
+        typer.Option(
+            help="Largest request body in MB; larger ones get 413.", callback=options.finite
+        ),
     ] = 32.0,
 ) -> None:
     """Serve OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -124,8 +127,9 @@ def listen(host: str, port: int) -> socket.socket:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except OSError as e:
-        raise BadArgument(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    except (OSError, UnicodeError) as e:  # UnicodeError: a host name IDNA cannot encode
+        reason = getattr(e, "strerror", None) or e
+        raise BadArgument(f"cannot listen on {host}:{port}: {reason}") from None
     return sock
 
 
@@ -167,6 +171,9 @@ def run(
     )
     if not max_body_mb > 0:
         raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
+    texts = [("--host", host), ("--api-key", api_key or "")]
+    for name, text in texts + [("--cors-origin", origin) for origin in cors_origins]:
+        options.unicode_text(name, text)
     for origin in cors_origins:
         if origin != "*" and not origin.startswith(("http://", "https://")):
             raise BadArgument(
