@@ -19,24 +19,11 @@ def finite(value: float | None) -> float | None:
 
 
 def unicode_text(option: str, value: str) -> str:
-    """`value` if it is valid Unicode, else a `BadArgument` naming `option` and the position.
+    """`value` if it is valid Unicode, else a `BadArgument` naming `option` and the position
+    (the library's one rule: `dflash_mlx.text.check_text`)."""
+    from dflash_mlx.text import check_text
 
-    Bytes that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF: the command
-    line and stdin decode with surrogateescape); a tokenizer cannot encode either."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        code = ord(value[e.start])
-        what = (
-            f"byte 0x{code - 0xDC00:02x} is not UTF-8"
-            if 0xDC80 <= code <= 0xDCFF
-            else f"U+{code:04X} is a lone surrogate"
-        )
-        raise BadArgument(
-            f"{option} is not valid Unicode: at character {e.start} (counting from 0), {what}; "
-            "pass UTF-8 text"
-        ) from None
-    return value
+    return check_text(option, value)
 
 
 Temp = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", callback=finite)]

@@ -14,6 +14,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from .errors import BadArgument
+from .text import check_text
 
 SUITES = ("math", "code", "chat")
 
@@ -49,7 +50,7 @@ def _parse_line(line: str, where: str) -> tuple[str | None, list[dict[str, str]]
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
             raise BadArgument(f'{where}: "prompt" must be a non-empty string')
-        return obj["prompt"], None
+        return check_text(f'{where}: "prompt"', obj["prompt"]), None
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadArgument(f'{where}: "messages" must be a non-empty list')
@@ -57,6 +58,7 @@ def _parse_line(line: str, where: str) -> tuple[str | None, list[dict[str, str]]
         ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
         if not ok:
             raise BadArgument(f'{where}: message {i} needs string "role" and "content"')
+        check_text(f"{where}: message {i}", m["content"])
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -78,6 +80,10 @@ def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadArgument(
+            f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
     except OSError as e:
         raise BadArgument(f"{path}: cannot read prompts ({e.strerror or e})") from None
     return parse_prompts(text, str(path), suite or path.stem)

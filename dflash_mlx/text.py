@@ -16,12 +16,34 @@ from .errors import BadArgument
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]] | mx.array
 
 
+def check_text(what: str, value: str) -> str:
+    """`value` if it is valid Unicode, else a `BadArgument` naming `what` and the position.
+
+    Bytes that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF: the command
+    line and stdin decode with surrogateescape); a tokenizer can encode neither."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(value[e.start])
+        why = (
+            f"byte 0x{code - 0xDC00:02x} is not UTF-8"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"U+{code:04X} is a lone surrogate"
+        )
+        raise BadArgument(
+            f"{what} is not valid Unicode: at character {e.start} (counting from 0), {why}; "
+            "pass UTF-8 text"
+        ) from None
+    return value
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt: text (BOS added unless it is there), token ids, an `mx.array`
     of ids, or chat messages (rendered with the tokenizer's chat template)."""
     if isinstance(prompt, mx.array):
         ids = prompt.reshape(-1).tolist()
     elif isinstance(prompt, str):
+        check_text("the prompt", prompt)
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not prompt.startswith(bos)
         ids = tokenizer.encode(prompt, add_special_tokens=add_special)
@@ -29,6 +51,8 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
         for i, m in enumerate(prompt):
             if "role" not in m or "content" not in m:
                 raise BadArgument(f"message {i} needs 'role' and 'content', got keys {sorted(m)}")
+            if isinstance(m["content"], str):
+                check_text(f"message {i}'s content", m["content"])
         ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]

@@ -227,3 +227,27 @@ def test_generate_options_refuse_a_temperature_that_is_not_finite(value):
     with pytest.raises(BadArgument, match=r"^temperature"):
         GenerateOptions().replace(temperature=value)  # chat's /set temp inf
     assert GenerateOptions(temperature=1e300).temperature == 1e300
+
+
+def test_the_library_refuses_text_that_is_not_unicode_naming_it(target):
+    """The rule the CLI applies lives in the library: a direct caller gets a BadArgument
+    naming the position, not a tokenizer's TypeError."""
+    from dflash_mlx import Pair, generate
+
+    model, tok = target
+    with pytest.raises(BadArgument, match=r"the prompt is not valid Unicode: at character 1"):
+        generate(Pair(model), tok, "a\ud800b", max_tokens=2)
+    messages = [{"role": "user", "content": "hi \udcff"}]
+    with pytest.raises(BadArgument, match=r"message 0's content .* byte 0xff is not UTF-8"):
+        generate(Pair(model), tok, messages, max_tokens=2)
+
+
+def test_bench_refuses_a_prompts_file_that_is_not_text(models_dir, tmp_path):
+    pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "caf\xe9"}\n')
+    surrogate = tmp_path / "surrogate.jsonl"
+    surrogate.write_text('{"prompt": "a\\ud800"}\n')
+    for path, named in ((latin, "not UTF-8 text (byte 0xe9"), (surrogate, "lone surrogate")):
+        result = run("bench", *pair, "--prompts", str(path), "--repeats", "1")
+        assert named in user_error(result), result.output
