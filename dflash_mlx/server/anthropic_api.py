@@ -15,10 +15,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from . import core
 from .anthropic_requests import CountTokensRequest, MessagesRequest
 from .core import APIError, Finish, Reasoning, Text, ToolCall, new_id
+from .limits import BoundedRoute
 from .replies import sse, streamed, whole
 
 _ERROR_TYPES = {
@@ -157,13 +159,13 @@ async def event_stream(gen: core.Generation, mid: str, model: str) -> AsyncItera
 
 
 def routes(service: core.Service, model_name) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=BoundedRoute)
 
     @router.post("/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:
         """Anthropic Messages (`stream: true` for its event stream); tools, thinking blocks."""
         model = model_name(body.model)
-        gen = await service.start(body.core())
+        gen = await service.start(await run_in_threadpool(body.core))
         mid = new_id("msg_")
         if body.stream:
             return streamed(event_stream(gen, mid, model))
@@ -173,6 +175,6 @@ def routes(service: core.Service, model_name) -> APIRouter:
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         """Tokens the prompt (system, messages, tools) takes, as the model's template renders it."""
         model_name(body.model)
-        return {"input_tokens": await service.count(body.core_request())}
+        return {"input_tokens": await service.count(await run_in_threadpool(body.core_request))}
 
     return router

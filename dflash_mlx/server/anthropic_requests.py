@@ -8,12 +8,13 @@ refused values (server tools, other content blocks) are in `refused.REFUSED`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from . import core
 from .core import APIError
+from .limits import MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS
 from .refused import Strict, refuse
 
 
@@ -45,6 +46,8 @@ class CountTokensRequest(Strict):
     system: str | list[dict[str, Any]] | None = None
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
+
+    limits: ClassVar[dict[str, int]] = {"messages": MAX_MESSAGES, "tools": MAX_TOOLS}
 
     def core_request(self, **kw: Any) -> core.Request:
         choice = self.tool_choice
@@ -176,6 +179,11 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, ge=0, le=1)
     top_k: int | None = Field(None, ge=0)
     thinking: dict[str, Any] | None = None  # reasoning models think as their template says
+
+    limits: ClassVar[dict[str, int]] = {
+        **CountTokensRequest.limits,
+        "stop_sequences": MAX_STOP_SEQUENCES,
+    }
 
     def core(self) -> core.Request:
         return self.core_request(

@@ -148,12 +148,16 @@ class Service:
             return [int(t) for t in ids]
 
     async def tokenize(self, req: Request) -> list[int]:
+        # Off the event loop: the checks walk the whole request, and the ids may be many.
+        return await run_in_threadpool(self._tokenize, req)
+
+    def _tokenize(self, req: Request) -> list[int]:
         self._check(req)  # cheap, before the tokenizer lock other requests need
         try:
-            ids = await run_in_threadpool(self._encode, req)
+            ids = self._encode(req)
         except APIError:
             raise
-        except (ValueError, TemplateError, TypeError, KeyError) as e:
+        except (ValueError, TemplateError, TypeError, KeyError, RecursionError) as e:
             raise APIError(400, f"Invalid '{req.param}': {e}", param=req.param) from None
         if not ids:
             raise APIError(400, f"Invalid '{req.param}': the prompt is empty", param=req.param)

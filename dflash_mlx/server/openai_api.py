@@ -15,9 +15,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from . import core
 from .core import APIError, Finish, Reasoning, Text, ToolCall, new_id
+from .limits import BoundedRoute
 from .openai_requests import ChatCompletionRequest, CompletionRequest
 from .replies import sse, streamed, whole
 
@@ -143,11 +145,11 @@ async def text_stream(
 def routes(service: core.Service, model_name) -> APIRouter:
     """The OpenAI routes; `model_name(requested)` checks a model name and returns the one
     to echo."""
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=BoundedRoute)
 
     async def respond(chat: bool, body, request: Request) -> Response:
         model = model_name(body.model)
-        gen = await service.start(body.core())
+        gen = await service.start(await run_in_threadpool(body.core))
         rid = new_id("chatcmpl-" if chat else "cmpl-")
         if body.stream:
             stream = chat_stream if chat else text_stream

@@ -9,12 +9,13 @@ template's shape (the Responses API's input uses it too).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
 from . import core
 from .core import APIError, new_id
+from .limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, nested_too_deep, too_deep
 from .refused import Strict, refuse, unsupported
 
 
@@ -39,6 +40,8 @@ class _Request(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None
+
+    limits: ClassVar[dict[str, int]] = {"stop": MAX_STOP}  # arrays' lengths (`limits.py`)
 
     @field_validator("stop")
     @classmethod
@@ -131,6 +134,10 @@ def template_call(call_id: str | None, name: str, arguments: Any, param: str) ->
                 param=param,
                 code="invalid_value",
             ) from None
+        except RecursionError:  # nested past Python's own limit
+            raise nested_too_deep(f"the arguments of the call to {name!r} nest", param) from None
+        if too_deep(arguments) is not None:
+            raise nested_too_deep(f"the arguments of the call to {name!r} nest", param)
     return {
         "id": call_id or new_id("call_"),
         "type": "function",
@@ -159,6 +166,11 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
 
+    limits: ClassVar[dict[str, int]] = {
+        **_Request.limits,
+        "messages": MAX_MESSAGES,
+        "tools": MAX_TOOLS,
+    }
     _refused = refuse("chat/completions")
 
     def requested_max_tokens(self) -> int | None:

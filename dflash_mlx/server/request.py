@@ -8,6 +8,7 @@ into the engine's one `GenerateOptions`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,33 +72,37 @@ class Request:
         return self.tools
 
 
+def _strings(value: Any, keys: bool) -> Iterator[str]:
+    """The strings in a JSON value (object keys too, if `keys`), in order; iterative, so any
+    nesting is safe."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            yield v
+        elif isinstance(v, dict):
+            for k, item in reversed(v.items()):
+                stack.append(item)
+                if keys:
+                    stack.append(k)
+        elif isinstance(v, list):
+            stack.extend(reversed(v))
+
+
 def check_unicode(value: Any, param: str) -> None:
     """Refuse lone surrogates (valid JSON escapes, invalid Unicode) before any tokenizer."""
-    if isinstance(value, str):
+    for text in _strings(value, keys=True):
         try:
-            value.encode("utf-8")
+            text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise APIError(
                 400,
                 f"Invalid '{param}': the text holds an invalid Unicode code point "
-                f"{value[e.start]!r} at position {e.start} (a lone surrogate)",
+                f"{text[e.start]!r} at position {e.start} (a lone surrogate)",
                 param=param,
                 code="invalid_value",
             ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_unicode(k, param)
-            check_unicode(v, param)
-    elif isinstance(value, list):
-        for v in value:
-            check_unicode(v, param)
 
 
 def _text_bytes(value: Any) -> int:
-    if isinstance(value, str):
-        return len(value.encode("utf-8"))
-    if isinstance(value, dict):
-        return sum(_text_bytes(v) for v in value.values())
-    if isinstance(value, list):
-        return sum(_text_bytes(v) for v in value)
-    return 0
+    return sum(len(text.encode("utf-8")) for text in _strings(value, keys=False))

@@ -15,9 +15,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from . import core
 from .core import Finish, Reasoning, Text, ToolCall, new_id
+from .limits import BoundedRoute
 from .openai_api import error_body
 from .replies import sse, streamed, whole
 from .responses_requests import NamedChoice, ResponsesRequest
@@ -249,13 +251,13 @@ class Builder:
 
 
 def routes(service: core.Service, model_name) -> APIRouter:
-    router = APIRouter(prefix="/v1")
+    router = APIRouter(prefix="/v1", route_class=BoundedRoute)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI Responses, stateless (`stream: true` for its event stream); function tools."""
         model = model_name(body.model)
-        gen = await service.start(body.core())
+        gen = await service.start(await run_in_threadpool(body.core))
         builder = Builder(new_id("resp_"), model, body)
         if not body.stream:
             return await whole(gen, request, builder.whole)

@@ -9,12 +9,13 @@ shape; function tools become `core`'s tools. The refused fields (`store`,
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from . import core
 from .core import APIError
+from .limits import MAX_MESSAGES, MAX_TOOLS
 from .openai_requests import template_call
 from .refused import Strict, refuse
 
@@ -51,6 +52,7 @@ class ResponsesRequest(Strict):
     reasoning: dict[str, Any] | None = None  # reasoning models think as their template says
     metadata: dict[str, Any] | None = None
 
+    limits: ClassVar[dict[str, int]] = {"input": MAX_MESSAGES, "tools": MAX_TOOLS}
     _refused = refuse("responses")
 
     def core(self) -> core.Request:
