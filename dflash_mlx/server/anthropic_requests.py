@@ -15,13 +15,13 @@ from pydantic import Field
 from . import core
 from .core import APIError
 from .limits import MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS
-from .refused import Strict, refuse
+from .refused import Strict, ToolSchema, refuse
 
 
 class ToolDef(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    input_schema: ToolSchema = Field(default_factory=lambda: {"type": "object"})
     type: str | None = None
 
     _refused = refuse("messages tools[]")
@@ -92,8 +92,10 @@ class CountTokensRequest(Strict):
         out: list[dict[str, Any]] = []
         if self.system:
             out.append({"role": "system", "content": _text_of(self.system, "system")})
+        used: set[str] = set()  # the ids of the previous message's tool_use blocks
         for i, m in enumerate(self.messages):
             where = f"messages[{i}].content"
+            answerable, used = used, set()
             if isinstance(m.content, str):
                 out.append({"role": m.role, "content": m.content})
                 continue
@@ -103,6 +105,7 @@ class CountTokensRequest(Strict):
                 if kind == "text":
                     texts.append(_field(block, "text", str, where))
                 elif kind == "tool_use" and m.role == "assistant":
+                    used.add(_field(block, "id", str, where))
                     calls.append(
                         {
                             "id": _field(block, "id", str, where),
@@ -118,13 +121,16 @@ class CountTokensRequest(Strict):
                     text = _text_of(content, where)
                     if block.get("is_error"):
                         text = f"Error: {text}"
-                    out.append(
-                        {
-                            "role": "tool",
-                            "tool_call_id": _field(block, "tool_use_id", str, where),
-                            "content": text,
-                        }
-                    )
+                    use_id = _field(block, "tool_use_id", str, where)
+                    if use_id not in answerable:
+                        raise APIError(
+                            400,
+                            f"Invalid '{where}': unexpected tool_use_id {use_id!r} in a "
+                            "tool_result block: each tool_result must answer a tool_use block "
+                            "of the message before it.",
+                            param=where,
+                        )
+                    out.append({"role": "tool", "tool_call_id": use_id, "content": text})
                 elif kind in ("tool_use", "tool_result"):
                     raise APIError(
                         400,

@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from . import core
 from .core import APIError, new_id
 from .limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, nested_too_deep, too_deep
-from .refused import Strict, refuse, unsupported
+from .refused import Strict, ToolSchema, refuse, unsupported
 
 
 class StreamOptions(Strict):
@@ -73,7 +73,7 @@ class _Request(Strict):
 class FunctionDef(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ToolSchema | None = None
     strict: bool | None = None
 
 
@@ -182,11 +182,55 @@ class ChatCompletionRequest(_Request):
         if isinstance(choice, NamedToolChoice):
             choice = {"name": choice.function.name}
         return self.core_request(
-            messages=[m.as_template_message(i) for i, m in enumerate(self.messages)],
+            messages=self.template_messages(),
             tools=[t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None,
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls,
             param="messages",
+        )
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages in the template's shape; each tool message answers a call of the
+        assistant message before it (tool messages between them aside), as OpenAI's do."""
+        out = []
+        calls: set[str | None] | None = None  # the ids the next tool message may answer
+        for i, m in enumerate(self.messages):
+            if m.role == "tool":
+                answer_call(m.tool_call_id, calls, f"messages[{i}]")
+            elif m.role == "assistant" and m.tool_calls:
+                calls = {c.id for c in m.tool_calls}
+            else:
+                calls = None
+            out.append(m.as_template_message(i))
+        return out
+
+
+def answer_call(call_id: str | None, calls: set[str | None] | None, where: str) -> None:
+    """Refuse a tool message answering no call: none before it (`calls` None), no
+    `tool_call_id`, or an id not among `calls` (an id-less call may be the one answered)."""
+    if call_id is None:
+        raise APIError(
+            400,
+            f"Missing required parameter: '{where}.tool_call_id'.",
+            param=f"{where}.tool_call_id",
+            code="missing_required_parameter",
+        )
+    if calls is None:
+        raise APIError(
+            400,
+            f"Invalid '{where}': a message with role 'tool' must answer a call of the "
+            "assistant message before it (one with 'tool_calls').",
+            param=where,
+            code="invalid_value",
+        )
+    if call_id not in calls and None not in calls:
+        ids = ", ".join(repr(c) for c in sorted(calls))
+        raise APIError(
+            400,
+            f"Invalid '{where}.tool_call_id': {call_id!r} is not the id of a call of the "
+            f"assistant message before it ({ids}).",
+            param=f"{where}.tool_call_id",
+            code="invalid_value",
         )
 
 

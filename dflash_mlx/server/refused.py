@@ -15,21 +15,36 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
+
+from .request import schema_problem
 
 
 class Strict(BaseModel):
-    """A request schema: strict types, unknown fields ignored."""
+    """A request schema: strict types, unknown fields ignored, no NaN or infinite numbers."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def unsupported(reason: str) -> PydanticCustomError:
     """The error refusing a value: a 400 `unsupported_parameter` naming its field."""
     return PydanticCustomError("unsupported_parameter", reason)
+
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise PydanticCustomError(
+            "invalid_schema", "not a JSON Schema: {problem}", {"problem": problem}
+        )
+    return schema
+
+
+# A tool's parameters: a JSON Schema object, its `type`s JSON types (`"type": 5` is refused).
+ToolSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
 
 
 def _unset(value: Any) -> bool:

@@ -106,3 +106,58 @@ def check_unicode(value: Any, param: str) -> None:
 
 def _text_bytes(value: Any) -> int:
     return sum(len(text.encode("utf-8")) for text in _strings(value, keys=False))
+
+
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+# The keywords whose values are schemas: one, a list of them, or an object of them.
+_SUBSCHEMA = ("additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "additionalItems", "unevaluatedItems", "unevaluatedProperties")  # fmt: skip
+_SUBSCHEMAS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def schema_problem(schema: Any) -> str | None:
+    """What makes `schema` no JSON Schema, or None: a `type` that names no JSON type, a
+    subschema that is neither an object nor a boolean, `properties` that is no object of
+    schemas, `required` that is no list of names. Values (`enum`, `const`, `default`) are
+    data and not looked into; iterative, so any nesting is safe."""
+    stack: list[tuple[str, Any]] = [("", schema)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, bool):
+            continue
+        if not isinstance(node, dict):
+            at = f"'{where}'" if where else "the schema"
+            return f"{at} is {_shown(node)}, not a schema (an object or a boolean)"
+        prefix = where + "." if where else ""
+        if "type" in node:
+            kind = node["type"]
+            kinds = kind if isinstance(kind, list) and kind else [kind]
+            if not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+                return (
+                    f"'{prefix}type' is {_shown(kind)}, not a JSON Schema type "
+                    f"({', '.join(JSON_TYPES)}) or a list of them"
+                )
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            return f"'{prefix}required' is {_shown(required)}, not a list of property names"
+        for key in _SCHEMA_MAPS:
+            if key in node and not isinstance(node[key], dict):
+                return f"'{prefix}{key}' is {_shown(node[key])}, not an object of schemas"
+            stack.extend((f"{prefix}{key}.{name}", sub) for name, sub in node.get(key, {}).items())
+        for key in _SUBSCHEMAS:
+            if key in node and not isinstance(node[key], list):
+                return f"'{prefix}{key}' is {_shown(node[key])}, not a list of schemas"
+            stack.extend((f"{prefix}{key}[{i}]", sub) for i, sub in enumerate(node.get(key, [])))
+        items = node.get("items")
+        if isinstance(items, list):  # the tuple form of drafts 4 to 2019-09
+            stack.extend((f"{prefix}items[{i}]", sub) for i, sub in enumerate(items))
+        elif "items" in node:
+            stack.append((f"{prefix}items", items))
+        stack.extend((f"{prefix}{key}", node[key]) for key in _SUBSCHEMA if key in node)
+    return None

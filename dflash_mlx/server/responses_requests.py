@@ -17,14 +17,14 @@ from . import core
 from .core import APIError
 from .limits import MAX_MESSAGES, MAX_TOOLS
 from .openai_requests import template_call
-from .refused import Strict, refuse
+from .refused import Strict, ToolSchema, refuse
 
 
 class FunctionTool(Strict):
     type: str
     name: str | None = None
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: ToolSchema | None = None
     strict: bool | None = None
 
     _refused = refuse("responses tools[]")
@@ -91,6 +91,7 @@ class ResponsesRequest(Strict):
 
     def messages(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        called: set[str] = set()  # the call_ids of the function calls so far
         if self.instructions:
             out.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
@@ -112,6 +113,7 @@ class ResponsesRequest(Strict):
                     item.get("arguments", "{}"),
                     where,
                 )
+                called.add(call["id"])
                 last = out[-1] if out else None
                 if last is None or last["role"] != "assistant":
                     last = {"role": "assistant", "content": ""}
@@ -120,13 +122,16 @@ class ResponsesRequest(Strict):
             elif kind == "function_call_output":
                 output = item.get("output", "")
                 content = output if isinstance(output, str) else _text(output, where)
-                out.append(
-                    {
-                        "role": "tool",
-                        "tool_call_id": _str(item, "call_id", where),
-                        "content": content,
-                    }
-                )
+                call_id = _str(item, "call_id", where)
+                if call_id not in called:
+                    raise APIError(
+                        400,
+                        f"Invalid '{where}.call_id': no function_call before it in the input "
+                        f"has the call_id {call_id!r} (a function_call_output answers one).",
+                        param=f"{where}.call_id",
+                        code="invalid_value",
+                    )
+                out.append({"role": "tool", "tool_call_id": call_id, "content": content})
             elif kind == "reasoning":
                 continue  # the template does not render past reasoning
             else:
