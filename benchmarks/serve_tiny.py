@@ -50,7 +50,7 @@ def main() -> None:
     context = max(pair.context_limit or 0, args.prefix + 512)
     settings = ServerSettings(model_id="demo", context_length=context)
     server = create_server(engine, settings, log_level="warning")
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -89,7 +89,7 @@ def serving(
         model_id=MODEL, api_key=api_key, default_max_tokens=16, context_length=pair.context_limit
     )
     settings = ServerSettings(**{**fields, **(settings or {})})
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = create_server(engine, settings, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -613,3 +613,15 @@ def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(models_dir):
         log.append(lines.get())
     assert "terminate called" not in "".join(log), "".join(log)
     assert os.environ.get("DFLASH_MLX_CACHE"), "the subprocess must use the session cache"
+
+
+def test_the_listening_socket_lets_asyncio_set_tcp_nodelay():
+    """asyncio sets TCP_NODELAY on accepted connections only when the listening socket says
+    it is TCP; without it each reply on a kept-alive connection waits for a delayed ACK."""
+    from dflash_mlx.cli.serve import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()
