@@ -82,9 +82,7 @@ def test_one_draft_serves_two_interleaved_requests(models_dir, draft, name):
 SEEDED = dict(max_tokens=48, temperature=1.0, seed=3)  # block_size: automatic
 
 
-def test_a_seed_replays_under_the_automatic_width_after_other_requests(
-    target, draft, monkeypatch
-):
+def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, draft, monkeypatch):
     """A seeded request's widths follow from the pair's calibrated curves and its own
     tokens, never from what other requests taught the pair's chooser (their acceptance,
     their cycles timed on the wall clock). The curves are injected: a re-calibration that
