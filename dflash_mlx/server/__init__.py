@@ -1,6 +1,7 @@
 """`dflash-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server over `stream_generate`.
 
-`engine.py` is the one supervised worker thread that runs MLX and serves one `Pair`;
+`engine.py` is the one supervised worker thread that runs MLX and serves one `Pair`
+(its prompt caches in `prompt_pool.py`, request limits in `limits.py`);
 `core.py` the service every API calls, over `request.py` (the one internal request and its
 `GenerateOptions`), `events.py` (the result stream, tool calls and reasoning split with
 mlx-lm's own parsers, and its usage) and `errors.py`. `openai_api.py` (chat and text

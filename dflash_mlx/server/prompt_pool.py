@@ -1,0 +1,81 @@
+"""The server's prompt caches: one per recent conversation, shared prefixes forked.
+
+Only the engine's worker thread uses the pool, and a cache serves one request at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from ..prompt_cache import PromptCache, common_prefix
+
+
+def fork(pc: PromptCache) -> PromptCache:
+    """A new PromptCache holding a copy of `pc`'s state: the request that resumes from it
+    trims and extends the copy, never the original (another conversation's cache)."""
+    out = PromptCache()
+    state = pc.state
+    if state is not None:
+        lease, _ = out.take(*state.owner)
+        # The caches and the draft's context are copied; the models (the owner, and the
+        # target head a DraftState carries) are shared.
+        copied = dataclasses.replace(
+            state,
+            tokens=list(state.tokens),
+            target_cache=copy.deepcopy(state.target_cache),
+            draft=copy.deepcopy(state.draft),
+            pending=list(state.pending),
+            snapshots=list(state.snapshots),
+        )
+        out.commit(lease, copied)
+    return out
+
+
+class PromptCachePool:
+    """A few PromptCaches, one per recent conversation, most recently used last.
+
+    A request takes the cache whose last request it continues (that whole prompt is shared:
+    a next turn, or a retry of the last reply). A new conversation that shares at least
+    `MIN_SHARED` tokens with a cached one (agents resend one long system prompt and tool
+    list from every conversation) gets a copy of that cache, so it prefills only the rest
+    and the other conversation keeps its own; the copy takes a free slot, else the least
+    recently used other one. Anything else takes a free slot, else an emptied cache, else
+    the least recently used one. Only the worker thread uses the pool, and a cache serves
+    one request at a time.
+    """
+
+    MIN_SHARED = 64  # below this, prefilling the prefix again costs less than a copy
+
+    def __init__(self, slots: int):
+        if slots < 1:
+            raise ValueError(f"prompt cache slots {slots} must be >= 1")
+        self.slots = slots
+        self._caches: list[PromptCache] = []
+        self._prompt_len: list[int] = []  # the length of each cache's last prompt
+
+    def acquire(self, prompt: list[int]) -> PromptCache:
+        caches = self._caches
+        shared = [common_prefix(pc.tokens, prompt) for pc in caches]
+        continued = [
+            k for k in range(len(caches)) if shared[k] > 0 and shared[k] >= self._prompt_len[k] - 1
+        ]
+        best = max(range(len(caches)), key=lambda k: (shared[k], k), default=None)
+        if continued:
+            pc = self._drop(max(continued, key=lambda k: shared[k]))
+        elif best is not None and shared[best] >= self.MIN_SHARED and self.slots > 1:
+            pc = fork(caches[best])
+            if len(caches) >= self.slots:  # evict the least recently used other cache
+                self._drop(0 if best != 0 else 1)
+        elif len(caches) < self.slots:
+            pc = PromptCache()
+        else:
+            empty = [k for k, c in enumerate(caches) if not c.tokens]
+            pc = self._drop(empty[0] if empty else (best if shared[best] else 0))
+        caches.append(pc)
+        self._prompt_len.append(len(prompt))
+        return pc
+
+    def _drop(self, k: int) -> PromptCache:
+        self._prompt_len.pop(k)
+        return self._caches.pop(k)
