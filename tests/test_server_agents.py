@@ -367,9 +367,13 @@ def test_anthropic_count_tokens_matches_the_rendered_prompt(claude, agent):
 
 
 def test_anthropic_errors_have_anthropic_shape(claude, agent):
-    with pytest.raises(anthropic.NotFoundError) as e:
-        claude.messages.create(model="claude-x", max_tokens=5, messages=ASK)
-    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    # Any model name is served by the loaded model (Claude Code sends its own names).
+    served = claude.messages.create(model="claude-x", max_tokens=5, messages=ASK)
+    assert served.model == MODEL and served.content[0].text
+    r = httpx.post(agent.base + "/v1/messages/nowhere", json={}, timeout=TIMEOUT)
+    body = r.json()
+    assert r.status_code == 404, body
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model=MODEL, max_tokens=0, messages=ASK)
     assert e.value.body["error"]["type"] == "invalid_request_error"

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 import html
 import time
 from contextlib import asynccontextmanager
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.config import LOGGING_CONFIG
 
 from .. import __version__
 from . import anthropic_api, openai_api, responses_api
@@ -209,15 +211,21 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             "context_length": settings.context_length,
         }
 
-    def model_name(name: str | None) -> str:
-        if name and name not in names:
+    def model_name(name: str | None, strict: bool = False) -> str:
+        """The name a reply carries: the one asked for when it is the served model's (or an
+        alias), else the served model's. A request naming another model is served by the
+        loaded one, as mlx-lm's server and llama-server do (clients hard-code names);
+        `strict` (retrieving a model by name) refuses it."""
+        if name and name in names:
+            return name
+        if name and strict:
             raise APIError(
                 404,
                 f"The model '{name}' does not exist: this server serves '{settings.model_id}'.",
                 param="model",
                 code="model_not_found",
             )
-        return name or settings.model_id
+        return settings.model_id
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -226,7 +234,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def retrieve_model(name: str) -> dict[str, Any]:
-        model_name(name)
+        model_name(name, strict=True)
         return model_card()
 
     app.include_router(openai_api.routes(service, model_name))
@@ -288,9 +296,13 @@ def create_server(
     engine: Engine, settings: ServerSettings, *, log_level: str = "info"
 ) -> uvicorn.Server:
     """A uvicorn server for the app; `.run(sockets=[sock])` serves until SIGINT/SIGTERM."""
+    # uvicorn's logging, plus the engine's one line per request at the same level.
+    log_config = copy.deepcopy(LOGGING_CONFIG)
+    log_config["loggers"]["dflash_mlx"] = {"handlers": ["default"], "level": log_level.upper()}
     config = uvicorn.Config(
         create_app(engine, settings),
         log_level=log_level,
+        log_config=log_config,
         timeout_graceful_shutdown=5,
         http=H11Protocol,  # drops clients that never finish their request headers
         timeout_keep_alive=settings.header_timeout,  # seconds, not rounded to whole ones

@@ -102,6 +102,19 @@ class Job:
             self._cancel.set()
 
 
+def request_line(outcome: str, last: GenerationResponse, seconds: float) -> str:
+    """The log's one line per request, from its `Stats`: what came in, what went out and
+    how fast, tau, and what ran (as llama-server logs a request)."""
+    s = last.stats
+    widths = ", ".join(f"W={w}x{c}" for w, (c, _) in sorted(s.widths.items())) or "-"
+    return (
+        f"request {outcome} ({last.finish_reason or 'cut'}): prompt {s.prompt_tokens} tokens "
+        f"({s.cached_tokens} cached, {s.prompt_tps:.0f} tok/s), {s.generation_tokens} tokens "
+        f"at {s.generation_tps:.1f} tok/s, tau {s.tau:.2f}, ran {widths}, "
+        f"{s.plain_fraction:.0%} plain, draft {s.draft or 'none'}, {seconds:.2f} s"
+    )
+
+
 def _old_form(model, draft, args: tuple, options, old: dict):
     """`Engine(model, draft, tokenizer, block_size=..., draft_window=...)`, deprecated."""
     import warnings
@@ -367,3 +380,5 @@ class Engine:
             if last is not None:
                 self.generated_tokens += last.stats.generation_tokens
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
+        if last is not None:
+            log.info("%s", request_line(outcome, last, seconds))
