@@ -38,13 +38,19 @@ def command(
     model: Annotated[
         str | None,
         typer.Option(
+            "--model",
+            "-m",
             help="Target: Hub id or local mlx-lm folder.",
             show_default="mlx-community/Qwen3-4B-4bit",
         ),
     ] = None,
     draft: Annotated[
         str | None,
-        typer.Option(help="DFlash draft (default: the published draft for --model, if known)."),
+        typer.Option(
+            "--draft",
+            "-d",
+            help="DFlash draft (default: the published draft for --model, if known).",
+        ),
     ] = None,
     no_draft: Annotated[
         bool, typer.Option("--no-draft", help="Chat with the target alone (no speculation).")

@@ -24,6 +24,8 @@ app = typer.Typer(
     help="Lossless DFlash speculative decoding for mlx-lm models.",
     no_args_is_help=True,
     add_completion=False,
+    # -h as well as --help, on the app and (inherited by click's context) every command.
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
 )
 app.add_typer(quantize_app, name="quantize")
@@ -43,6 +45,7 @@ def main(
         bool,
         typer.Option(
             "--version",
+            "-v",
             callback=_version,
             is_eager=True,
             help="Show versions, device and cache folder (for bug reports).",
@@ -54,15 +57,26 @@ def main(
 
 @app.command()
 def generate(
-    prompt: Annotated[str, typer.Option(help="The prompt text.")],
-    model: Annotated[
-        str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")
+    prompt_arg: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="PROMPT",
+            help="The prompt text (or --prompt); - or none with piped stdin: read stdin.",
+            show_default=False,
+        ),
     ] = None,
-    draft: Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", "-p", help="The prompt text; - reads stdin.", show_default=False),
+    ] = None,
+    model: options.Model = None,
+    draft: options.Draft = None,
     no_draft: Annotated[
         bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
     ] = False,
-    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", "-n", help="Most tokens to generate.")
+    ] = 256,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens; 0 disables.")] = 0,
@@ -89,9 +103,12 @@ def generate(
         bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
     ] = False,
 ) -> None:
-    """Stream a completion of --prompt, then one line of statistics."""
+    """Stream a completion of the prompt, then one line of statistics.
+
+    The prompt: an argument, --prompt/-p, or stdin (--prompt -, or none with stdin piped).
+    """
     with user_errors():
-        options.unicode_text("--prompt", prompt)
+        prompt = _prompt_text(prompt_arg, prompt)
         import dflash_mlx
 
         if demo:
@@ -234,6 +251,27 @@ def _load(model: str, draft: str | None, no_draft: bool):
     with ui.loading("draft", draft):
         drafter = dflash_mlx.load_draft(draft)
     return dflash_mlx.Pair(target, drafter), tokenizer
+
+
+NO_PROMPT = (
+    'no prompt: pass it as an argument (dflash-mlx generate "..."), with --prompt/-p, '
+    "or on stdin (echo ... | dflash-mlx generate, or --prompt - to read stdin)"
+)
+
+
+def _prompt_text(positional: str | None, option: str | None) -> str:
+    """The prompt from the argument, --prompt or stdin ("-", or neither with stdin piped),
+    checked as Unicode; read before any model loads."""
+    if positional is not None and option is not None:
+        raise BadArgument("pass the prompt either as PROMPT or with --prompt, not both")
+    name, text = ("PROMPT", positional) if positional is not None else ("--prompt", option)
+    if text is None:
+        if options.stdin_is_terminal():
+            raise BadArgument(NO_PROMPT)
+        text = "-"
+    if text == "-":
+        return options.unicode_text("stdin", options.read_stdin())
+    return options.unicode_text(name, text)
 
 
 def _prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:

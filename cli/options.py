@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Annotated
 
 import typer
@@ -26,10 +27,28 @@ def unicode_text(option: str, value: str) -> str:
     return check_text(option, value)
 
 
+def stdin_is_terminal() -> bool:
+    """Whether stdin is a terminal (or absent): nothing to read a prompt from."""
+    return sys.stdin is None or sys.stdin.isatty()
+
+
+def read_stdin() -> str:
+    """All of stdin as text, decoded as UTF-8 with surrogateescape (whatever the locale):
+    bytes that are not UTF-8 become lone surrogates, which `unicode_text` names."""
+    raw = getattr(sys.stdin, "buffer", None)
+    if raw is None:  # a text-only stream (a test's, an embedding's): already decoded
+        return sys.stdin.read()
+    return raw.read().decode("utf-8", "surrogateescape")
+
+
 Temp = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", callback=finite)]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.", callback=finite)]
-Model = Annotated[str | None, typer.Option(help="Target: Hub id or local mlx-lm folder.")]
-Draft = Annotated[str | None, typer.Option(help="DFlash draft: Hub id or local folder.")]
+Model = Annotated[
+    str | None, typer.Option("--model", "-m", help="Target: Hub id or local mlx-lm folder.")
+]
+Draft = Annotated[
+    str | None, typer.Option("--draft", "-d", help="DFlash draft: Hub id or local folder.")
+]
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
 ]
