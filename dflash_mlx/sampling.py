@@ -15,25 +15,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from .errors import BadArgument
-
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """The sampling part of a request's `GenerateOptions` (`options.sampling`), which
+    checked these values once; not checked again here."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise BadArgument(f"temperature {self.temperature!r} must be a number >= 0")
-        if not 0 < self.top_p <= 1:
-            raise BadArgument(f"top_p {self.top_p!r} must be in (0, 1]")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            raise BadArgument(f"top_k {self.top_k!r} must be an integer >= 0 (0 = off)")
-        if not 0 <= self.min_p <= 1:
-            raise BadArgument(f"min_p {self.min_p!r} must be in [0, 1]")
 
     @property
     def greedy(self) -> bool:

@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import BadArgument
 from ..options import GenerateOptions
+from ..text import check_text
 from .errors import APIError
 
 # Below this, a temperature is greedy decoding: 1/T overflows float32 long before T = 0.
@@ -90,17 +92,14 @@ def _strings(value: Any, keys: bool) -> Iterator[str]:
 
 
 def check_unicode(value: Any, param: str) -> None:
-    """Refuse lone surrogates (valid JSON escapes, invalid Unicode) before any tokenizer."""
+    """Refuse lone surrogates (valid JSON escapes, invalid Unicode) before any tokenizer,
+    by the library's one rule (`check_text`), as the client's error naming `param`."""
     for text in _strings(value, keys=True):
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
+            check_text("the text", text)
+        except BadArgument as e:
             raise APIError(
-                400,
-                f"Invalid '{param}': the text holds an invalid Unicode code point "
-                f"{text[e.start]!r} at position {e.start} (a lone surrogate)",
-                param=param,
-                code="invalid_value",
+                400, f"Invalid '{param}': {e}", param=param, code="invalid_value"
             ) from None
 
 
