@@ -75,8 +75,8 @@ def run(
         raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and (model is None or draft is None):
-        raise BadArgument("--model and --draft are required (or --demo for the demonstration pair)")
+    if not demo and model is None:
+        raise BadArgument("--model is required (or --demo for the demonstration pair)")
 
     import dflash_mlx
     from dflash_mlx.bench_prompts import load_suite, read_prompts
@@ -92,10 +92,19 @@ def run(
             target_dir, draft_dir = demo_pair()
         bench_ui.demo_note(NOTICE, target_dir.parent)
         model, draft = str(target_dir), str(draft_dir)
+    else:
+        from .pairs import choose_draft
+
+        choice = choose_draft(model, draft, False)
+        if choice.note:
+            ui.note(choice.note)
+        draft = choice.draft
     with ui.loading("target", model):
         target, tokenizer = dflash_mlx.load(model)
-    with ui.loading("draft", draft):
-        drafter = dflash_mlx.load_draft(draft)
+    drafter = None
+    if draft is not None:
+        with ui.loading("draft", draft):
+            drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
     if calibrate:
         progress = bench_ui.BenchProgress()

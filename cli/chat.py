@@ -202,7 +202,7 @@ def resolve_pair(
     view: ChatUI,
 ) -> PairSource:
     """The target and draft to load: --demo, the default pair, the registry or as given."""
-    from dflash_mlx.registry import DEFAULT_TARGET, find_draft, known_targets
+    from dflash_mlx.registry import DEFAULT_TARGET
 
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")
@@ -225,20 +225,14 @@ def resolve_pair(
         return pair
     if draft is not None and model is None:
         raise BadArgument("--draft needs --model: the target it was trained for")
+    from .pairs import choose_draft
+
     model = model or DEFAULT_TARGET
-    entry = find_draft(model)
-    how = ""
-    if draft is None and not no_draft:
-        if entry is None:
-            raise BadArgument(
-                f"no known DFlash draft for {model!r}. Pass one with --draft DRAFT (the Hub id "
-                "or folder of a DFlash draft trained for this model), or --no-draft to chat "
-                "with the target alone, without speculation. Drafts are known for: "
-                + ", ".join(known_targets())
-            )
-        draft, how = entry.draft, f" (published for {entry.target})"
+    choice = choose_draft(model, draft, no_draft)
+    draft, entry = choice.draft, choice.entry
+    how = f" (published for {entry.target})" if entry is not None else ""
     pair = PairSource(model, draft, model, draft or "none")
-    if entry is not None and draft == entry.draft:
+    if entry is not None:
         pair.template_kwargs = dict(entry.template_kwargs)
         if entry.note:
             how += f" · {entry.note}"
@@ -247,8 +241,8 @@ def resolve_pair(
     pair.banner = [("target", model), ("draft", (draft or "none") + how)]
     if pair.template_kwargs.get("enable_thinking") is False and think is None:
         pair.banner.append(("thinking", "off, as the draft was trained (--think turns it on)"))
-    if no_draft:
-        view.note("no draft: the target decodes alone, without speculation")
+    if draft is None:  # --no-draft, or no draft known for the target: one note says which
+        view.note(choice.note)
     return pair
 
 

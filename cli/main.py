@@ -233,23 +233,22 @@ app.command("serve")(serve_command.serve)  # options and wiring live in cli/serv
 
 
 def _load(model: str, draft: str | None, no_draft: bool):
-    """`(Pair, tokenizer)`: the target and the draft (none with --no-draft), behind
+    """`(Pair, tokenizer)`: the target and its draft (as given, none with --no-draft, else
+    the registry's published one; none known: plain decoding, with a note), behind
     spinners, checked against each other."""
     import dflash_mlx
 
-    if draft is None and not no_draft:
-        raise BadArgument(
-            "--draft is required (or pass --no-draft to decode with the target alone)"
-        )
-    if draft is not None and no_draft:
-        raise BadArgument("pass either --draft or --no-draft, not both")
+    from .pairs import choose_draft
+
+    choice = choose_draft(model, draft, no_draft)
+    if choice.note:
+        ui.note(choice.note)
     with ui.loading("target", model):
         target, tokenizer = dflash_mlx.load(model)
-    if no_draft:
-        ui.note("no draft: decoding with the target alone, without speculation")
+    if choice.draft is None:
         return dflash_mlx.Pair(target), tokenizer
-    with ui.loading("draft", draft):
-        drafter = dflash_mlx.load_draft(draft)
+    with ui.loading("draft", choice.draft):
+        drafter = dflash_mlx.load_draft(choice.draft)
     return dflash_mlx.Pair(target, drafter), tokenizer
 
 

@@ -23,6 +23,9 @@ DEMO_ID = "dflash-mlx-demo"
 def serve(
     model: options.Model = None,
     draft: options.Draft = None,
+    no_draft: Annotated[
+        bool, typer.Option("--no-draft", help="Serve the target alone (no speculation).")
+    ] = False,
     demo: options.Demo = False,
     host: Annotated[
         str, typer.Option(help="Interface to listen on; other than loopback, set --api-key.")
@@ -76,6 +79,7 @@ def serve(
         run(
             model=model,
             draft=draft,
+            no_draft=no_draft,
             demo=demo,
             host=host,
             port=port,
@@ -149,6 +153,7 @@ def run(
     max_context: int | None,
     prompt_cache_size: int,
     verify_width: int | None = None,
+    no_draft: bool = False,
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
     draft_window: int | None = None,
@@ -156,8 +161,10 @@ def run(
     """Load the pair, bind the port and serve until Ctrl-C."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and (model is None or draft is None):
-        raise BadArgument("--model and --draft are required (or --demo for the demonstration pair)")
+    if not demo and model is None:
+        raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    if draft is not None and no_draft:
+        raise BadArgument("pass either --draft or --no-draft, not both")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if default_max_tokens < 1:
@@ -196,20 +203,30 @@ def run(
         with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
         serve_ui.demo_note(NOTICE, target_dir.parent)
-        model, draft, model_id = str(target_dir), str(draft_dir), DEMO_ID
-    elif Path(model).exists():  # a local folder: its name works too
-        aliases.add(Path(model).resolve().name)
+        model, model_id = str(target_dir), DEMO_ID
+        draft = None if no_draft else str(draft_dir)
+    else:
+        from .pairs import choose_draft
+
+        choice = choose_draft(model, draft, no_draft)
+        if choice.note:
+            ui.note(choice.note)
+        draft = choice.draft
+        if Path(model).exists():  # a local folder: its name works too
+            aliases.add(Path(model).resolve().name)
     with ui.loading("target", model):
         target, tokenizer = dflash_mlx.load(model)
-    with ui.loading("draft", draft):
-        drafter = dflash_mlx.load_draft(draft)
+    drafter = None
+    if draft is not None:
+        with ui.loading("draft", draft):
+            drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
     pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
 
     settings = ServerSettings(
         model_id=model_id,
         aliases=aliases,
-        draft_id=DEMO_ID + "-draft" if demo else draft,
+        draft_id=DEMO_ID + "-draft" if demo and draft else draft,
         api_key=api_key,
         default_max_tokens=default_max_tokens,
         context_length=max_context or pair.context_limit,
