@@ -6,12 +6,93 @@ The library (and so mlx) is imported inside `run`, so the command line starts in
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
+
+import typer
 
 from dflash_mlx.errors import BadArgument
 
-from . import bench_ui, ui
+from . import bench_ui, options, ui
+from .errors import user_errors
 
 EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
+
+
+def command(
+    model: options.Model = None,
+    draft: options.Draft = None,
+    demo: options.Demo = False,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.'),
+    ] = None,
+    suite: Annotated[
+        str | None,
+        typer.Option(help="Built-in prompts: math, code, chat or all.", show_default="all"),
+    ] = None,
+    max_tokens: options.MaxTokens = 128,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    top_k: options.TopK = 0,
+    min_p: options.MinP = 0.0,
+    seed: Annotated[int, options.option("seed")] = 0,
+    repeats: Annotated[int, typer.Option(help="Measured passes over the prompts.")] = 3,
+    verify_widths: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated verify widths W to compare, e.g. 1,2,3,4,5,8,16 "
+            "(default: the engine's default width).",
+            show_default=False,
+        ),
+    ] = None,
+    draft_window: options.DraftWindow = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the full results to this file.")
+    ] = None,
+    calibrate: Annotated[
+        bool,
+        typer.Option(
+            "--calibrate",
+            help="Measure the pair's verify/draft cost curves on this device, cache and "
+            "show them (what the automatic verify width uses), then stop.",
+        ),
+    ] = False,
+    context: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated prompt lengths in tokens, e.g. 512,2k,8k: every prompt "
+            "padded in front with the suite's other texts (or cut) to each length.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Measure DFlash against the target alone, side by side, on the same prompts.
+
+    At temperature 0 every DFlash run must reproduce the target's tokens; exits with code 1
+    when one differs.
+    """
+    with user_errors():
+        code = run(
+            model=model,
+            draft=draft,
+            demo=demo,
+            prompts=prompts,
+            suite=suite,
+            max_tokens=max_tokens,
+            temp=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            repeats=repeats,
+            verify_widths=verify_widths,
+            seed=seed,
+            json_out=json_out,
+            calibrate=calibrate,
+            context=context,
+            draft_window=draft_window,
+        )
+    if code:
+        raise typer.Exit(code)
 
 
 def parse_widths(text: str | None) -> list[int | str] | None:
@@ -67,6 +148,9 @@ def run(
     calibrate: bool = False,
     context: str | None = None,
     draft_window: int | None = None,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
@@ -82,7 +166,9 @@ def run(
     from dflash_mlx.bench_prompts import load_suite, read_prompts
     from dflash_mlx.benchmark import run_benchmark
 
-    dflash_mlx.GenerateOptions(draft_window=draft_window)  # refuses a bad window before loading
+    # Refuses bad settings before anything loads.
+    sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
+    dflash_mlx.GenerateOptions(max_tokens=max_tokens, draft_window=draft_window, **sampling)
 
     bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
     if demo:
@@ -124,6 +210,9 @@ def run(
             widths=widths,
             max_tokens=max_tokens,
             temperature=temp,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             repeats=repeats,
             seed=seed,
             model_id="demo target" if demo else model,

@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chat
 
 DEMO_MAX_TOKENS = 200  # the demo's gibberish never ends on its own: keep replies short
 DRAFT_FILES = ["*.json", "*.safetensors"]  # what dflash_mlx.load_draft fetches
+MaxTokens = Annotated[
+    int | None, options.option("max_tokens", show_default=f"2048; {DEMO_MAX_TOKENS} with --demo")
+]
 
 
 def command(
@@ -44,17 +47,8 @@ def command(
             show_default="mlx-community/Qwen3-4B-4bit",
         ),
     ] = None,
-    draft: Annotated[
-        str | None,
-        typer.Option(
-            "--draft",
-            "-d",
-            help="DFlash draft (default: the published draft for --model, if known).",
-        ),
-    ] = None,
-    no_draft: Annotated[
-        bool, typer.Option("--no-draft", help="Chat with the target alone (no speculation).")
-    ] = False,
+    draft: options.Draft = None,
+    no_draft: options.NoDraft = False,
     demo: Annotated[
         bool,
         typer.Option(
@@ -62,16 +56,22 @@ def command(
         ),
     ] = False,
     system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    max_tokens: MaxTokens = None,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,
-    max_tokens: Annotated[
-        int | None,
-        typer.Option(help="Most tokens per reply.", show_default="2048; 200 with --demo"),
-    ] = None,
+    top_k: options.TopK = 0,
+    min_p: options.MinP = 0.0,
+    seed: options.Seed = None,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
-    seed: Annotated[int | None, typer.Option(help="Seed for reproducible sampling.")] = None,
     draft_window: options.DraftWindow = None,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Piped stdin: print the answer as one JSON object with text, tokens and stats.",
+        ),
+    ] = False,
     think: Annotated[
         bool | None,
         typer.Option(
@@ -99,9 +99,12 @@ def command(
             system=system,
             temp=temp,
             top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
             max_tokens=max_tokens,
             verify_width=options.verify_width(verify_width, block_size),
             seed=seed,
+            json_out=json_out,
             think=think,
             hide_thinking=hide_thinking,
             draft_window=draft_window,
@@ -135,6 +138,9 @@ def run(
     think: bool | None = None,
     hide_thinking: bool = False,
     draft_window: int | None = None,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    json_out: bool = False,
 ) -> int:
     """Load the pair and chat; the exit code."""
     from . import chat_repl, chat_ui
@@ -148,6 +154,8 @@ def run(
     settings = CHAT_DEFAULTS.replace(  # bad values fail now, before anything loads
         temperature=temp,
         top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         verify_width=verify_width,
         seed=seed,
@@ -155,10 +163,16 @@ def run(
     )
     if system is not None:
         options.unicode_text("--system", system)
+    piped = not sys.stdin.isatty()
+    if json_out and not piped:
+        raise BadArgument(
+            "--json prints one answer as JSON: pipe the message on stdin "
+            "(echo 'hello' | dflash-mlx chat --json)"
+        )
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
     session = load_session(pair, view, system=system, settings=settings)
-    if not sys.stdin.isatty():
-        return chat_repl.answer_once(session, view, read_stdin())
+    if piped:
+        return chat_repl.answer_once(session, view, read_stdin(), json_out=json_out)
     view.banner(pair.banner, session.options)
     from . import chat_input
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_mlx.chat_settings import show_value, shown_names
+from dflash_mlx.chat_settings import UNSET, show_value
 from dflash_mlx.errors import BadArgument
 
 from . import chat_ui
 from .chat_input import quiet_keys
-from .options import unicode_text
+from .options import SETTINGS, unicode_text
 
 if TYPE_CHECKING:
     from dflash_mlx.chat_session import ChatSession
@@ -27,8 +27,11 @@ COMMANDS = {  # name: (usage, what it does)
     "/system": ("/system [TEXT | none]", "show, set or remove the system prompt"),
     "/set": (
         "/set [NAME VALUE]",
-        "show the settings, or set temp, top_p, top_k, min_p, max_tokens, verify_width "
-        "(W or auto), seed (or none), draft_window (or auto), thinking (show or hide)",
+        "show the settings, or set "
+        + ", ".join(
+            s.name + (f" (or {UNSET[s.field][0]})" if s.field in UNSET else "") for s in SETTINGS
+        )
+        + ", thinking (show or hide)",
     ),
     "/stats": ("/stats", "totals for this session"),
     "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
@@ -36,14 +39,35 @@ COMMANDS = {  # name: (usage, what it does)
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
 ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
-SET_NAMES = [*shown_names(), "thinking"]
+SET_NAMES = [*(s.name for s in SETTINGS), "thinking"]
 
 
-def answer_once(session: ChatSession, view: chat_ui.ChatUI, text: str) -> int:
-    """Piped stdin: the whole input is one message; answer it and stop."""
+def answer_once(
+    session: ChatSession, view: chat_ui.ChatUI, text: str, *, json_out: bool = False
+) -> int:
+    """Piped stdin: the whole input is one message; answer it (streamed, or as one JSON
+    object with `json_out`) and stop."""
     if not text.strip():
         raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
     unicode_text("stdin", text)
+    if json_out:
+        from dflash_mlx.generate import GenerationResult
+
+        from .ui import result_json
+
+        texts, tokens, last = [], [], None
+        for last in session.send(text.strip()):
+            texts.append(last.text)
+            tokens += last.tokens
+        result = GenerationResult(
+            text="".join(texts),
+            tokens=tokens,
+            finish_reason=last.finish_reason,
+            stats=last.stats,
+            stop=last.stop,
+        )
+        result_json(result)
+        return 0
     interrupted = stream_reply(
         session, view, lambda progress: session.send(text.strip(), prompt_progress=progress)
     )

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .chat_reply import ReplyView
+from .options import SETTINGS
 
 if TYPE_CHECKING:  # these import mlx: only for type checkers, never at run time
     from dflash_mlx.chat_session import Reply
@@ -106,17 +107,8 @@ class ChatUI:
         self.err.print(Text.assemble(("demo: ", "bold yellow"), (notice, "yellow")))
 
 
-# What `/set` and the banner show: (name, GenerateOptions field), in this order.
-SHOWN = [
-    ("temp", "temperature"),
-    ("top_p", "top_p"),
-    ("top_k", "top_k"),
-    ("min_p", "min_p"),
-    ("max_tokens", "max_tokens"),
-    ("verify_width", "verify_width"),
-    ("seed", "seed"),
-    ("draft_window", "draft_window"),
-]
+# What `/set` and the banner show: (name, GenerateOptions field), in the table's order.
+SHOWN = [(s.name, s.field) for s in SETTINGS]
 
 
 def settings_summary(options: GenerateOptions) -> str:

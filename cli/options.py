@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Annotated
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import typer
 
@@ -41,32 +42,27 @@ def read_stdin() -> str:
     return raw.read().decode("utf-8", "surrogateescape")
 
 
-Temp = Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy.", callback=finite)]
-TopP = Annotated[float, typer.Option(help="Nucleus sampling mass; 1 disables.", callback=finite)]
 Model = Annotated[
     str | None, typer.Option("--model", "-m", help="Target: Hub id or local mlx-lm folder.")
 ]
 Draft = Annotated[
-    str | None, typer.Option("--draft", "-d", help="DFlash draft: Hub id or local folder.")
+    str | None,
+    typer.Option(
+        "--draft",
+        "-d",
+        help="DFlash draft: Hub id or local folder (default: the published draft for "
+        "--model, if known; none known: plain decoding).",
+        show_default=False,
+    ),
 ]
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
 ]
-DraftWindow = Annotated[
-    int | None,
-    typer.Option(
-        help="Positions a draft block sees on long contexts: its anchor and the N - 1 before "
-        "it (default: the draft's own sliding window, else all).",
-        show_default=False,
-    ),
+NoDraft = Annotated[
+    bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
 ]
-VerifyWidth = Annotated[
-    int | None,
-    typer.Option(
-        help="Verify width W: tokens the target checks per cycle (≤ the draft's block; "
-        "1: plain decoding; default: picked per cycle for this device).",
-        show_default=False,
-    ),
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON object with text, tokens and stats.")
 ]
 # The old name of --verify-width: still accepted, with a note.
 BlockSize = Annotated[
@@ -85,3 +81,82 @@ def verify_width(width: int | None, block_size: int | None) -> int | None:
     if width is not None and width != block_size:
         raise BadArgument(f"--block-size {block_size} and --verify-width {width} disagree")
     return block_size
+
+
+# -- the generation options: one table for generate, chat (and its /set), serve and bench --
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One generation option: its `GenerateOptions` field, its flag, chat's `/set` name and
+    its help (the same words in every command)."""
+
+    field: str
+    flag: str
+    name: str  # chat's /set NAME
+    help: str
+    short: str | None = None
+
+    @property
+    def decls(self) -> list[str]:
+        return [self.flag, *([self.short] if self.short else [])]
+
+
+SETTINGS = (
+    Setting(
+        "temperature",
+        "--temp",
+        "temp",
+        "Sampling temperature; 0 is greedy: the target's own tokens.",
+    ),
+    Setting(
+        "top_p",
+        "--top-p",
+        "top_p",
+        "Nucleus sampling: keep the smallest set of tokens holding this probability mass; "
+        "1 disables.",
+    ),
+    Setting("top_k", "--top-k", "top_k", "Keep the k most likely tokens; 0 disables."),
+    Setting(
+        "min_p",
+        "--min-p",
+        "min_p",
+        "Drop tokens below min_p × the top token's probability; 0 disables.",
+    ),
+    Setting("max_tokens", "--max-tokens", "max_tokens", "Most tokens to generate.", "-n"),
+    Setting(
+        "verify_width",
+        "--verify-width",
+        "verify_width",
+        "Verify width W: tokens the target checks per cycle (≤ the draft's block; "
+        "1: plain decoding; default: picked per cycle for this device).",
+    ),
+    Setting("seed", "--seed", "seed", "Seed for reproducible sampling."),
+    Setting(
+        "draft_window",
+        "--draft-window",
+        "draft_window",
+        "Positions a draft block sees on long contexts: its anchor and the N - 1 before "
+        "it (default: the draft's own sliding window, else all).",
+    ),
+)
+SETTING = {s.field: s for s in SETTINGS}
+_FLOATS = {"temperature", "top_p", "min_p"}
+
+
+def option(field: str, **extra: Any) -> Any:
+    """The `typer.Option` of a generation option, from the table (`extra`: show_default)."""
+    s = SETTING[field]
+    if field in _FLOATS:
+        extra.setdefault("callback", finite)
+    return typer.Option(*s.decls, help=s.help, **extra)
+
+
+MaxTokens = Annotated[int, option("max_tokens")]
+Temp = Annotated[float, option("temperature")]
+TopP = Annotated[float, option("top_p")]
+TopK = Annotated[int, option("top_k")]
+MinP = Annotated[float, option("min_p")]
+Seed = Annotated[int | None, option("seed", show_default="random")]
+VerifyWidth = Annotated[int | None, option("verify_width", show_default=False)]
+DraftWindow = Annotated[int | None, option("draft_window", show_default=False)]

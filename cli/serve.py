@@ -18,6 +18,7 @@ from . import options, serve_ui, ui
 from .errors import internal
 
 DEMO_ID = "dflash-mlx-demo"
+DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
 
 
 def serve(
@@ -42,9 +43,29 @@ def serve(
     max_queue: Annotated[
         int, typer.Option(help="Requests that may wait behind the running one; more get 503.")
     ] = 16,
+    max_tokens: Annotated[
+        int | None, options.option("max_tokens", show_default="2048, for requests that do not say")
+    ] = None,
     default_max_tokens: Annotated[
-        int, typer.Option(help="max_tokens for requests that do not say.")
-    ] = 2048,
+        int | None,
+        typer.Option("--default-max-tokens", hidden=True, help="Deprecated: use --max-tokens."),
+    ] = None,
+    temp: Annotated[
+        float | None,
+        options.option("temperature", show_default="1 (the APIs'), for requests that do not say"),
+    ] = None,
+    top_p: Annotated[
+        float | None, options.option("top_p", show_default="1, for requests that do not say")
+    ] = None,
+    top_k: Annotated[
+        int | None, options.option("top_k", show_default="0, for requests that do not say")
+    ] = None,
+    min_p: Annotated[
+        float | None, options.option("min_p", show_default="0, for requests that do not say")
+    ] = None,
+    seed: Annotated[
+        int | None, options.option("seed", show_default="random, for requests that do not say")
+    ] = None,
     max_context: Annotated[
         int | None,
         typer.Option(
@@ -85,7 +106,14 @@ def serve(
             port=port,
             api_key=api_key,
             max_queue=max_queue,
-            default_max_tokens=default_max_tokens,
+            default_max_tokens=max_tokens_option(max_tokens, default_max_tokens),
+            sampling={
+                name: value
+                for name, value in dict(
+                    temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+                ).items()
+                if value is not None
+            },
             max_context=max_context,
             prompt_cache_size=prompt_cache_size,
             verify_width=options.verify_width(verify_width, block_size),
@@ -102,6 +130,16 @@ def serve(
         raise
     except Exception as e:  # anything else is a bug of ours, not the user's input
         internal(e)
+
+
+def max_tokens_option(max_tokens: int | None, old: int | None) -> int | None:
+    """--max-tokens, or its deprecated name --default-max-tokens (with a note)."""
+    if old is None:
+        return max_tokens
+    ui.note("note: --default-max-tokens is deprecated; use --max-tokens")
+    if max_tokens is not None and max_tokens != old:
+        raise BadArgument(f"--default-max-tokens {old} and --max-tokens {max_tokens} disagree")
+    return old
 
 
 def is_loopback(host: str) -> bool:
@@ -149,7 +187,7 @@ def run(
     port: int,
     api_key: str | None,
     max_queue: int,
-    default_max_tokens: int,
+    default_max_tokens: int | None,
     max_context: int | None,
     prompt_cache_size: int,
     verify_width: int | None = None,
@@ -157,8 +195,12 @@ def run(
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
     draft_window: int | None = None,
+    sampling: dict | None = None,
 ) -> None:
-    """Load the pair, bind the port and serve until Ctrl-C."""
+    """Load the pair, bind the port and serve until Ctrl-C.
+
+    `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed) for requests
+    that leave them out; `default_max_tokens` None: 2048."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:
@@ -167,8 +209,8 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
-    if default_max_tokens < 1:
-        raise BadArgument(f"--default-max-tokens {default_max_tokens} must be >= 1")
+    if default_max_tokens is None:
+        default_max_tokens = DEFAULT_MAX_TOKENS
     if max_context is not None and max_context < 2:
         raise BadArgument(f"--max-context {max_context} must be >= 2")
     if prompt_cache_size < 1:
@@ -176,9 +218,11 @@ def run(
     from dflash_mlx import GenerateOptions
 
     # The requests' defaults, checked by the engine's own rules before anything loads.
+    sampling = dict(sampling or {})
     defaults = GenerateOptions(
         max_tokens=default_max_tokens, verify_width=verify_width, draft_window=draft_window
     )
+    defaults.replace(**sampling)
     if not max_body_mb > 0:
         raise BadArgument(f"--max-body-mb {max_body_mb} must be > 0")
     texts = [("--host", host), ("--api-key", api_key or "")]
@@ -229,6 +273,7 @@ def run(
         draft_id=DEMO_ID + "-draft" if demo and draft else draft,
         api_key=api_key,
         default_max_tokens=default_max_tokens,
+        sampling=sampling,
         context_length=max_context or pair.context_limit,
         loopback_only=is_loopback(host),
         cors_origins=cors_origins,

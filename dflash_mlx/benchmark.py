@@ -113,7 +113,12 @@ def _baseline(model, ids: list[int], options: GenerateOptions, eos: frozenset[in
         mx.array(ids),
         model,
         max_tokens=options.max_tokens,
-        sampler=make_sampler(temp=options.temperature),
+        sampler=make_sampler(
+            temp=options.temperature,
+            top_p=options.top_p,
+            min_p=options.min_p,
+            top_k=options.top_k,
+        ),
         prefill_step_size=options.prefill_step,
     )
     tokens: list[int] = []
@@ -184,6 +189,9 @@ def run_benchmark(
     widths: Sequence[int | str] | None = None,
     max_tokens: int = 128,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
     repeats: int = 3,
     seed: int = 0,
     chat: bool | None = None,
@@ -215,7 +223,12 @@ def run_benchmark(
     model, draft = pair.model, pair.draft
     # Validated before anything runs; each run's options are these with its width and seed.
     options = GenerateOptions(
-        max_tokens=max_tokens, temperature=temperature, draft_window=draft_window
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        draft_window=draft_window,
     )
     if chat is None:
         chat = bool(getattr(tokenizer, "has_chat_template", False))
@@ -307,6 +320,9 @@ def run_benchmark(
         settings={
             "max_tokens": max_tokens,
             "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
             "repeats": repeats,
             "verify_widths": widths,
             "seed": seed,

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.cli import bench, chat, main, options, serve
+from dflash_mlx.cli import bench, chat, options, serve
+from dflash_mlx.cli import generate as generate_command
 from dflash_mlx.cli.main import app
 from dflash_mlx.errors import BadArgument
 
@@ -40,8 +41,8 @@ def seen(monkeypatch) -> dict:
         seen["prompt"] = prompt
         raise BadArgument(STOP)
 
-    monkeypatch.setattr(main, "_load", load)
-    monkeypatch.setattr(main, "_prompt_form", prompt_form)
+    monkeypatch.setattr(generate_command, "load", load)
+    monkeypatch.setattr(generate_command, "prompt_form", prompt_form)
     monkeypatch.setattr(dflash_mlx, "GenerateOptions", lambda **kw: seen.setdefault("opts", kw))
     return seen
 

@@ -194,8 +194,8 @@ class MessagesRequest(CountTokensRequest):
     def core(self) -> core.Request:
         return self.core_request(
             max_tokens=self.max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
+            temperature=self.temperature,  # None: the server's default
+            top_p=self.top_p,
+            top_k=self.top_k,
             stop=[s for s in self.stop_sequences or [] if s],
         )

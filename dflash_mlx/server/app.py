@@ -27,6 +27,7 @@ from .. import __version__
 from . import anthropic_api, openai_api, responses_api
 from .core import APIError, Service, as_api_error
 from .engine import Engine
+from .request import SAMPLING_DEFAULTS
 from .security import LOOPBACK_ORIGIN, Guard, H11Protocol, Policy
 
 
@@ -37,6 +38,9 @@ class ServerSettings:
     draft_id: str | None = None
     api_key: str | None = None
     default_max_tokens: int = 2048
+    # Sampling for requests that leave a field out (GenerateOptions names: temperature,
+    # top_p, top_k, min_p, seed); unset ones take the APIs' own (temperature 1, no seed).
+    sampling: dict[str, Any] = field(default_factory=dict)
     context_length: int | None = None  # None: no limit checked
     loopback_only: bool = True  # bound to loopback: answer loopback Host names only
     cors_origins: tuple[str, ...] = ()  # origins allowed besides loopback ones
@@ -47,6 +51,9 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
             raise ValueError(f"default max tokens {self.default_max_tokens} must be >= 1")
+        unknown = set(self.sampling) - set(SAMPLING_DEFAULTS)
+        if unknown:
+            raise ValueError(f"sampling defaults {sorted(unknown)}: not sampling settings")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context length {self.context_length} must be >= 2")
         if not self.max_body_mb > 0:
@@ -199,6 +206,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         engine,
         context_length=settings.context_length,
         default_max_tokens=settings.default_max_tokens,
+        sampling=settings.sampling,
     )
 
     def model_card() -> dict[str, Any]:

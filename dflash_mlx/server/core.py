@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import Any
 
 from jinja2 import TemplateError
 from mlx_lm.generate import make_text_state_machine
@@ -70,8 +71,17 @@ __all__ = [
 class Service:
     """What the APIs call: `start(Request)` -> `Generation`; `count(Request)` -> tokens."""
 
-    def __init__(self, engine: Engine, *, context_length: int | None, default_max_tokens: int):
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        context_length: int | None,
+        default_max_tokens: int,
+        sampling: dict[str, Any] | None = None,
+    ):
         self.engine = engine
+        # Sampling for requests that leave a field out (`serve --temp ...`).
+        self.sampling = dict(sampling or {})
         # The context a request may use: the target's, or less (`serve --max-context`).
         self.context_length = context_length
         self.default_max_tokens = default_max_tokens
@@ -182,7 +192,7 @@ class Service:
 
     def options(self, req: Request, n: int) -> GenerateOptions:
         """The engine's options for a request of `n` prompt tokens."""
-        return req.options(self.engine.options, self.budget(req, n))
+        return req.options(self.engine.options, self.budget(req, n), self.sampling)
 
     async def start(self, req: Request) -> Generation:
         ids = await self.tokenize(req)

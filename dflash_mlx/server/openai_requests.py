@@ -53,10 +53,10 @@ class _Request(Strict):
     def core_request(self, **kw: Any) -> core.Request:
         return core.Request(
             max_tokens=self.requested_max_tokens(),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=self.temperature,  # None: the server's default
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
             **kw,

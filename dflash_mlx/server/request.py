@@ -8,7 +8,7 @@ into the engine's one `GenerateOptions`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,15 @@ from .errors import APIError
 # Below this, a temperature is greedy decoding: 1/T overflows float32 long before T = 0.
 MIN_TEMPERATURE = 1e-3
 SEED_MODULUS = 2**64  # seeds are any integer; the engine's key takes an unsigned 64-bit one
+# What a request that leaves a sampling field out gets, unless the server sets its own
+# (`serve --temp ...`): the APIs' defaults (OpenAI's and Anthropic's temperature is 1).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "seed": None,
+}
 
 
 @dataclass
@@ -30,28 +39,47 @@ class Request:
     tool_choice: str | dict[str, Any] = "auto"  # auto | none | required | {"name": ...}
     parallel_tool_calls: bool = True  # False: the first call of a reply only
     max_tokens: int | None = None  # None: the server's default
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # None: the server's default (`serve --temp` ...), else the APIs' (SAMPLING_DEFAULTS).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     param: str = "messages"  # the request field errors about the prompt name
 
-    def options(self, defaults: GenerateOptions, max_tokens: int) -> GenerateOptions:
+    def options(
+        self,
+        defaults: GenerateOptions,
+        max_tokens: int,
+        sampling: Mapping[str, Any] | None = None,
+    ) -> GenerateOptions:
         """The engine's options for this request: the server's defaults with what the
         request sets, in the engine's terms (a near-zero temperature is greedy, top_p 0 is
-        the top token alone, seeds taken modulo 2^64)."""
-        top_p, top_k = self.top_p, max(self.top_k, 0)
+        the top token alone, seeds taken modulo 2^64). A sampling field the request leaves
+        out is the server's `sampling` default, else the APIs' own (`SAMPLING_DEFAULTS`)."""
+        fallback = {**SAMPLING_DEFAULTS, **(sampling or {})}
+
+        def get(name: str) -> Any:
+            value = getattr(self, name)
+            return fallback[name] if value is None else value
+
+        temperature, top_p, top_k, seed = (
+            get("temperature"),
+            get("top_p"),
+            get("top_k"),
+            get("seed"),
+        )
+        top_k = max(top_k, 0)
         if top_p == 0:  # the smallest set holding mass 0 is the top token alone
             top_p, top_k = 1.0, 1
         return defaults.replace(
             max_tokens=max_tokens,
-            temperature=self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0,
+            temperature=temperature if temperature >= MIN_TEMPERATURE else 0.0,
             top_p=top_p,
             top_k=top_k,
-            min_p=self.min_p,
-            seed=None if self.seed is None else self.seed % SEED_MODULUS,
+            min_p=get("min_p"),
+            seed=None if seed is None else seed % SEED_MODULUS,
             stop=tuple(self.stop or ()),
         )
 

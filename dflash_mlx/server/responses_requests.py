@@ -84,8 +84,8 @@ class ResponsesRequest(Strict):
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls,
             max_tokens=self.max_output_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=self.temperature,  # None: the server's default
+            top_p=self.top_p,
             param="input",
         )
 

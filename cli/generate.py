@@ -1,0 +1,173 @@
+"""`dflash-mlx generate`: options -> the prompt -> the pair -> a streamed completion and one
+stats line (or one JSON object).
+
+The prompt is read before any model loads (an argument, --prompt/-p, or stdin). The library
+(and so mlx) is imported inside `run`, so the command line starts instantly; all terminal
+output goes through `ui.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from dflash_mlx.errors import BadArgument
+
+from . import options, ui
+from .errors import user_errors
+
+
+def command(
+    prompt_arg: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="PROMPT",
+            help="The prompt text (or --prompt); - or none with piped stdin: read stdin.",
+            show_default=False,
+        ),
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option("--prompt", "-p", help="The prompt text; - reads stdin.", show_default=False),
+    ] = None,
+    model: options.Model = None,
+    draft: options.Draft = None,
+    no_draft: options.NoDraft = False,
+    max_tokens: options.MaxTokens = 256,
+    temp: options.Temp = 0.0,
+    top_p: options.TopP = 1.0,
+    top_k: options.TopK = 0,
+    min_p: options.MinP = 0.0,
+    seed: options.Seed = None,
+    verify_width: options.VerifyWidth = None,
+    block_size: options.BlockSize = None,
+    draft_window: options.DraftWindow = None,
+    chat: Annotated[
+        bool | None,
+        typer.Option(
+            "--chat/--raw",
+            help="Wrap the prompt in the chat template (default: if the tokenizer has one).",
+            show_default=False,
+        ),
+    ] = None,
+    json_out: options.Json = False,
+    demo: options.Demo = False,
+) -> None:
+    """Stream a completion of the prompt, then one line of statistics.
+
+    The prompt: an argument, --prompt/-p, or stdin (--prompt -, or none with stdin piped).
+    """
+    with user_errors():
+        run(
+            prompt=prompt_text(prompt_arg, prompt),
+            model=model,
+            draft=draft,
+            no_draft=no_draft,
+            chat=chat,
+            json_out=json_out,
+            demo=demo,
+            settings=dict(
+                max_tokens=max_tokens,
+                temperature=temp,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                seed=seed,
+                verify_width=options.verify_width(verify_width, block_size),
+                draft_window=draft_window,
+            ),
+        )
+
+
+def run(
+    *,
+    prompt: str,
+    model: str | None,
+    draft: str | None,
+    no_draft: bool,
+    chat: bool | None,
+    json_out: bool,
+    demo: bool,
+    settings: dict,
+) -> None:
+    import dflash_mlx
+
+    if demo:
+        if model is not None or draft is not None:
+            raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
+        from dflash_mlx.demo import NOTICE, demo_pair
+
+        target_dir, draft_dir = demo_pair()
+        ui.note(f"demo: {NOTICE}")
+        model, draft = str(target_dir), None if no_draft else str(draft_dir)
+        chat = False if chat is None else chat
+    if model is None:
+        raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    opts = dflash_mlx.GenerateOptions(**settings)
+    pair, tokenizer = load(model, draft, no_draft)
+    pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+    request = prompt_form(tokenizer, prompt, chat)
+    if json_out:
+        ui.result_json(dflash_mlx.generate(pair, tokenizer, request, opts))
+        return
+    progress = ui.PromptProgress()
+    try:
+        responses = dflash_mlx.stream_generate(
+            pair, tokenizer, request, opts, prompt_progress=progress
+        )
+        last = ui.stream(responses)
+    finally:
+        progress.close()
+    ui.stats(last)
+
+
+def load(model: str, draft: str | None, no_draft: bool):
+    """`(Pair, tokenizer)`: the target and its draft (as given, none with --no-draft, else
+    the registry's published one; none known: plain decoding, with a note), behind
+    spinners, checked against each other."""
+    import dflash_mlx
+
+    from .pairs import choose_draft
+
+    choice = choose_draft(model, draft, no_draft)
+    if choice.note:
+        ui.note(choice.note)
+    with ui.loading("target", model):
+        target, tokenizer = dflash_mlx.load(model)
+    if choice.draft is None:
+        return dflash_mlx.Pair(target), tokenizer
+    with ui.loading("draft", choice.draft):
+        drafter = dflash_mlx.load_draft(choice.draft)
+    return dflash_mlx.Pair(target, drafter), tokenizer
+
+
+NO_PROMPT = (
+    'no prompt: pass it as an argument (dflash-mlx generate "..."), with --prompt/-p, '
+    "or on stdin (echo ... | dflash-mlx generate, or --prompt - to read stdin)"
+)
+
+
+def prompt_text(positional: str | None, option: str | None) -> str:
+    """The prompt from the argument, --prompt or stdin ("-", or neither with stdin piped),
+    checked as Unicode; read before any model loads."""
+    if positional is not None and option is not None:
+        raise BadArgument("pass the prompt either as PROMPT or with --prompt, not both")
+    name, text = ("PROMPT", positional) if positional is not None else ("--prompt", option)
+    if text is None:
+        if options.stdin_is_terminal():
+            raise BadArgument(NO_PROMPT)
+        text = "-"
+    if text == "-":
+        return options.unicode_text("stdin", options.read_stdin())
+    return options.unicode_text(name, text)
+
+
+def prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:
+    """The prompt as chat messages (template applied by the library) or as raw text."""
+    has_template = bool(getattr(tokenizer, "has_chat_template", False))
+    if chat is None:
+        chat = has_template
+    if chat and not has_template:
+        raise BadArgument("--chat: this tokenizer has no chat template; pass --raw")
+    return [{"role": "user", "content": prompt}] if chat else prompt

@@ -1,0 +1,153 @@
+"""One table of generation options drives `generate`, `chat` (and its `/set`), `serve` and
+`bench`: the same flags with the same help everywhere, each reaching the engine (issue 25,
+item 3). The real `dflash-mlx` command in a subprocess (and a pseudo-terminal for `/set`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+
+import pytest
+import typer
+
+import dflash_mlx
+from dflash_mlx.chat_settings import NAMES
+from dflash_mlx.cli import chat_repl
+from dflash_mlx.cli.main import app
+from dflash_mlx.cli.options import SETTINGS
+from dflash_mlx.options import OPTIONS
+
+from .test_cli_serve import dflash, serve, text
+
+COMMANDS = ("generate", "chat", "serve", "bench")
+PROMPT = "def add(a, b):"
+
+
+def flags_of(command: str) -> dict[str, str]:
+    """Each option of `command`: its long flag -> its help text (as click holds it)."""
+    group = typer.main.get_command(app)
+    cmd = group.commands[command]
+    return {p.opts[0]: p.help for p in cmd.params if p.opts[0].startswith("--")}
+
+
+def test_every_generation_option_is_one_flag_with_one_help_in_every_command():
+    for s in SETTINGS:
+        assert s.field in OPTIONS, f"{s.field} is no GenerateOptions field"
+        assert NAMES[s.name] == s.field, f"/set {s.name} must set {s.field}"
+        assert s.name in chat_repl.SET_NAMES
+        assert s.name in chat_repl.COMMANDS["/set"][1], f"/help does not list {s.name}"
+        for command in COMMANDS:
+            if command == "bench" and s.field == "verify_width":
+                continue  # the bench compares several: --verify-widths
+            flags = flags_of(command)
+            assert flags.get(s.flag) == s.help, (command, s.flag)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_the_help_of_the_real_command_lists_them(command):
+    out, err = text(dflash(command, "--help"))
+    for s in SETTINGS:
+        if command == "bench" and s.field == "verify_width":
+            continue
+        assert re.search(rf"{re.escape(s.flag)}\b(?!-)", out), (command, s.flag, out)
+    assert "--default-max-tokens" not in out  # the deprecated name works, unlisted
+
+
+@pytest.fixture(scope="module")
+def pair(models_dir) -> list[str]:
+    return ["-m", str(models_dir / "qwen3"), "-d", str(models_dir / "draft")]
+
+
+@pytest.fixture(scope="module")
+def greedy(target, draft):
+    model, tokenizer = target
+    messages = [{"role": "user", "content": PROMPT}]
+    return dflash_mlx.generate(model, draft, tokenizer, messages, max_tokens=24)
+
+
+def chat_json(pair: list[str], *args: str) -> dict:
+    done = dflash("chat", *pair, "--json", "-n", "24", *args, input=PROMPT)
+    out, err = text(done)
+    assert done.returncode == 0, err
+    return json.loads(out)
+
+
+def test_chat_takes_top_k_min_p_and_json(pair, greedy):
+    """At temperature 5 a sampled reply is no greedy one; --top-k 1 (or --min-p 1) leaves
+    the top token alone, so the reply is the greedy one: the flags reach the engine."""
+    hot = ["--temp", "5", "--seed", "3"]
+    assert chat_json(pair, *hot)["tokens"] != greedy.tokens
+    assert chat_json(pair, *hot, "--top-k", "1")["tokens"] == greedy.tokens
+    assert chat_json(pair, *hot, "--min-p", "1")["tokens"] == greedy.tokens
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_chat_json_needs_piped_stdin(pair):
+    pexpect = pytest.importorskip("pexpect")
+    from .test_cli_serve import exe
+
+    out = pexpect.run(f"{exe()[0]} chat {' '.join(pair)} --json", timeout=60, withexitstatus=True)
+    said, status = out[0].decode(), out[1]
+    assert status == 2 and "error: --json prints one answer as JSON" in said, said
+
+
+def test_serve_sampling_defaults_apply_to_requests_that_do_not_say(pair, greedy):
+    """serve --temp 0 --max-tokens 24: a request without temperature or max_tokens is the
+    greedy reply of 24 tokens (the APIs' default would sample at temperature 1)."""
+    body = {"messages": [{"role": "user", "content": PROMPT}]}
+    with serve(*pair, "--temp", "0", "--max-tokens", "24") as server:
+        got = server.post("/v1/chat/completions", body)
+    assert got["usage"]["completion_tokens"] == 24
+    assert got["choices"][0]["message"]["content"] == greedy.text
+
+
+def test_serve_default_max_tokens_is_a_deprecated_name_of_max_tokens(pair):
+    body = {"messages": [{"role": "user", "content": PROMPT}], "temperature": 0}
+    with serve(*pair, "--default-max-tokens", "3") as server:
+        got = server.post("/v1/chat/completions", body)
+    assert got["usage"]["completion_tokens"] == 3
+    log = "".join(server.log)
+    assert "--default-max-tokens is deprecated; use --max-tokens" in log
+    done = dflash("serve", *pair, "--default-max-tokens", "3", "--max-tokens", "4")
+    assert done.returncode == 2 and "disagree" in text(done)[1]
+
+
+@pytest.mark.slow  # the real command in a pseudo-terminal
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
+    pexpect = pytest.importorskip("pexpect")
+    from .test_cli_serve import exe
+
+    env = {
+        **os.environ,
+        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
+        "PROMPT_TOOLKIT_NO_CPR": "1",
+        "TERM": "xterm-256color",
+    }
+    child = pexpect.spawn(
+        exe()[0],
+        ["chat", *pair, "--max-tokens", "4"],
+        env=env,
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(30, 160),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        child.expect("›")
+        child.send("/set draft_window 64\r")
+        child.expect("draft_window set to 64")
+        child.send("/set seed 7\r")
+        child.expect("seed set to 7")
+        child.send("/set\r")
+        child.expect("seed 7 · draft_window 64")
+        child.send("/help\r")
+        child.expect("draft_window \\(or auto\\)")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
