@@ -114,7 +114,9 @@ def _tps(x: float) -> str:
 
 
 def _memory(gb: float) -> str:
-    return f"{gb:.2f} GB" if gb >= 1 else f"{gb * 1000:.0f} MB"
+    from dflash_mlx.stats import memory  # the stats line's words
+
+    return memory(gb)
 
 
 def _table(suite: SuiteSummary) -> Table:

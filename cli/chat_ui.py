@@ -49,11 +49,15 @@ class ChatUI:
         self.err.print(Text(KEYS, style="dim"))
 
     def stats(self, reply: Reply, has_draft: bool) -> None:
-        self.err.print(Text(stats_line(reply, has_draft), style="dim"))
+        from dflash_mlx.stats import stats_fields
+
+        from .ui import stats_lines
+
+        stats_lines(stats_fields(reply.stats, reply.finish_reason), self.err)
 
     def totals(self, history: list[Stats], context_tokens: int, has_draft: bool) -> None:
         """`/stats`: every reply of the session (`history`) pooled."""
-        from dflash_mlx.stats import Stats
+        from dflash_mlx.stats import Stats, count
 
         t = Stats.total(history)
         table = Table.grid(padding=(0, 2))
@@ -68,7 +72,7 @@ class ChatUI:
         if has_draft:
             rate = "—" if t.acceptance_rate is None else f"{t.acceptance_rate:.0%}"
             rows.append(("τ", f"{t.tau:.2f} tokens per verify · accepted {rate}"))
-            ran = f"{t.plain_fraction:.0%} of tokens decoded plainly · {t.probes} probes"
+            ran = f"{t.plain_fraction:.0%} of tokens decoded plainly · {count(t.probes, 'probe')}"
             rows.append(("ran", ran + (f" · draft {t.draft}" if t.draft else "")))
         if first:
             rows.append(("TTFT", f"first {first[0] * 1e3:.0f} ms · last {first[-1] * 1e3:.0f} ms"))
@@ -118,30 +122,6 @@ def settings_summary(options: GenerateOptions) -> str:
     return " · ".join(
         f"{name} {show_value(field, getattr(options, field))}" for name, field in SHOWN
     )
-
-
-def stats_line(reply: Reply, has_draft: bool) -> str:
-    """tokens · tok/s · τ · acceptance · prefill · TTFT · peak memory (· how it ended)."""
-    s = reply.stats
-    parts = [_count(s.generation_tokens, "token"), f"{s.generation_tps:.1f} tok/s"]
-    if has_draft:
-        rate = "—" if s.acceptance_rate is None else f"{s.acceptance_rate:.0%}"
-        parts += [f"τ {s.tau:.2f}", f"accepted {rate}"]
-    else:
-        parts.append("no draft")
-    prefill = f"prefill {_count(s.prefilled_tokens, 'token')} @ {s.prompt_tps:.0f} tok/s"
-    if s.cached_tokens:
-        prefill += f" ({s.cached_tokens} reused)"
-    parts += [prefill, f"TTFT {s.time_to_first_token * 1e3:.0f} ms", f"peak {s.peak_memory:.2f} GB"]
-    if reply.finish_reason == "length":
-        parts.append("hit max_tokens")
-    elif reply.finish_reason == "interrupted":
-        parts.append("interrupted")
-    return " · ".join(parts)
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 class CalibrationProgress:

@@ -111,30 +111,22 @@ def interrupted() -> None:
 
 
 def stats(r: GenerationResponse) -> None:
-    """The one stats line after a streamed completion, from the last GenerationResponse."""
-    s = r.stats
-    parts = [
-        f"{s.generation_tokens} tokens",
-        f"{s.generation_tps:.1f} tok/s",
-        f"τ {s.tau:.2f}",
-        f"accepted {s.acceptance_rate:.0%} of drafted" if s.drafted else "no drafts",
-        *_what_ran(r),
-        f"prompt {s.prompt_tokens} tokens @ {s.prompt_tps:.1f} tok/s",
-        f"TTFT {s.time_to_first_token * 1000:.0f} ms",
-        f"peak {s.peak_memory:.2f} GB",
-        f"finish: {r.finish_reason}" + (f" ({r.stop!r})" if r.stop else ""),
-    ]
-    _err().print(Text(" · ".join(parts), style="dim"))
+    """The stats after a streamed completion, from the last GenerationResponse: one line,
+    or in a terminal lines fitted to its width (broken between fields, never inside one)."""
+    from dflash_mlx.stats import stats_fields
+
+    stats_lines(stats_fields(r.stats, r.finish_reason, r.stop))
 
 
-def _what_ran(r: GenerationResponse) -> list[str]:
-    """With a draft: the share decoded plainly, probes, the draft's state at the end."""
-    s = r.stats
-    if s.draft is None or not s.cycles:
-        return []
-    widths = ", ".join(f"W={w}×{c}" for w, (c, _) in sorted(s.widths.items()))
-    probes = f"{s.probes} probe" + ("" if s.probes == 1 else "s")
-    return [f"{s.plain_fraction:.0%} plain ({widths}; {probes}; draft {s.draft})"]
+def stats_lines(fields: list[str], console: Console | None = None) -> None:
+    """`fields` (from `dflash_mlx.stats.stats_fields`) on stderr, dimmed: fitted to the
+    terminal's width, one line when stderr is no terminal (a log, a pipe)."""
+    from dflash_mlx.stats import fit
+
+    console = console or _err()
+    width = console.width if console.is_terminal else None
+    for line in fit(fields, width):
+        console.print(Text(line, style="dim"), soft_wrap=True)
 
 
 def result_json(result: GenerationResult) -> None:

@@ -24,7 +24,7 @@ from .generate import GenerationResponse, stream_generate
 from .options import GenerateOptions
 from .pair import Pair
 from .prompt_cache import PromptCache
-from .stats import Stats
+from .stats import SEPARATOR, Stats, stats_fields
 
 Message = dict[str, str]
 
@@ -286,15 +286,8 @@ def _markdown_content(text: str) -> str:
 
 
 def _stats_summary(reply: Reply) -> str:
-    s = reply.stats
-    parts = [f"{s.generation_tokens} tokens", f"{s.generation_tps:.1f} tok/s"]
-    if s.cycles:
-        parts.append(f"τ {s.tau:.2f}")
-    if reply.finish_reason == "length":
-        parts.append("stopped at max_tokens")
-    elif reply.finish_reason == "interrupted":
-        parts.append("interrupted")
-    return " · ".join(parts)
+    """A reply's stats line, in the command line's words (one line)."""
+    return SEPARATOR.join(stats_fields(reply.stats, reply.finish_reason))
 
 
 def _chat_settings(

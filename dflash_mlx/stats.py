@@ -189,3 +189,91 @@ class Stats:
             ran=self.what_ran(),
         )
         return out
+
+
+# -- the stats line: one wording for generate, chat, the bench and the server log ---------
+
+SEPARATOR = " · "
+SHOWN_WIDTHS = 3  # speculative widths named in a stats line; the rest are counted
+
+
+def count(n: int, noun: str) -> str:
+    """`1 token`, `2 tokens`, `0 probes`."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def speed(tps: float) -> str:
+    """Tokens per second as a report shows them: `231.6 tok/s`, `2801 tok/s`."""
+    return f"{tps:.0f} tok/s" if tps >= 1000 else f"{tps:.1f} tok/s"
+
+
+def memory(gb: float) -> str:
+    """A memory size: `1.25 GB`, `12 MB`."""
+    return f"{gb:.2f} GB" if gb >= 1 else f"{gb * 1000:.0f} MB"
+
+
+def finish_words(reason: str | None, stop: str | None = None) -> str | None:
+    """How a reply ended, in words: `hit max_tokens`, `stop string '\\n\\n'`, `end of text`."""
+    if reason == "length":
+        return "hit max_tokens"
+    if reason == "stop":
+        return f"stop string {stop!r}" if stop else "end of text"
+    return None if reason is None else reason.replace("_", " ")
+
+
+def what_ran(s: Stats) -> list[str]:
+    """The mechanism: tau, acceptance and the widths that ran; `plain decoding` when no
+    draft ran (none given, or a fixed width of 1)."""
+    if s.draft is None or not s.cycles:
+        return ["plain decoding"] if s.draft is None else []
+    out = [f"τ {s.tau:.2f}"]
+    if s.drafted:
+        out.append(f"accepted {s.acceptance_rate:.0%} of drafts")
+    spec = sorted(
+        ((w, c) for w, (c, _) in s.widths.items() if w > 1), key=lambda wc: (-wc[1], -wc[0])
+    )
+    if not spec:
+        out.append("all plain")
+    else:
+        if s.plain_tokens:
+            out.append(f"{s.plain_fraction:.0%} plain")
+        shown = ", ".join(f"W={w}×{c}" for w, c in spec[:SHOWN_WIDTHS])
+        more = len(spec) - SHOWN_WIDTHS
+        out.append(shown + (f" (+{count(more, 'width')})" if more > 0 else ""))
+    if s.probes:
+        out.append(count(s.probes, "probe"))
+    if s.draft == "dormant":
+        out.append("draft dormant")
+    return out
+
+
+def stats_fields(s: Stats, finish_reason: str | None = None, stop: str | None = None) -> list[str]:
+    """One run's figures (or several pooled) as the short fields every report shows, in
+    order: tokens and speed, the mechanism (tau, acceptance, widths), prefill, time to
+    first token, peak memory and how it ended."""
+    prefill = f"prefill {count(s.prefilled_tokens, 'token')} @ {speed(s.prompt_tps)}"
+    if s.cached_tokens:
+        prefill += f" ({s.cached_tokens} reused)"
+    out = [count(s.generation_tokens, "token")]
+    if s.generation_tokens > s.requests:  # a speed needs tokens after each first one
+        out.append(speed(s.generation_tps))
+    out += [*what_ran(s), prefill]
+    out.append(f"TTFT {s.time_to_first_token * 1e3:.0f} ms")
+    if s.peak_memory:
+        out.append(f"peak {memory(s.peak_memory)}")
+    ended = finish_words(finish_reason, stop)
+    if ended:
+        out.append(ended)
+    return out
+
+
+def fit(fields: list[str], width: int | None, sep: str = SEPARATOR) -> list[str]:
+    """`fields` joined by `sep` into lines of at most `width` columns, broken between fields
+    only (a field wider than `width` has a line of its own); `width` None: one line."""
+    lines: list[str] = []
+    for f in fields:
+        if lines and (width is None or len(lines[-1]) + len(sep) + len(f) <= width):
+            lines[-1] += sep + f
+        else:
+            lines.append(f)
+    return lines

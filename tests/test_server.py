@@ -644,5 +644,6 @@ def test_the_log_has_one_line_per_request_with_its_figures(client, server, caplo
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request ")]
     assert len(lines) == 1, lines
     line = lines[0]
-    assert line.startswith("request completed (length): prompt ") and "5 tokens at " in line
-    assert "tau " in line and "ran W=" in line and "draft " in line, line
+    assert line.startswith("request completed: 5 tokens · ") and "tok/s · τ " in line, line
+    assert "W=" in line and "prefill " in line and line.endswith(" s"), line
+    assert " · hit max_tokens · " in line, line

@@ -26,6 +26,7 @@ from typing import Any
 from ..generate import GenerationResponse, stream_generate
 from ..options import GenerateOptions
 from ..pair import Pair
+from ..stats import SEPARATOR, stats_fields
 from ..text import encode_prompt
 from .prompt_pool import PromptCachePool
 
@@ -103,16 +104,12 @@ class Job:
 
 
 def request_line(outcome: str, last: GenerationResponse, seconds: float) -> str:
-    """The log's one line per request, from its `Stats`: what came in, what went out and
-    how fast, tau, and what ran (as llama-server logs a request)."""
-    s = last.stats
-    widths = ", ".join(f"W={w}x{c}" for w, (c, _) in sorted(s.widths.items())) or "-"
-    return (
-        f"request {outcome} ({last.finish_reason or 'cut'}): prompt {s.prompt_tokens} tokens "
-        f"({s.cached_tokens} cached, {s.prompt_tps:.0f} tok/s), {s.generation_tokens} tokens "
-        f"at {s.generation_tps:.1f} tok/s, tau {s.tau:.2f}, ran {widths}, "
-        f"{s.plain_fraction:.0%} plain, draft {s.draft or 'none'}, {seconds:.2f} s"
-    )
+    """The log's one line per request, from its `Stats`, in the words of the command line's
+    stats line (`stats_fields`): tokens and speed, tau and what ran, prefill, time to first
+    token, peak memory, how it ended; then the request's whole time (as llama-server logs
+    a request)."""
+    fields = stats_fields(last.stats, last.finish_reason or "cut short", last.stop)
+    return f"request {outcome}: " + SEPARATOR.join([*fields, f"{seconds:.2f} s"])
 
 
 def _old_form(model, draft, args: tuple, options, old: dict):
