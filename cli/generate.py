@@ -52,6 +52,14 @@ def command(
         ),
     ] = None,
     json_out: options.Json = False,
+    compare: Annotated[
+        bool,
+        typer.Option(
+            "--compare",
+            help="Then decode the same prompt plainly (the target alone, same settings, "
+            "same engine) and show both speeds; at temperature 0 the tokens must match.",
+        ),
+    ] = False,
     demo: options.Demo = False,
 ) -> None:
     """Stream a completion of the prompt, then one line of statistics.
@@ -59,13 +67,14 @@ def command(
     The prompt: an argument, --prompt/-p, or stdin (--prompt -, or none with stdin piped).
     """
     with user_errors():
-        run(
+        code = run(
             prompt=prompt_text(prompt_arg, prompt),
             model=model,
             draft=draft,
             no_draft=no_draft,
             chat=chat,
             json_out=json_out,
+            compare=compare,
             demo=demo,
             settings=dict(
                 max_tokens=max_tokens,
@@ -78,6 +87,8 @@ def command(
                 draft_window=draft_window,
             ),
         )
+    if code:
+        raise typer.Exit(code)
 
 
 def run(
@@ -90,7 +101,9 @@ def run(
     json_out: bool,
     demo: bool,
     settings: dict,
-) -> None:
+    compare: bool = False,
+) -> int:
+    """Generate; the exit code (1: --compare found plain decoding's tokens differ)."""
     import dflash_mlx
 
     if demo:
@@ -107,19 +120,78 @@ def run(
     opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = load(model, draft, no_draft)
     pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+    if compare and pair.draft is None:
+        raise BadArgument(
+            "--compare measures DFlash against plain decoding: it needs a draft "
+            "(--draft DRAFT, or a target whose draft is known)"
+        )
     request = prompt_form(tokenizer, prompt, chat)
     if json_out:
-        ui.result_json(dflash_mlx.generate(pair, tokenizer, request, opts))
-        return
+        result = dflash_mlx.generate(pair, tokenizer, request, opts)
+        plain = (
+            compared(pair, tokenizer, request, opts, result.tokens, result.stats.generation_tps)
+            if compare
+            else None
+        )
+        ui.result_json(result, plain=plain)
+        return EXIT_DIFFERENT if plain and plain["same_tokens"] is False else 0
     progress = ui.PromptProgress()
+    tokens: list[int] = []
     try:
         responses = dflash_mlx.stream_generate(
             pair, tokenizer, request, opts, prompt_progress=progress
         )
-        last = ui.stream(responses)
+        last = ui.stream(collecting(responses, tokens))
     finally:
         progress.close()
     ui.stats(last)
+    if not compare:
+        return 0
+    plain = compared(pair, tokenizer, request, opts, tokens, last.stats.generation_tps)
+    ui.comparison(plain, last.stats.generation_tokens)
+    return EXIT_DIFFERENT if plain["same_tokens"] is False else 0
+
+
+EXIT_DIFFERENT = 1  # --compare: plain decoding's tokens differ from DFlash's (a bug of ours)
+
+
+def collecting(responses, tokens: list[int]):
+    """`responses`, passed on, their tokens appended to `tokens`; closing it closes them."""
+    try:
+        for r in responses:
+            tokens.extend(r.tokens)
+            yield r
+    finally:
+        responses.close()
+
+
+def compared(pair, tokenizer, request, opts, tokens: list[int], dflash_tps: float) -> dict:
+    """Plain decoding of the same request through the same engine (verify width 1, the same
+    settings): its speed, DFlash's speed over it, and (at temperature 0) whether its tokens
+    are DFlash's; `same_tokens` None when sampling (outputs differ by chance)."""
+    import dflash_mlx
+
+    from .ui import PromptProgress
+
+    progress = PromptProgress()
+    try:
+        plain = dflash_mlx.generate(
+            pair, tokenizer, request, opts.replace(verify_width=1), prompt_progress=progress
+        )
+    finally:
+        progress.close()
+    first = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b), None)
+    if first is None and len(tokens) != len(plain.tokens):
+        first = min(len(tokens), len(plain.tokens))
+    sampled = opts.temperature > 0
+    plain_tps = plain.stats.generation_tps
+    return {
+        "generation_tps": plain_tps,
+        "generation_tokens": plain.stats.generation_tokens,
+        "speedup": dflash_tps / plain_tps if plain_tps > 0 else None,  # DFlash's over plain's
+        "same_tokens": None if sampled else first is None,
+        "first_difference": None if sampled else first,
+    }
 
 
 def load(model: str, draft: str | None, no_draft: bool):

@@ -129,8 +129,35 @@ def stats_lines(fields: list[str], console: Console | None = None) -> None:
         console.print(Text(line, style="dim"), soft_wrap=True)
 
 
-def result_json(result: GenerationResult) -> None:
-    """Exactly one JSON object on stdout for a `GenerationResult`."""
+def comparison(plain: dict, tokens: int) -> None:
+    """`generate --compare`: plain decoding's speed against DFlash's, and whether the
+    tokens matched (at temperature 0; a difference is an error: exit code 1)."""
+    from dflash_mlx.stats import SEPARATOR, count, speed
+
+    fields = [f"plain decoding: {speed(plain['generation_tps'])}"]
+    x = plain["speedup"]
+    if x is not None:
+        if round(x, 2) == 1:
+            fields.append("DFlash as fast (1.00×)")
+        else:
+            fields.append(f"DFlash {x:.2f}× faster" if x > 1 else f"DFlash {1 / x:.2f}× slower")
+    if plain["same_tokens"] is None:
+        fields.append("sampled: tokens not compared (they match at --temp 0)")
+    elif plain["same_tokens"]:
+        fields.append(f"same {count(tokens, 'token')}")
+    else:
+        error(
+            SEPARATOR.join(fields)
+            + f"{SEPARATOR}the tokens differ from token {plain['first_difference']} on: "
+            "DFlash is lossless at temperature 0, so this is a bug of ours (please report it)"
+        )
+        return
+    _err().print(Text(SEPARATOR.join(fields), style="bold"))
+
+
+def result_json(result: GenerationResult, plain: dict | None = None) -> None:
+    """Exactly one JSON object on stdout for a `GenerationResult` (with `--compare`, the
+    plain run's figures under "plain")."""
     s = result.stats
     payload = {
         "text": result.text,
@@ -149,5 +176,7 @@ def result_json(result: GenerationResult) -> None:
         "time_to_first_token": s.time_to_first_token,
         "ran": s.what_ran(),  # cycles and tokens per width, plain share, probes
     }
+    if plain is not None:
+        payload["plain"] = plain
     sys.stdout.write(json.dumps(payload) + "\n")
     sys.stdout.flush()

@@ -235,7 +235,7 @@ def what_ran(s: Stats) -> list[str]:
     if not spec:
         out.append("all plain")
     else:
-        if s.plain_tokens:
+        if round(s.plain_fraction * 100):  # a share that rounds to 0% says nothing
             out.append(f"{s.plain_fraction:.0%} plain")
         shown = ", ".join(f"W={w}×{c}" for w, c in spec[:SHOWN_WIDTHS])
         more = len(spec) - SHOWN_WIDTHS

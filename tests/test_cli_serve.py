@@ -56,11 +56,11 @@ class Serving:
 
 
 @contextmanager
-def serve(*args: str, port: str = "0", env: dict | None = None) -> Iterator[Serving]:
-    """`dflash-mlx serve ARGS --port PORT` in a subprocess until /health says ok; stopped
-    with Ctrl-C (SIGINT) afterwards, which must exit with code 130."""
+def serve(*args: str, port: str | None = "0", env: dict | None = None) -> Iterator[Serving]:
+    """`dflash-mlx serve ARGS --port PORT` (port None: ARGS alone) in a subprocess until
+    /health says ok; stopped with Ctrl-C (SIGINT) afterwards, which must exit with code 130."""
     proc = subprocess.Popen(
-        [*exe(), "serve", *args, "--port", port],
+        [*exe(), "serve", *args, *(["--port", port] if port is not None else [])],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
