@@ -42,6 +42,9 @@ def read_stdin() -> str:
     return raw.read().decode("utf-8", "surrogateescape")
 
 
+# --demo replies in chat and serve: the demo's gibberish rarely ends on its own.
+DEMO_MAX_TOKENS = 200
+
 Model = Annotated[
     str | None, typer.Option("--model", "-m", help="Target: Hub id or local mlx-lm folder.")
 ]

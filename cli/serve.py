@@ -44,7 +44,12 @@ def serve(
         int, typer.Option(help="Requests that may wait behind the running one; more get 503.")
     ] = 16,
     max_tokens: Annotated[
-        int | None, options.option("max_tokens", show_default="2048, for requests that do not say")
+        int | None,
+        options.option(
+            "max_tokens",
+            show_default=f"2048 ({options.DEMO_MAX_TOKENS} with --demo), for requests that "
+            "do not say",
+        ),
     ] = None,
     default_max_tokens: Annotated[
         int | None,
@@ -209,8 +214,8 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
-    if default_max_tokens is None:
-        default_max_tokens = DEFAULT_MAX_TOKENS
+    if default_max_tokens is None:  # the demo's replies are capped as chat --demo's are
+        default_max_tokens = options.DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS
     if max_context is not None and max_context < 2:
         raise BadArgument(f"--max-context {max_context} must be >= 2")
     if prompt_cache_size < 1:
@@ -246,7 +251,7 @@ def run(
 
         with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
-        serve_ui.demo_note(NOTICE, target_dir.parent)
+        serve_ui.demo_note(NOTICE, target_dir.parent, default_max_tokens)
         model, model_id = str(target_dir), DEMO_ID
         draft = None if no_draft else str(draft_dir)
     else:

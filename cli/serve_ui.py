@@ -15,13 +15,14 @@ def _err() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
-def demo_note(notice: str, folder: Path) -> None:
+def demo_note(notice: str, folder: Path, max_tokens: int) -> None:
     _err().print(
         Text.assemble(
             ("demo: ", "bold yellow"),
             (
-                f"serving {notice} ({folder}). Each reply's `timings` report τ (`tau`) and "
-                "acceptance (`draft_n_accepted` of `draft_n` drafted tokens).",
+                f"serving {notice} ({folder}). Requests that do not say get at most "
+                f"{max_tokens} tokens (--max-tokens). Each reply's `timings` report τ "
+                "(`tau`) and acceptance (`draft_n_accepted` of `draft_n` drafted tokens).",
                 "yellow",
             ),
         )

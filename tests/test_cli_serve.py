@@ -133,3 +133,19 @@ def test_serve_no_draft_is_an_option():
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("error: pass either --draft or --no-draft"), done.stderr
+
+
+def test_demo_replies_are_capped_as_chats_are():
+    """serve --demo: a request that names no max_tokens gets chat --demo's cap, not 2048
+    tokens of gibberish (the random demo pair never ends by itself)."""
+    from dflash_mlx.cli import chat, options
+
+    assert chat.DEMO_MAX_TOKENS == options.DEMO_MAX_TOKENS
+    body = {"messages": USER, "temperature": 0}
+    with serve("--demo", env={"DFLASH_MLX_DEMO": "random"}) as server:
+        got = server.post("/v1/chat/completions", body)
+        capped = server.post("/v1/chat/completions", {**body, "max_tokens": 5})
+    assert 0 < got["usage"]["completion_tokens"] <= options.DEMO_MAX_TOKENS
+    assert capped["usage"]["completion_tokens"] <= 5, "a request's own max_tokens still rules"
+    log = " ".join("".join(server.log).split())
+    assert f"at most {options.DEMO_MAX_TOKENS} tokens" in log
