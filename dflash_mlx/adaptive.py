@@ -19,9 +19,13 @@ decoding wins, a speculative cycle is re-tried now and then (a probe, priced at 
 depth): the interval doubles after each probe that confirms the loss, up to the point where
 probes cost at most `probe_budget` of the decoding time; within one request probes lose at
 most `request_budget` of that request's time, so a short request at a long context is not
-eaten by them. Meanwhile plain steps stop capturing features for the draft until a window
-before the next probe. Pure Python on a few floats per cycle: no device work and no host
-syncs. Knows nothing about models.
+eaten by them. A probe is priced with everything it costs: its cycle's loss and catching the
+draft's context up first (the rows decoded plainly since, a dormant prefill's window:
+`CatchUp`, learnt from what catch-ups measure), both counted in that budget; and it is not
+made at all when even a perfect draft could not win that back in what is left of the
+request. Meanwhile plain steps stop capturing features for the draft until a window before
+the next probe (none when no probe can come before the request ends). Pure Python on a
+few floats per cycle: no device work and no host syncs. Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from .costs import CostCurves, Curve, _between, _Bucket, _depth_key, depth_bucket
+from .costs import CatchUp, CostCurves, Curve, _between, _Bucket, _depth_key, depth_bucket
 
 __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 
@@ -100,6 +104,10 @@ class WidthChooser:
         self._spec_seen = 0
         self.req_time = 0.0  # seconds the current request's cycles are expected to take
         self.req_lost = 0.0  # seconds its probes were expected to lose
+        # No speculation can pay back its cost in what is left of this request: no more
+        # probes, and plain steps capture nothing for the draft.
+        self.req_done = False
+        self.catch_up = CatchUp(costs, block)  # what waking the draft's context costs
 
     # -- acceptance ------------------------------------------------------------------------
 
@@ -217,6 +225,31 @@ class WidthChooser:
         self._curve_memo = (key, out)
         return out
 
+    def context_cost(self, rows: int, lazy: int = 0, depth: int | None = None) -> float:
+        """Seconds to catch the draft's context up on `rows` rows (`CatchUp`) at `depth`."""
+        return self.catch_up.cost(rows, lazy, self.depth if depth is None else depth)
+
+    def observe_context(self, rows: int, lazy: int, seconds: float) -> None:
+        """A catch-up of `rows` rows (`lazy` positions computed then) took `seconds`."""
+        self.catch_up.observe(rows, lazy, seconds, self.depth)
+
+    def saving(self, tokens: int | None, perfect: bool = False) -> float:
+        """Seconds speculating could save against plain decoding over the next `tokens`
+        tokens (None: unbounded), at the best width as the acceptance stands (`perfect`:
+        were every draft accepted, the most any speculation could save)."""
+        if tokens is None:
+            return math.inf
+        if tokens <= 1:
+            return 0.0
+        curve, plain = self.curve(optimistic=not perfect), self.plain_cost()
+        exp = self.expected_tokens()
+        top = min(tokens, self.draft_block or self.block)
+        per_token = max(
+            (plain - curve[w - 1] / (w if perfect else exp[w - 1]) for w in range(2, top + 1)),
+            default=0.0,
+        )
+        return max(per_token, 0.0) * tokens
+
     def plain_cost(self, depth: int | None = None) -> float:
         """Seconds per plain decoding step: as measured, else as calibrated."""
         return self.curve(depth)[0]
@@ -302,6 +335,7 @@ class WidthChooser:
         from 1.1 to 14 across six stretches of standard-library code)."""
         self.req_time = 0.0
         self.req_lost = 0.0
+        self.req_done = False
         seen = self.trials[1] if self.block > 1 else 0.0
         if seen > REQUEST_MEMORY:
             keep = REQUEST_MEMORY / seen
@@ -312,41 +346,72 @@ class WidthChooser:
             self.probe_interval = self.base_probe
             self.since_probe = 0
 
-    def choose(self, limit: int | None = None, depth: int | None = None) -> tuple[int, int]:
-        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the budget), `depth`
-        is the context depth the cycle runs at (default: the latest given)."""
+    def choose(
+        self,
+        limit: int | None = None,
+        depth: int | None = None,
+        context: tuple[int, int] = (0, 0),
+    ) -> tuple[int, int]:
+        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the request), `depth`
+        is the context depth the cycle runs at (default: the latest given), `context` the
+        `(rows, lazy)` a speculative cycle must first catch the draft's context up on
+        (see `context_cost`; (0, 0) when the draft is up to date)."""
         if depth is not None:
             self.depth = depth
         rates = self.rates()
         widths = [w for w in rates if limit is None or w <= limit]
         best = max(widths, key=lambda w: rates[w][0])
         self.probing = False
-        if best == 1 and len(widths) > 1:
+        catch_up = self.context_cost(*context)
+        if best > 1 and catch_up and self.saving(limit) <= catch_up:
+            # Waking the draft costs more than it is expected to save in what is left of
+            # the request (and ever less is left): plain to its end.
+            best, self.req_done = 1, True
+        elif best == 1 and len(widths) > 1 and not self.req_done:
             self.since_probe += 1
             if self.since_probe >= self.probe_interval:
-                safe = self.rates(optimistic=False)
-                w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
-                if self.follow_up:
-                    w = max(w, min(self.follow_up, max(widths)))
-                loss = self.probe_loss(w)
-                t1 = self.plain_cost()
-                short = self.req_lost + loss - self.request_budget * (self.req_time + loss)
-                # A follow-up of a probe whose drafts were all accepted is not held back by
-                # the budget: by the latest evidence it loses nothing.
-                if short <= 0 or self.follow_up:
-                    self.probing = True
-                    self.probes += 1
-                    self.since_probe = 0
-                    self.req_lost += loss
-                    best = w
-                else:
-                    # This request cannot afford it yet: wait the steps that pay for it
-                    # (dormant meanwhile, awake a window before).
-                    wait = math.ceil(short / (self.request_budget * t1))
-                    self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
-        self.capture = best > 1 or self.probe_interval - self.since_probe <= self.window
+                best = self._probe(widths, limit, catch_up)
+        # Plain steps capture features for the draft only within a window before a probe
+        # that can still come in this request.
+        due = self.probe_interval - self.since_probe
+        self.capture = best > 1 or (
+            not self.req_done and due <= self.window and (limit is None or due < limit)
+        )
         self.req_time += self.cycle_cost(best)
         return best, rates[best][1]
+
+    def _probe(self, widths: list[int], limit: int | None, catch_up: float) -> int:
+        """The width of a probe due now, or 1 when it is put off (or, when it can no longer
+        pay back in what is left of the request, given up for the request)."""
+        safe = self.rates(optimistic=False)
+        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
+        if self.follow_up:
+            w = max(w, min(self.follow_up, max(widths)))
+        # Everything it costs: the catch-up of the draft's context and the cycle's loss.
+        loss = self.probe_loss(w) + catch_up
+        left = None if limit is None else limit - w
+        if self._spec_seen and not self.follow_up and self.saving(left, perfect=True) <= loss:
+            # Even were every draft accepted from here on, it would not pay back (by costs
+            # measured: until one speculative cycle is, the calibration may be stale).
+            self.req_done = True
+            return 1
+        t1 = self.plain_cost()
+        short = self.req_lost + loss - self.request_budget * (self.req_time + loss)
+        # A follow-up of a probe whose drafts were all accepted is not held back by the
+        # budget: by the latest evidence it loses nothing.
+        if short <= 0 or self.follow_up:
+            self.probing = True
+            self.probes += 1
+            self.since_probe = 0
+            self.req_lost += loss
+            return w
+        # This request cannot afford it yet: wait the steps that pay for it (dormant
+        # meanwhile, awake a window before); none, when the request ends first.
+        wait = math.ceil(short / (self.request_budget * t1))
+        if left is not None and wait >= left:
+            self.req_done = True
+        self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
+        return 1
 
     def update(self, width: int, accepted: int) -> None:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
@@ -380,5 +445,6 @@ class WidthChooser:
     def probe_cap(self, width: int) -> int:
         """The longest interval between probes of `width`: just long enough that what a
         probe loses against plain decoding is at most `probe_budget` of the time between."""
-        steps = math.ceil(self.probe_loss(width) / (self.probe_budget * self.plain_cost()))
+        loss = self.probe_loss(width) + self.context_cost(self.window)
+        steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
         return max(self.base_probe, min(steps, self.max_probe_interval))

@@ -143,7 +143,8 @@ def measure(
     progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
     """Time verify passes of 1..block tokens and draft passes of 1..block rows, at each of
-    `depths` tokens of context (default: `DEPTHS` within the model's context)."""
+    `depths` tokens of context (default: `DEPTHS` within the model's context), and the
+    draft's projection of context rows (per row)."""
     target, draft = pair.target, pair.draft
     block = draft.config.block_size
     ids = draft.config.target_layer_ids
@@ -198,6 +199,14 @@ def measure(
                 progress(done, steps)
         return tuple(verify_t), tuple(draft_t)
 
+    def context(rows: mx.array) -> None:
+        # The draft projecting positions of target features into a fresh context.
+        fresh = pair.draft_state()
+        draft.add_context(rows, fresh)
+        mx.eval(fresh.arrays)
+
+    sample = feats[:, :64]
+    per_row = _median_time(lambda: context(sample), repeats) / sample.shape[1]
     tables = [curves()]
     for lo, hi in zip(depths, depths[1:]):
         for start in range(lo, hi, 512):  # deepen the context, in prefill-sized chunks
@@ -208,7 +217,9 @@ def measure(
                 progress(done, steps)
         tables.append(curves())
     (verify_t, draft_t), *deeper = tables
-    return CostCurves(verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper))
+    return CostCurves(
+        verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper), context=per_row
+    )
 
 
 def calibration_depths(pair: Pair) -> tuple[int, ...]:
@@ -318,6 +329,7 @@ def _read(path: Path, key: dict) -> CostCurves | None:
             tuple(data["draft"]),
             depths=tuple(data["depths"]),
             deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
+            context=data.get("context"),  # absent from files written before it was measured
         )
     except (ValueError, KeyError, TypeError):
         return None  # unreadable cache: measure again
@@ -333,6 +345,7 @@ def _write(path: Path, key: dict, curves: CostCurves) -> None:
                 "draft": list(curves.draft),
                 "depths": list(curves.depths),
                 "deeper": [[list(v), list(d)] for v, d in curves.deeper],
+                "context": curves.context,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
             indent=1,

@@ -38,6 +38,9 @@ class CostCurves:
     draft: Curve
     depths: tuple[int, ...] = (0,)
     deeper: tuple[tuple[Curve, Curve], ...] = ()
+    # Seconds the draft takes to project one row of context (target features of a position
+    # into its K/V cache); None: not measured (curves from before it was), estimated.
+    context: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.deeper) != len(self.depths) - 1:
@@ -55,6 +58,15 @@ class CostCurves:
                 )
             if any(t <= 0 for t in verify) or any(t < 0 for t in draft):
                 raise ValueError("cost curves must hold positive times")
+        if self.context is not None and not self.context >= 0:
+            raise ValueError(f"context cost {self.context} must be >= 0 seconds per row")
+
+    def context_row(self) -> float:
+        """Seconds per context row the draft projects (as measured, else a draft pass's cost
+        per row of its widest block: an overestimate)."""
+        if self.context is not None:
+            return self.context
+        return self.draft[-1] / len(self.draft)
 
     def at(self, depth: int) -> tuple[Curve, Curve]:
         """`(verify, draft)` at context `depth`."""
@@ -75,6 +87,38 @@ class CostCurves:
             )
 
         return mix(v0, v1), mix(r0, r1)
+
+
+class CatchUp:
+    """What catching a draft's context up costs before a speculative cycle (after plain
+    steps, or a dormant prefill): `rows` rows to project, `lazy` positions of which still
+    need the target's captured layers (a dormant prefill's deferred window). Predicted from
+    the calibration (the projection per row; a lazy position as a wide verify's cost per
+    token at the depth, an overestimate) and scaled by what catch-ups measured against that
+    (decayed; a stalled one moves it by at most a factor of two)."""
+
+    def __init__(self, costs: CostCurves, block: int):
+        self.costs = costs
+        self.block = block
+        self.ratio = 1.0  # measured / predicted
+        self.seen = 0
+
+    def predicted(self, rows: int, lazy: int, depth: int) -> float:
+        verify = self.costs.at(depth)[0]
+        return rows * self.costs.context_row() + lazy * verify[self.block - 1] / self.block
+
+    def cost(self, rows: int, lazy: int, depth: int) -> float:
+        return self.ratio * self.predicted(rows, lazy, depth) if rows > 0 else 0.0
+
+    def observe(self, rows: int, lazy: int, seconds: float, depth: int) -> None:
+        predicted = self.predicted(rows, lazy, depth)
+        if rows <= 0 or seconds <= 0 or predicted <= 0:
+            return
+        r, spread = self.ratio, 3.0 if not self.seen else 2.0
+        self.seen += 1
+        self.ratio += (min(max(seconds / predicted, r / spread), r * spread) - r) / min(
+            self.seen + 1, 4
+        )
 
 
 class _Bucket:

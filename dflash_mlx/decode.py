@@ -96,7 +96,9 @@ def speculative_decode(
         width, draft_block, chooser = pair.plan(options)
     assert 1 <= width <= max(draft_block, 1)
     seed = seed if seed is not None else options.seed if options.seed is not None else 0
-    draft = pair.draft if speculate else None
+    # Plain decoding throughout (W = 1 fixed): the draft would never run, so nothing is
+    # built for it.
+    draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
     lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(pair.model, draft)
     with mx.stream(generation_stream):
         cache, state, start = resume(pair, draft, prompt, saved, options.draft_window)
@@ -126,6 +128,7 @@ def speculative_decode(
             eos_ids=eos_ids,
             chooser=chooser,
             clock=_Clock(chooser if learn_costs else None),
+            learn_costs=learn_costs,
         )
     except GeneratorExit:  # closed between two cycles: every committed position is known
         if prompt_cache is not None:
@@ -145,6 +148,7 @@ def _cycles(
     eos_ids: frozenset[int],
     chooser: WidthChooser | None,
     clock: _Clock,
+    learn_costs: bool = True,
 ) -> Iterator[Cycle]:
     """The cycles after prefill. The next cycle is always launched before the current one
     is handed to the caller, so detokenizing and rendering overlap with device work."""
@@ -154,18 +158,25 @@ def _cycles(
         """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
         on the device (`chained`: before the previous cycle's result reached the host)."""
         tic = time.perf_counter()
+        # What a speculative cycle would first have to catch the draft's context up on.
+        behind = (
+            (0, 0) if req.draft is None or req.speculating else (req.pending_rows, req.lazy_rows)
+        )
         w, rows, capture = choose(
-            chooser, width, draft_block, budget=max_tokens - a - 1, depth=n_prompt + a
+            chooser, width, draft_block, max_tokens - a - 1, n_prompt + a, behind
         )
         with mx.stream(generation_stream):
             if req.draft is not None:
                 _follow_capture(req, capture, n_prompt + a)
-                if w > 1 and len(req.pending) > 1:
-                    # Catching up on the positions decoded plainly is paid once, when
-                    # speculation resumes: run it apart so it is not taken for what every
-                    # cycle of this width costs.
+                if w > 1 and behind[0]:
+                    # Catching up on the positions decoded plainly (and a dormant prefill's
+                    # window) is paid once, when speculation resumes: run it apart, so it
+                    # is not taken for what every cycle of this width costs, and charge it
+                    # to the catch-up, which the chooser prices probes with.
                     req.feed_draft()
-                    mx.async_eval(req.state.arrays)
+                    mx.eval(req.state.arrays)
+                    if chooser is not None and learn_costs:
+                        chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
             drafts, q = make_drafts(req, anchor, a, w, rows)
             logits, feats, saved = verify(req, anchor, drafts, capture)
@@ -233,12 +244,18 @@ def first_token(req: Request, logits: mx.array) -> mx.array:
 
 
 def choose(
-    chooser: WidthChooser | None, width: int, draft_block: int, budget: int, depth: int = 0
+    chooser: WidthChooser | None,
+    width: int,
+    draft_block: int,
+    budget: int,
+    depth: int = 0,
+    behind: tuple[int, int] = (0, 0),
 ) -> tuple[int, int, bool]:
-    """Verify width W, draft block L, and whether the pass captures features for the draft."""
+    """Verify width W, draft block L, and whether the pass captures features for the draft
+    (`budget`: tokens left; `behind`: the draft's context catch-up, see `WidthChooser`)."""
     if chooser is None:
         return min(width, budget), draft_block, True
-    w, rows = chooser.choose(limit=budget, depth=depth)
+    w, rows = chooser.choose(limit=budget, depth=depth, context=behind)
     return w, rows, chooser.capture
 
 
@@ -303,6 +320,7 @@ def commit(req: Request, step: _Step, n: int) -> None:
             if step.feats is not None:
                 req.pending.append(step.feats[:, : n + 1])
             req.state.commit(n if step.width > 1 else None)
+            req.speculating = step.width > 1
 
 
 # -- bookkeeping beside the cycle ------------------------------------------------------------

@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from .pair import Pair
 
 PREFILL_STEP = 512
+# A dormant prefill leaves the prompt window's features unevaluated; when more than this many
+# positions of the chunk the window starts in lie before it, the chunk is split at the window
+# so that a probe computes the captured layers over the window alone (one more target pass
+# in prefill, instead of those layers over the whole chunk at the first probe).
+SPLIT_BEFORE_WINDOW = 256
 
 
 @dataclass
@@ -43,6 +48,12 @@ class Request:
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
     generated: list[int] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
+    # Positions whose captured target layers `pending` still has to compute (a dormant
+    # prefill's deferred window, with the chunk it was taken from): a probe pays for them.
+    lazy_rows: int = 0
+    # Whether the latest committed cycle was speculative (its features are fed by the next
+    # draft pass as part of it); else the next speculative cycle catches up first.
+    speculating: bool = False
     # The draft's context fell behind (dormant: plain steps capture no features).
     stale: bool = False
     # Recurrent states: before the prompt's last token, and after the latest cycle.
@@ -53,11 +64,17 @@ class Request:
     def target(self) -> TargetAdapter:
         return self.pair.target
 
+    @property
+    def pending_rows(self) -> int:
+        """Context rows the draft has yet to take (what feeding it now projects)."""
+        return sum(p.shape[1] for p in self.pending)
+
     def feed_draft(self) -> None:
         """Give the draft the features of committed positions it has not seen yet."""
         if self.pending:
             self.draft.add_context(mx.concatenate(self.pending, axis=1), self.state)
             self.pending.clear()
+            self.lazy_rows = 0
 
     def saved(self) -> CachedState:
         """The state as of the last committed cycle, for the next request to resume from
@@ -144,6 +161,7 @@ def prefill(
                 feats = feats[:, start - done :]
             if defer:
                 req.pending.append(feats)
+                req.lazy_rows += n  # the captured layers run over the whole chunk
             else:
                 req.draft.add_context(feats, req.state)
         done += n
@@ -167,8 +185,9 @@ def prefill_prompt(
     When the `chooser` expects to decode plainly from here, the draft's context gets only
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
     is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
-    feeds them: prefill then costs what the target alone costs (the chunk the window
-    starts in is not split for it; a probe computes that chunk's captured layers whole).
+    feeds them: prefill then costs what the target alone costs. The chunk the window starts
+    in is split at it only when `SPLIT_BEFORE_WINDOW` positions or more precede it there (a
+    probe then computes the captured layers over the window alone, not over the chunk).
     Under a draft window, the positions no block will see are skipped the same way."""
     total = len(req.prompt)
     cut = req.reused
@@ -183,8 +202,11 @@ def prefill_prompt(
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
-    if dormant:
+    if dormant and (cut - req.reused) % step < SPLIT_BEFORE_WINDOW:
         prefill(req, req.reused, total - 1, step, progress, capture_from=cut, defer=True)
+    elif dormant:
+        prefill(req, req.reused, cut, step, progress, capture_from=cut)
+        prefill(req, cut, total - 1, step, progress, defer=True)
     else:
         # Split at the cut: the target's layers the draft reads run only where it reads.
         prefill(req, req.reused, cut, step, progress, capture_from=cut)

@@ -512,9 +512,9 @@ def decode_with(model, d, ids, n, chooser):
     return [t for c in cycles for t in c.tokens]
 
 
-@pytest.mark.parametrize("dormant", [True, False])
+@pytest.mark.parametrize("dormant, repeats", [(True, 12), (True, 3), (False, 12)])
 def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
-    target, draft, monkeypatch, dormant
+    target, draft, monkeypatch, dormant, repeats
 ):
     """A chooser that expects plain decoding: prefill projects nothing for the draft (the
     prompt's last `window` positions wait, unevaluated, for the first probe, which then
@@ -522,9 +522,10 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import decode
+    from dflash_mlx.prefill import SPLIT_BEFORE_WINDOW
 
     model, tok = target
-    ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
+    ids = tok.encode("def parse(line):\n    return line.split(',')\n" * repeats)
     ch = WidthChooser(
         CPU if dormant else BLAS,
         BLOCK,
@@ -563,8 +564,15 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     if dormant:
         assert ch.probes >= 1, "no probe: the test shows nothing"
         assert during == [], f"a dormant prefill projected {during}"
-        # Chunked as the target alone would be: the window does not split the prompt.
-        assert passes == [len(ids) - 1, 1], passes
+        cut = len(ids) - 1 - ch.window
+        if cut < SPLIT_BEFORE_WINDOW:
+            # Chunked as the target alone would be: a window near the chunk's start does
+            # not split the prompt (a probe computes the captured layers over the chunk).
+            assert passes == [len(ids) - 1, 1], passes
+        else:
+            # Far into its chunk, the window is split off: a probe then computes the
+            # captured layers over the window alone, not over the positions before it.
+            assert passes == [cut, ch.window, 1], passes
         # The first probe reads the window (and the last prompt token) and the plain steps.
         assert after and after[0] >= 8 + 1 + ch.base_probe - 1, after
     else:
@@ -577,9 +585,9 @@ def test_the_decode_loop_gives_the_chooser_the_context_depth_and_a_new_request(t
     seen = []
 
     class Recording(WidthChooser):
-        def choose(self, limit=None, depth=None):
+        def choose(self, limit=None, depth=None, context=(0, 0)):
             seen.append(depth)
-            return super().choose(limit, depth)
+            return super().choose(limit, depth, context)
 
         def begin_request(self):
             seen.append("new request")

@@ -337,11 +337,12 @@ def dormant_chooser(**kw):
     args = dict(probe_interval=4, max_probe_interval=16, window=4) | kw
     ch = WidthChooser(costs, 16, **args)
     ch.observe = lambda *a, **k: None  # keep the synthetic costs: the test is about flow
+    ch.observe_context = lambda *a, **k: None
     log = []
     choose = ch.choose
 
-    def logged(limit=None, depth=None):
-        w, rows = choose(limit, depth)
+    def logged(limit=None, depth=None, context=(0, 0)):
+        w, rows = choose(limit, depth, context)
         log.append((w, ch.capture))
         return w, rows
 
