@@ -36,6 +36,13 @@ def command(
     top_k: options.TopK = 0,
     min_p: options.MinP = 0.0,
     seed: Annotated[int, options.option("seed")] = 0,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Every prompt of the suites (default: the first 2 of each, a quick look).",
+        ),
+    ] = False,
     repeats: Annotated[int, typer.Option(help="Measured passes over the prompts.")] = 3,
     verify_widths: Annotated[
         str | None,
@@ -78,6 +85,7 @@ def command(
             demo=demo,
             prompts=prompts,
             suite=suite,
+            full=full,
             max_tokens=max_tokens,
             temp=temp,
             top_p=top_p,
@@ -151,6 +159,7 @@ def run(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    full: bool = False,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
@@ -163,14 +172,21 @@ def run(
         raise BadArgument("--model is required (or --demo for the demonstration pair)")
 
     import dflash_mlx
-    from dflash_mlx.bench_prompts import load_suite, read_prompts
+    from dflash_mlx.bench_prompts import QUICK, load_suite, read_prompts
     from dflash_mlx.benchmark import run_benchmark
 
     # Refuses bad settings before anything loads.
     sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
     dflash_mlx.GenerateOptions(max_tokens=max_tokens, draft_window=draft_window, **sampling)
 
-    bench_prompts = read_prompts(prompts) if prompts is not None else load_suite(suite or "all")
+    quick = None
+    if prompts is not None:
+        bench_prompts = read_prompts(prompts)
+    else:
+        bench_prompts = load_suite(suite or "all", None if full else QUICK)
+        every = len(load_suite(suite or "all"))
+        if len(bench_prompts) < every:
+            quick = f"a quick look: the first {QUICK} prompts of each suite (--full: all {every})"
     if demo:
         from dflash_mlx.demo import NOTICE, demo_pair
 
@@ -225,7 +241,7 @@ def run(
         progress.close()
     if json_out is not None:
         result.write_json(json_out)
-    bench_ui.report(result)
+    bench_ui.report(result, quick)
     if json_out is not None:
         bench_ui.json_written(json_out)
     return EXIT_NOT_LOSSLESS if result.lossless is False else 0

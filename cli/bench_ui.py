@@ -7,6 +7,7 @@ through its fields only); knows nothing about models.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,13 +47,27 @@ def demo_note(notice: str, folder: Path) -> None:
 
 
 class BenchProgress:
-    """The benchmark's `progress(done, total, what)` callback: one bar on stderr."""
+    """The benchmark's `progress(done, total, what)` callback: one bar on stderr, or when
+    stderr is no terminal (a log, a pipe) plain lines: the first run, about every 5% of the
+    runs, and the last."""
+
+    LINES = 20  # plain lines over a whole bench, about
 
     def __init__(self) -> None:
         self._bar: Progress | None = None
         self._task = None
+        self._start = time.monotonic()
 
     def __call__(self, done: int, total: int, what: str) -> None:
+        console = _err()
+        if not console.is_terminal:
+            step = max(1, -(-total // self.LINES))
+            if done in (1, total) or done % step == 0:
+                elapsed = time.monotonic() - self._start
+                console.print(
+                    f"bench: {done}/{total} runs · {what} · {elapsed:.0f} s", soft_wrap=True
+                )
+            return
         if self._bar is None:
             self._bar = Progress(
                 TextColumn("bench"),
@@ -83,17 +98,30 @@ def _quant(q: dict | None) -> str:
     return f"{q['bits']}-bit, group {q['group_size']}"
 
 
-def _header(result: BenchResult) -> Text:
+def _header(result: BenchResult, quick: str | None) -> Text:
     env, models, s = result.environment, result.models, result.settings
     device = ", ".join(str(x) for x in (env["device_info"].get("device_name"), env["machine"]) if x)
     per_suite = ", ".join(f"{x.suite} {x.prompts}" for x in result.suites)
+    repeats = s["repeats"]
+    how = (
+        "one run each after a warm-up"
+        if repeats == 1
+        else f"median of {repeats} runs each after a warm-up"
+    )
+    draft = (
+        f"draft  {models['draft']} (block {models['draft_block_size']})"
+        if models["draft"]
+        else "draft  none: the target decodes plainly"
+    )
     lines = [
         f"{env['device_type']} ({device}) · mlx {env['mlx']} · mlx-lm {env['mlx_lm']}",
         f"target {models['target']} ({_quant(models['target_quantization'])})",
-        f"draft  {models['draft']} (block {models['draft_block_size']})",
-        f"{result.overall.prompts} prompts ({per_suite}) · ≤ {s['max_tokens']} tokens · "
-        f"temp {s['temperature']:g} · median of {s['repeats']} after a warm-up",
+        draft,
+        f"{count(result.overall.prompts, 'prompt')} ({per_suite}) · ≤ {s['max_tokens']} tokens · "
+        f"temp {s['temperature']:g} · {how}",
     ]
+    if quick:
+        lines.append(quick)
     return Text("\n".join(lines), style="dim")
 
 
@@ -113,6 +141,12 @@ def _tps(x: float) -> str:
     return f"{x:.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def count(n: int, noun: str) -> str:
+    from dflash_mlx.stats import count as counted  # the stats line's words
+
+    return counted(n, noun)
+
+
 def _memory(gb: float) -> str:
     from dflash_mlx.stats import memory  # the stats line's words
 
@@ -129,16 +163,18 @@ def _table(suite: SuiteSummary) -> Table:
         pad_edge=False,
     )
     eff = any(r.efficiency is not None for r in suite.runs)
-    names = ["run", "tok/s", "min–max", "speedup", "τ"] + (["eff."] if eff else [])
+    spread = len(suite.runs[0].generation_tps.values) > 1  # one repeat: one figure, no range
+    names = ["run", "tok/s"] + (["min–max"] if spread else []) + ["speedup", "τ"]
+    names += ["eff."] if eff else []
     for name in names + ["prefill", "TTFT", "peak"]:
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
     for r in suite.runs:
         t = r.generation_tps
-        ideal = [f"{r.efficiency:.0%}" if r.efficiency is not None else ""] if eff else []
+        ideal = [_efficiency(r.efficiency)] if eff else []
         table.add_row(
             _run_label(r),
             _tps(t.median),
-            f"{_tps(t.min)}–{_tps(t.max)}",
+            *([f"{_tps(t.min)}–{_tps(t.max)}"] if spread else []),
             _speedup(r.speedup.median) if r.width is not None else Text("1.00×", "dim"),
             f"{r.tau:.2f}",
             *ideal,
@@ -147,6 +183,28 @@ def _table(suite: SuiteSummary) -> Table:
             _memory(r.peak_memory),
         )
     return table
+
+
+def _efficiency(x: float | None) -> str:
+    """eff. as a share; above 100% marked, for the note under the tables to explain."""
+    if x is None:
+        return ""
+    return f"{x:.0%}" + (OVER if x > 1.005 else "")
+
+
+OVER = "*"
+OVER_NOTE = (
+    f"{OVER} eff. above 100%: this run beat what the calibrated pass costs predict for its τ, "
+    "so the costs measured at calibration differ from this run's (timing noise, or a "
+    "machine busier then than now); `bench --calibrate` measures them again"
+)
+
+
+def _over_note(result: BenchResult) -> Text | None:
+    runs = [r for x in [*result.suites, result.overall] for r in x.runs]
+    if not any(r.efficiency is not None and r.efficiency > 1.005 for r in runs):
+        return None
+    return Text(OVER_NOTE, style="dim")
 
 
 def _tables(result: BenchResult) -> list[Table]:
@@ -173,29 +231,47 @@ def _acceptance_chart(result: BenchResult) -> Text | None:
     return out
 
 
+def verdict(low: float, high: float) -> str:
+    """What a 95% interval of a speed ratio says: wholly above 1 faster, wholly below
+    slower, else within the noise of the run."""
+    if low > 1.0:
+        return "faster"
+    if high < 1.0:
+        return "slower"
+    return "within the noise"
+
+
 def _auto_comparison(result: BenchResult) -> Text | None:
-    """Automatic width against each fixed choice, paired prompt by prompt."""
+    """Automatic width against each fixed choice, paired prompt by prompt; each verdict
+    follows its interval."""
     if not result.comparisons:
         return None
-    best = result.comparisons[0]
+    style = {"faster": "green", "slower": "red", "within the noise": "yellow"}
     out = Text("W=auto against each fixed choice ", style="bold")
     out.append("(tok/s ratio paired by prompt and repeat, 95% interval)\n", style="dim")
     for c in result.comparisons:
         other = "W=1 (no draft)" if c.other == "W=1" else c.other
-        slower = c.high < 1.0  # slower beyond the noise of this machine
+        said = verdict(c.low, c.high)
         out.append(f"  vs {other:<16}")
-        out.append(f"{c.ratio:5.2f}×", style="red" if slower else "green")
-        out.append(f"  [{c.low:.2f}–{c.high:.2f}]  {c.pairs} pairs\n", style="dim")
-    if best.high < 1.0:
-        out.append(
-            f"  W=auto is slower than {best.other} beyond the noise of this run\n", style="red"
-        )
+        out.append(f"{c.ratio:5.2f}×", style=style[said])
+        out.append(f"  [{c.low:.2f}–{c.high:.2f}]  ", style="dim")
+        out.append(said, style=style[said])
+        out.append(f"  ({count(c.pairs, 'pair')})\n", style="dim")
+    by = {v: [c.other for c in result.comparisons if verdict(c.low, c.high) == v] for v in style}
+    if by["slower"]:
+        said, line = "slower", f"W=auto is slower than {', '.join(by['slower'])}"
+    elif by["within the noise"]:
+        said = "within the noise"
+        line = f"W=auto is as fast as {', '.join(by[said])} within the noise"
+        if by["faster"]:
+            line += f", faster than {', '.join(by['faster'])}"
     else:
-        out.append(
-            f"  W=auto is as fast as the best fixed choice ({best.other}) within the noise "
-            "of this run\n",
-            style="green",
+        said, line = (
+            "faster",
+            "W=auto is faster than "
+            + ("every fixed choice" if len(by["faster"]) > 1 else by["faster"][0]),
         )
+    out.append(f"  {line} (this run, 95% intervals)\n", style=style[said])
     return out
 
 
@@ -240,7 +316,7 @@ def _verdict(result: BenchResult) -> Text | Panel:
     )
 
 
-def report(result: BenchResult) -> None:
+def report(result: BenchResult, quick: str | None = None) -> None:
     """The whole report on stdout: header, tables, acceptance chart, losslessness verdict.
 
     tok/s is generation speed (tokens after the first over their time), median over repeats;
@@ -248,8 +324,8 @@ def report(result: BenchResult) -> None:
     and the calibrated pass costs allow (tau * t_plain / (t_verify(W) + t_draft(L))); prefill
     is prompt tokens/s.
     """
-    parts = [_header(result), Text(""), *_tables(result)]
-    for extra in (_auto_comparison(result), _acceptance_chart(result)):
+    parts = [_header(result, quick), Text(""), *_tables(result)]
+    for extra in (_over_note(result), _auto_comparison(result), _acceptance_chart(result)):
         if extra is not None:
             parts.append(extra)
     parts.append(_verdict(result))

@@ -17,6 +17,7 @@ from .errors import BadArgument
 from .text import check_text
 
 SUITES = ("math", "code", "chat")
+QUICK = 2  # prompts per suite the bench runs unless told --full
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,13 @@ def read_prompts(path: str | Path, suite: str | None = None) -> list[BenchPrompt
     return parse_prompts(text, str(path), suite or path.stem)
 
 
-def load_suite(name: str) -> list[BenchPrompt]:
-    """A built-in suite (`math`, `code`, `chat`), or all of them with `all`."""
+def load_suite(name: str, per_suite: int | None = None) -> list[BenchPrompt]:
+    """A built-in suite (`math`, `code`, `chat`), or all of them with `all`; `per_suite`:
+    only the first that many prompts of each (the bench's quick default), None: all."""
     if name == "all":
-        return [p for s in SUITES for p in load_suite(s)]
+        return [p for s in SUITES for p in load_suite(s, per_suite)]
     if name not in SUITES:
         raise BadArgument(f"unknown suite {name!r}: choose one of {', '.join(SUITES)} or all")
     resource = files("dflash_mlx") / "prompts" / f"{name}.jsonl"
-    return parse_prompts(resource.read_text(encoding="utf-8"), f"{name}.jsonl", name)
+    prompts = parse_prompts(resource.read_text(encoding="utf-8"), f"{name}.jsonl", name)
+    return prompts if per_suite is None else prompts[:per_suite]
