@@ -78,7 +78,7 @@ def command(
     At temperature 0 every DFlash run must reproduce the target's tokens; exits with code 1
     when one differs.
     """
-    with user_errors():
+    with user_errors(), options.flag_names():
         code = run(
             model=model,
             draft=draft,

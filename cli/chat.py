@@ -123,6 +123,7 @@ def command(
         raise typer.Exit(code)
 
 
+@options.flag_names()  # errors about generation options name their flags
 def run(
     *,
     model: str | None = None,

@@ -66,7 +66,7 @@ def command(
 
     The prompt: an argument, --prompt/-p, or stdin (--prompt -, or none with stdin piped).
     """
-    with user_errors():
+    with user_errors(), options.flag_names():
         code = run(
             prompt=prompt_text(prompt_arg, prompt),
             model=model,

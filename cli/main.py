@@ -10,13 +10,17 @@ from typing import Annotated
 
 import typer
 
-from . import bench as bench_command
-from . import chat as chat_command
-from . import generate as generate_command
-from . import options, ui
-from . import serve as serve_command
-from .errors import user_errors
-from .quantize import app as quantize_app
+from . import help_style
+
+help_style.install()  # flags without a <bool>, arguments as SOURCE (before any command)
+
+from . import bench as bench_command  # noqa: E402
+from . import chat as chat_command  # noqa: E402
+from . import generate as generate_command  # noqa: E402
+from . import options, ui  # noqa: E402
+from . import serve as serve_command  # noqa: E402
+from .errors import user_errors  # noqa: E402
+from .quantize import app as quantize_app  # noqa: E402
 
 app = typer.Typer(
     name="dflash-mlx",

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -163,3 +166,31 @@ MinP = Annotated[float, option("min_p")]
 Seed = Annotated[int | None, option("seed", show_default="random")]
 VerifyWidth = Annotated[int | None, option("verify_width", show_default=False)]
 DraftWindow = Annotated[int | None, option("draft_window", show_default=False)]
+
+
+_NONE = re.compile(r"\bor None\b")
+
+
+def flag_message(message: str) -> str:
+    """A library message about a generation option in the command line's terms: the flag
+    the user typed for the field it names first (`verify_width 32 exceeds ...` ->
+    `--verify-width 32 exceeds ...`), and `None`, which no one can type, as leaving the
+    option out."""
+    name, sep, rest = message.partition(" ")
+    setting = SETTING.get("verify_width" if name == "block_size" else name)
+    if setting is None:
+        return message
+    return setting.flag + sep + _NONE.sub("or left out", rest)
+
+
+@contextmanager
+def flag_names() -> Iterator[None]:
+    """Around a command's body: a `BadArgument` naming a `GenerateOptions` field is raised
+    again naming the flag (`flag_message`)."""
+    try:
+        yield
+    except BadArgument as e:
+        text = flag_message(str(e))
+        if text == str(e):
+            raise
+        raise BadArgument(text) from None

@@ -60,7 +60,9 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 @app.command("draft")
 def draft_command(
-    source: Annotated[str, typer.Argument(help="DFlash draft: Hub id or local folder.")],
+    source: Annotated[
+        str, typer.Argument(metavar="SOURCE", help="DFlash draft: Hub id or local folder.")
+    ],
     out: Out,
     bits: Bits = 4,
     group_size: Group = 64,
@@ -102,7 +104,9 @@ def draft_command(
 
 @app.command("target")
 def target_command(
-    source: Annotated[str, typer.Argument(help="Target: Hub id or local folder.")],
+    source: Annotated[
+        str, typer.Argument(metavar="SOURCE", help="Target: Hub id or local folder.")
+    ],
     out: Out,
     bits: Bits = 4,
     group_size: Group = 64,

@@ -183,6 +183,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+@options.flag_names()  # errors about generation options name their flags
 def run(
     *,
     model: str | None,

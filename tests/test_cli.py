@@ -121,7 +121,7 @@ def test_missing_model_folder_is_a_one_line_error_with_exit_code_2(models_dir, p
 def test_library_value_error_during_generation_exits_2(pair):
     result = run(*generate_args(pair, "--verify-width", "99"))
     assert result.exit_code == 2, result.output
-    assert result.stderr.startswith("error: verify_width 99")
+    assert result.stderr.startswith("error: --verify-width 99")
     assert "Traceback" not in result.output
 
 
