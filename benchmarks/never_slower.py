@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pairs", default="demo,nowindow")
     ap.add_argument("--regime", choices=["both", "stock", "openblas"], default="both")
+    ap.add_argument("--verbose", action="store_true", help="what ran in each auto request")
     args = ap.parse_args()
     if args.regime == "both":
         for regime in ("stock", "openblas"):
@@ -172,6 +173,13 @@ def run(args) -> None:
                                 sys.exit(f"{name} {n_ctx}/{n} {m}: output differs from mlx-lm's")
                             speed[m].append(tps)
                             if m == "auto":
+                                if args.verbose:
+                                    print(
+                                        f"    auto {tps / speed['mlx-lm'][-1]:.2f}x",
+                                        s.tau,
+                                        s.what_ran(),
+                                        flush=True,
+                                    )
                                 ttft_auto.append(ttft)
                                 taus.append(s.tau)
                                 probes.append(s.probes)

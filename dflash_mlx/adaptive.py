@@ -30,10 +30,18 @@ few floats per cycle: no device work and no host syncs. Knows nothing about mode
 
 from __future__ import annotations
 
-import bisect
 import math
 
-from .costs import CatchUp, CostCurves, Curve, _between, _Bucket, _depth_key, depth_bucket
+from .costs import (
+    CatchUp,
+    CostCurves,
+    Curve,
+    _Bucket,
+    _depth_key,
+    depth_bucket,
+    measured_curve,
+    nearest,
+)
 
 __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 
@@ -107,6 +115,7 @@ class WidthChooser:
         # No speculation can pay back its cost in what is left of this request: no more
         # probes, and plain steps capture nothing for the draft.
         self.req_done = False
+        self.carried = False  # acceptance evidence from earlier requests only, so far
         self.catch_up = CatchUp(costs, block)  # what waking the draft's context costs
 
     # -- acceptance ------------------------------------------------------------------------
@@ -163,11 +172,7 @@ class WidthChooser:
         return self._calibration(depth)[0]
 
     def _nearest(self, b: int, test) -> _Bucket | None:
-        """The bucket nearest to `b` (itself first, then the shallower side) passing `test`."""
-        for k in sorted(self._buckets, key=lambda k: (abs(k - b), k)):
-            if test(self._buckets[k]):
-                return self._buckets[k]
-        return None
+        return nearest(self._buckets, b, test)
 
     def curve(self, depth: int | None = None, optimistic: bool = True) -> list[float]:
         """Expected seconds per cycle of each width at `depth` (index w - 1): measured where
@@ -178,50 +183,7 @@ class WidthChooser:
         key = (_depth_key(depth), self._version, optimistic)
         if self._curve_memo is not None and self._curve_memo[0] == key:
             return self._curve_memo[1]
-        cal = self.calibrated(depth)
-        b = depth_bucket(depth)
-        src = self._nearest(b, lambda k: k.seen[1])
-        # Speculative widths measured in this bucket; with fewer than two, those of the
-        # nearest bucket that has two (its own win): the shape is what carries over.
-        own = self._buckets.get(b)
-        ratio: dict[int, float] = {}
-        if own is None or len(own.widths()) < 2:
-            other = self._nearest(b, lambda k: len(k.widths()) >= 2)
-            if other is not None:
-                ratio = {w: other.ratio[w] for w in other.widths()}
-        if own is not None:
-            ratio |= {w: own.ratio[w] for w in own.widths()}
-        known = sorted(ratio)
-        # Plain steps as measured; never measured yet: as calibrated, but no dearer than
-        # a speculative cycle measured (which runs at least the same pass).
-        rp = src.ratio[1] if src is not None else 1.0
-        plain = rp * cal[0]
-        if src is None and known:
-            plain = min(plain, min(ratio[w] * cal[w - 1] for w in known))
-        out = [plain]
-        for w in range(2, self.block + 1):
-            x = cal[w - 1]
-            if not known:
-                c = rp * x  # nothing measured: the calibration, scaled as plain steps are
-            elif w in ratio:
-                c = ratio[w] * x
-            else:
-                i = bisect.bisect(known, w)
-                if i == 0:  # below every measured width: the calibrated shape, rescaled
-                    c = ratio[known[0]] * x
-                elif i < len(known):  # between two: along the calibrated shape
-                    lo, hi = known[i - 1], known[i]
-                    c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
-                elif len(known) == 1:
-                    # Only one width measured yet: a wider one is priced no dearer than it,
-                    # so a calibration that is too steep is found out by trying one.
-                    c = ratio[known[0]] * x
-                    if optimistic:
-                        c = min(c, ratio[known[0]] * cal[known[0] - 1])
-                else:  # beyond the widest: along the last measured segment
-                    lo, hi = known[-2], known[-1]
-                    c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
-            out.append(max(c, plain))  # a cycle costs at least a plain step
+        out = measured_curve(self.calibrated(depth), self._buckets, depth_bucket(depth), optimistic)
         self._curve_memo = (key, out)
         return out
 
@@ -332,7 +294,10 @@ class WidthChooser:
         `REQUEST_MEMORY` cycles, with probes at the base interval again. Costs belong to
         the device and carry over whole; acceptance belongs to the text, and one prompt's
         useless drafts say little about the next prompt's (on the demo pair τ at W=16 runs
-        from 1.1 to 14 across six stretches of standard-library code)."""
+        from 1.1 to 14 across six stretches of standard-library code). So the request's
+        first speculative cycle, on that prior alone, may lose no more than its probe
+        budget were every draft wrong, and when it falls well short of the prior, the
+        prior goes (`update`)."""
         self.req_time = 0.0
         self.req_lost = 0.0
         self.req_done = False
@@ -342,6 +307,8 @@ class WidthChooser:
             self.trials = [t * keep for t in self.trials]
             self.hits = [h * keep for h in self.hits]
             self._acc_version += 1
+        self.carried = seen > 0  # until this request's first speculative cycle
+        self.follow_up = 0  # what the last request's good probe promised was its text's
         if self.probe_interval > self.base_probe:
             self.probe_interval = self.base_probe
             self.since_probe = 0
@@ -362,6 +329,15 @@ class WidthChooser:
         widths = [w for w in rates if limit is None or w <= limit]
         best = max(widths, key=lambda w: rates[w][0])
         self.probing = False
+        if best > 1 and self.carried and limit is not None:
+            # Nothing of this request's text seen yet, only earlier texts': were every draft
+            # of its first cycle wrong, it loses no more than the request's probe budget
+            # (of the request decoded plainly), which pays for it.
+            curve = self.curve()
+            room = self.request_budget * limit * curve[0]
+            safe = [w for w in widths if w == 2 or 1 < w and curve[w - 1] - curve[0] <= room]
+            best = max(safe, key=lambda w: rates[w][0])
+            self.req_lost += curve[best - 1] - curve[0]
         catch_up = self.context_cost(*context)
         if best > 1 and catch_up and self.saving(limit) <= catch_up:
             # Waking the draft costs more than it is expected to save in what is left of
@@ -417,6 +393,13 @@ class WidthChooser:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
         if width <= 1:
             return
+        if self.carried:
+            # The request's first speculative cycle: when it falls well short of what
+            # earlier requests' texts promised, this text is not theirs; what they taught
+            # goes (the prior remains), instead of a cycle of loss at a time.
+            self.carried = False
+            if accepted < 0.5 * (self.expected_tokens()[width - 1] - 1.0):
+                self.trials, self.hits = [0.0] * self.block, [0.0] * self.block
         self._acc_version += 1
         d = self.decay
         self.trials = [t * d for t in self.trials]
@@ -425,6 +408,8 @@ class WidthChooser:
             self.trials[j] += 1.0
             if j <= accepted:
                 self.hits[j] += 1.0
+        if accepted < width - 1:
+            self.follow_up = 0  # a rejected draft since: no follow-up promised
         if self.probing:
             rates = self.rates()
             if max(rates, key=lambda w: rates[w][0]) == 1:

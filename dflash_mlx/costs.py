@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 BUCKET_BASE = 512  # depth buckets: [0, 512), [512, 1k), [1k, 2k), [2k, 4k), ...
@@ -152,3 +153,61 @@ def _between(cal: list[float], lo: int, hi: int, y_lo: float, y_hi: float, w: in
 def _depth_key(depth: int) -> int:
     """Depths within ~3% of each other share cached costs (recomputed as the context grows)."""
     return int(math.log(depth + 64) * 32)
+
+
+def nearest(buckets: dict[int, _Bucket], b: int, test: Callable[[_Bucket], bool]) -> _Bucket | None:
+    """The bucket nearest to `b` (itself first, then the shallower side) passing `test`."""
+    for k in sorted(buckets, key=lambda k: (abs(k - b), k)):
+        if test(buckets[k]):
+            return buckets[k]
+    return None
+
+
+def measured_curve(
+    cal: list[float], buckets: dict[int, _Bucket], b: int, optimistic: bool
+) -> list[float]:
+    """Seconds per cycle of each width (index w - 1) in depth bucket `b`, `cal` the calibrated
+    ones there: see `WidthChooser.curve`."""
+    src = nearest(buckets, b, lambda k: k.seen[1])
+    # Speculative widths measured in this bucket; with fewer than two, those of the
+    # nearest bucket that has two (its own win): the shape is what carries over.
+    own = buckets.get(b)
+    ratio: dict[int, float] = {}
+    if own is None or len(own.widths()) < 2:
+        other = nearest(buckets, b, lambda k: len(k.widths()) >= 2)
+        if other is not None:
+            ratio = {w: other.ratio[w] for w in other.widths()}
+    if own is not None:
+        ratio |= {w: own.ratio[w] for w in own.widths()}
+    known = sorted(ratio)
+    # Plain steps as measured; never measured yet: as calibrated, but no dearer than
+    # a speculative cycle measured (which runs at least the same pass).
+    rp = src.ratio[1] if src is not None else 1.0
+    plain = rp * cal[0]
+    if src is None and known:
+        plain = min(plain, min(ratio[w] * cal[w - 1] for w in known))
+    out = [plain]
+    for w in range(2, len(cal) + 1):
+        x = cal[w - 1]
+        if not known:
+            c = rp * x  # nothing measured: the calibration, scaled as plain steps are
+        elif w in ratio:
+            c = ratio[w] * x
+        else:
+            i = bisect.bisect(known, w)
+            if i == 0:  # below every measured width: the calibrated shape, rescaled
+                c = ratio[known[0]] * x
+            elif i < len(known):  # between two: along the calibrated shape
+                lo, hi = known[i - 1], known[i]
+                c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
+            elif len(known) == 1:
+                # Only one width measured yet: a wider one is priced no dearer than it,
+                # so a calibration that is too steep is found out by trying one.
+                c = ratio[known[0]] * x
+                if optimistic:
+                    c = min(c, ratio[known[0]] * cal[known[0] - 1])
+            else:  # beyond the widest: along the last measured segment
+                lo, hi = known[-2], known[-1]
+                c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
+        out.append(max(c, plain))  # a cycle costs at least a plain step
+    return out

@@ -211,3 +211,67 @@ def test_calibration_measures_the_context_projection_and_reads_older_files(
     assert old.context_row() == pytest.approx(old.draft[-1] / len(old.draft))
     with pytest.raises(ValueError, match="context cost"):
         CostCurves(VERIFY, DRAFT, context=-1.0)
+
+
+# -- what earlier requests taught --------------------------------------------------------------
+
+DEEP = CostCurves(  # at depth: a wide verify costs several plain steps, as on a CPU at 1k+
+    tuple(1.0 + 0.25 * (w - 1) for w in range(1, BLOCK + 1)), (0.0,) + (0.5,) * (BLOCK - 1)
+)
+
+
+class Trusting(WidthChooser):
+    """The broken variant: what earlier requests' texts taught is trusted whole."""
+
+    def begin_request(self):
+        super().begin_request()
+        self.carried = False
+
+
+def accepted_at(alpha: float, w: int) -> int:
+    return sum(1 for j in range(1, w) if alpha**j >= 0.5)
+
+
+def request(ch: WidthChooser, alpha: float, tokens: int) -> tuple[float, list[int]]:
+    """A request on a fake clock; its speed against plain decoding, and the widths it ran."""
+    ch.begin_request()
+    spent, made, widths = 0.0, 0, []
+    while made < tokens:
+        w, n = ch.choose(limit=tokens - made, depth=0)
+        seconds = DEEP.verify[w - 1] + (DEEP.draft[n - 1] if w > 1 else 0.0)
+        ch.observe(w, seconds)
+        a = accepted_at(alpha, w) if w > 1 else 0
+        ch.update(w, a)
+        spent, made = spent + seconds, made + a + 1
+        widths.append(w)
+    return made * DEEP.verify[0] / spent, widths
+
+
+@pytest.mark.parametrize("bad", [0.0, 0.3])
+def test_a_request_unlike_the_ones_before_loses_one_cheap_cycle_to_them(bad):
+    """Drafts that were right in earlier requests (alpha 0.95) and are wrong in this one:
+    its first cycle risks no more than the request's probe budget (3% of 64 plain steps)
+    and one failure ends what they taught."""
+    ch = WidthChooser(DEEP, BLOCK)
+    for _ in range(6):
+        request(ch, 0.95, 96)
+    speed, widths = request(ch, bad, 64)
+    first = DEEP.verify[widths[0] - 1] + DEEP.draft[widths[0] - 1]
+    assert 1 < widths[0] < BLOCK and first - 1.0 <= 0.03 * 64, widths[0]
+    assert sum(w > 1 for w in widths[:8]) == 1, widths[:8]
+    assert speed >= 0.97, speed
+    old = Trusting(DEEP, BLOCK)
+    for _ in range(6):
+        request(old, 0.95, 96)
+    assert request(old, bad, 64)[0] < 0.9, "the test would pass with the trust whole"
+
+
+def test_a_request_like_the_ones_before_still_speculates_from_its_start():
+    ch, old = WidthChooser(DEEP, BLOCK), Trusting(DEEP, BLOCK)
+    for _ in range(6):
+        request(ch, 0.95, 96), request(old, 0.95, 96)
+    speed, widths = request(ch, 0.95, 64)
+    assert widths[0] > 1 and widths[1] >= 8, widths[:3]
+    assert speed >= 0.9 * request(old, 0.95, 64)[0]
+    # A long request's budget covers a wide first cycle.
+    assert request(ch, 0.95, 1024)[1][0] >= 12
