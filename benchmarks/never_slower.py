@@ -14,7 +14,9 @@ length and repeat the script alternates, after a warm-up, between:
   * plain    - the engine with `verify_width=1` (forced plain decoding);
   * W=k      - the engine at each fixed verify width k;
   * auto     - the engine's default (`verify_width=None`), with the width chooser carried
-               from request to request, as a server or a chat session carries it.
+               from request to request, as a server or a chat session carries it;
+  * before   - with `--before REV`: the automatic width of an earlier git revision, its
+               package imported beside this one, on models of its own (paired in the run).
 Every output is checked against mlx-lm's tokens. It prints decode speed (tokens after the
 first, per second) as ratios to mlx-lm, geometric means paired by prompt and repeat with
 95% intervals, the time to first token of auto against mlx-lm, auto against the best fixed
@@ -54,6 +56,11 @@ def main() -> None:
     ap.add_argument("--pairs", default="demo,nowindow")
     ap.add_argument("--regime", choices=["both", "stock", "openblas"], default="both")
     ap.add_argument("--verbose", action="store_true", help="what ran in each auto request")
+    ap.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run an earlier revision's automatic width (git REV), in this process",
+    )
     args = ap.parse_args()
     if args.regime == "both":
         for regime in ("stock", "openblas"):
@@ -86,6 +93,22 @@ def nowindow_pair(target_dir: Path, draft_dir: Path) -> tuple[Path, Path]:
     return target_dir, out / "draft"
 
 
+def earlier_package(rev: str):
+    """The `dflash_mlx` package of git revision `rev`, importable beside this one (its
+    imports are relative) as `dflash_mlx_before`."""
+    import importlib
+
+    root = Path(__file__).resolve().parent.parent
+    out = Path(tempfile.mkdtemp(prefix="dflash-before-"))
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "dflash_mlx"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    (out / "dflash_mlx").rename(out / "dflash_mlx_before")
+    sys.path.insert(0, str(out))
+    return importlib.import_module("dflash_mlx_before")
+
+
 def paired(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Geometric mean of x/y and its 95% interval."""
     logs = [math.log(x / y) for x, y in zip(xs, ys)]
@@ -105,6 +128,7 @@ def run(args) -> None:
     from dflash_mlx import load_pair, stream_generate
     from dflash_mlx.demo import SHIPPED, demo_pair
 
+    before = earlier_package(args.before) if args.before else None
     target_dir, draft_dir = demo_pair()
     files = json.loads((SHIPPED / "BUILD.json").read_text())["target"]["held_out_files"]
     widths = [int(w) for w in args.widths.split(",") if w]
@@ -120,6 +144,14 @@ def run(args) -> None:
         pair, tok = load_pair(*dirs)
         tic = time.perf_counter()
         pair.costs()
+        old = None
+        if before is not None:
+            # Its own models (the adapters patch layer instances) and calibration file.
+            cache = os.environ["DFLASH_MLX_CACHE"]
+            os.environ["DFLASH_MLX_CACHE"] = tempfile.mkdtemp(prefix="dflash-before-cal-")
+            old = before.load_pair(*dirs)
+            old[0].costs()
+            os.environ["DFLASH_MLX_CACHE"] = cache
         window = pair.draft.windows()[0]
         print(
             f"\n## pair {name} (draft window: {window or 'none'}); calibrated in "
@@ -135,15 +167,17 @@ def run(args) -> None:
                 out.append(int(t))
             return (n - 1) / (time.perf_counter() - first), first - tic, out
 
-        def engine(ids: list[int], n: int, width: int | None, pair=pair, tok=tok):
-            out = []
-            for r in stream_generate(pair, tok, ids, max_tokens=n, verify_width=width):
+        def engine(ids: list[int], n: int, width, pair=pair, tok=tok, old=old):
+            out, gen = [], stream_generate
+            if width == "before":
+                (pair, tok), gen, width = old, before.stream_generate, None
+            for r in gen(pair, tok, ids, max_tokens=n, verify_width=width):
                 out += r.tokens
             s = r.stats
             return s.generation_tps, s.time_to_first_token, out, s
 
-        methods = ["plain", *(f"W={w}" for w in widths), "auto"]
-        width_of = {"plain": 1, "auto": None} | {f"W={w}": w for w in widths}
+        methods = ["plain", *(f"W={w}" for w in widths), *(["before"] if old else []), "auto"]
+        width_of = {"plain": 1, "auto": None, "before": "before"} | {f"W={w}": w for w in widths}
         warm = prompts_at(tok, files[:1], 128)[0]
         for _ in range(2):
             mlx_lm(warm, 32)
@@ -153,6 +187,7 @@ def run(args) -> None:
             f"{'prompt':>6} {'reply':>5}  {'auto / mlx-lm':<18} {'plain / mlx-lm':<18} "
             + " ".join(f"{m + ' / mlx-lm':<18}" for m in methods[1:-1])
             + f" {'auto / best W':<18} {'TTFT auto / mlx-lm':<19} {'tau':>5} probes"
+            + (" auto / before" if old else "")
         )
         print(head, flush=True)
         for n_ctx in counts(args.contexts):
@@ -184,14 +219,16 @@ def run(args) -> None:
                                 taus.append(s.tau)
                                 probes.append(s.probes)
                 base = speed["mlx-lm"]
-                best = [max(speed[m][k] for m in methods[1:-1]) for k in range(len(base))]
+                fixed = [m for m in methods if m.startswith("W=")] or ["plain"]
+                best = [max(speed[m][k] for m in fixed) for k in range(len(base))]
                 cells = [fmt(paired(speed[m], base)) for m in methods]
+                extra = f" {fmt(paired(speed['auto'], speed['before'])):<18}" if old else ""
                 print(
                     f"{n_ctx:>6} {n:>5}  {cells[-1]:<18} "
                     + " ".join(f"{c:<18}" for c in cells[:-1])
                     + f" {fmt(paired(speed['auto'], best)):<18} "
                     f"{fmt(paired(ttft_auto, ttft_base)):<19} {statistics.fmean(taus):5.2f} "
-                    f"{statistics.fmean(probes):.1f}",
+                    f"{statistics.fmean(probes):6.1f}{extra}",
                     flush=True,
                 )
     print("\nevery output equals mlx-lm's greedy tokens")

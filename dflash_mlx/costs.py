@@ -109,11 +109,11 @@ class CatchUp:
         return rows * self.costs.context_row() + lazy * verify[self.block - 1] / self.block
 
     def cost(self, rows: int, lazy: int, depth: int) -> float:
-        return self.ratio * self.predicted(rows, lazy, depth) if rows > 0 else 0.0
+        return self.ratio * self.predicted(rows, lazy, depth) if rows > 0 or lazy > 0 else 0.0
 
     def observe(self, rows: int, lazy: int, seconds: float, depth: int) -> None:
         predicted = self.predicted(rows, lazy, depth)
-        if rows <= 0 or seconds <= 0 or predicted <= 0:
+        if seconds <= 0 or predicted <= 0:
             return
         r, spread = self.ratio, 3.0 if not self.seen else 2.0
         self.seen += 1

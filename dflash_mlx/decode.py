@@ -168,13 +168,14 @@ def _cycles(
         with mx.stream(generation_stream):
             if req.draft is not None:
                 _follow_capture(req, capture, n_prompt + a)
-                if w > 1 and behind[0]:
+                if w > 1 and any(behind):
                     # Catching up on the positions decoded plainly (and a dormant prefill's
                     # window) is paid once, when speculation resumes: run it apart, so it
                     # is not taken for what every cycle of this width costs, and charge it
                     # to the catch-up, which the chooser prices probes with.
                     req.feed_draft()
                     mx.eval(req.state.arrays)
+                    req.lazy_rows = 0
                     if chooser is not None and learn_costs:
                         chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
@@ -269,6 +270,7 @@ def make_drafts(
     req.feed_draft()
     keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
     drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys)
+    req.lazy_rows = 0  # computed with this draft pass
     return drafts.astype(mx.int32), q
 
 

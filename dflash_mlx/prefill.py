@@ -48,8 +48,9 @@ class Request:
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
     generated: list[int] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
-    # Positions whose captured target layers `pending` still has to compute (a dormant
-    # prefill's deferred window, with the chunk it was taken from): a probe pays for them.
+    # Positions whose captured target layers are still to be computed (a dormant prefill's
+    # deferred window, with the chunk it was taken from; MLX computes them when the draft's
+    # context is next evaluated, fed or not): the next draft pass pays for them.
     lazy_rows: int = 0
     # Whether the latest committed cycle was speculative (its features are fed by the next
     # draft pass as part of it); else the next speculative cycle catches up first.
@@ -74,7 +75,6 @@ class Request:
         if self.pending:
             self.draft.add_context(mx.concatenate(self.pending, axis=1), self.state)
             self.pending.clear()
-            self.lazy_rows = 0
 
     def saved(self) -> CachedState:
         """The state as of the last committed cycle, for the next request to resume from
