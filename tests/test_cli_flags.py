@@ -129,10 +129,11 @@ def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
     }
     child = pexpect.spawn(
         exe()[0],
-        ["chat", *pair, "--max-tokens", "4"],
+        # A fixed width: no calibration before the prompt (slow on a busy machine).
+        ["chat", *pair, "--max-tokens", "4", "--verify-width", "4"],
         env=env,
         encoding="utf-8",
-        timeout=60,
+        timeout=120,
         dimensions=(30, 160),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
