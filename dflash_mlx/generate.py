@@ -149,7 +149,7 @@ def stream_generate(
         seed=seed,
         eos_ids=eos,
         learn_costs=opts.seed is None,
-        progress=prompt_progress,
+        progress=prompt_progress if prompt_cache is None else prompt_cache.watch(prompt_progress),
         prompt_cache=prompt_cache,
         speculate=speculate,
     )

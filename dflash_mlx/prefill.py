@@ -99,8 +99,46 @@ def resume(
     window: int | None = None,
 ) -> tuple[list, DraftState | None, int]:
     """The target cache and draft state holding the first `start` prompt positions, and
-    `start` (0: fresh ones), from what a previous request left in a `PromptCache`; the draft
-    state (None when `draft` is) sees `window` positions (see `DFlashDraft.make_state`)."""
+    `start` (0: fresh ones), from what a previous request left in a `PromptCache`, or from
+    its `PromptStore` when that holds a longer prefix of `prompt`; the draft state (None
+    when `draft` is) sees `window` positions (see `DFlashDraft.make_state`)."""
+    link = saved.link if saved is not None else None
+    if saved is not None and not saved.tokens:  # a store's placeholder: nothing of its own
+        saved = None
+    cache, state, start = None, None, 0
+    if link is not None:
+        fresh = pair.target.make_cache()
+        start = link.restore(pair, prompt, fresh, _reach(pair, prompt, saved))
+        if start:
+            cache = fresh
+            state = pair.draft_state(window) if draft is not None else None
+            if state is not None:
+                state.skip_to(start)  # the draft has no rows for the stored prefix
+    if cache is None:
+        cache, state, start = _resume(pair, draft, prompt, saved, window)
+    if link is not None:
+        link.started(pair.target, prompt, cache, start)
+    return cache, state, start
+
+
+def _reach(pair: Pair, prompt: list[int], saved: CachedState | None) -> int:
+    """At most how many prompt positions `_resume` could take from `saved`."""
+    if saved is None:
+        return 0
+    start = min(common_prefix(saved.tokens[: len(saved.tokens) - 1], prompt), len(prompt) - 1)
+    if pair.target.recurrent:
+        return max((n for n, _ in saved.snapshots if n <= start), default=0)
+    return start
+
+
+def _resume(
+    pair: Pair,
+    draft: DFlashDraft | None,
+    prompt: list[int],
+    saved: CachedState | None,
+    window: int | None,
+) -> tuple[list, DraftState | None, int]:
+    """`resume` from the conversation's own cached state."""
     target = pair.target
     fresh = target.make_cache()
     new_state = pair.draft_state(window) if draft is not None else None

@@ -17,13 +17,25 @@ nothing, so the next one starts fresh. A commit is refused once another request 
 taken the cache since (an abandoned stream closed late by the garbage collector, on
 whatever thread, cannot overwrite a newer conversation). `decode.py` builds and reads
 the state; this module only keeps it.
+
+With a `PromptStore` (`PromptCache(store=...)`), a request also resumes from the longest
+prefix of its prompt the store holds, whichever conversation or process left it, when
+that is longer than what this cache shares with it; and a committed request's prompt
+blocks are kept in the store (`dflash_mlx.prompt_store`).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .prompt_store import Link, PromptStore
+
+log = logging.getLogger("dflash_mlx.prompt_store")
 
 
 @dataclass
@@ -38,13 +50,23 @@ class CachedState:
     draft_end: int | None = None  # a dormant draft's context skips up to this position
     # Recurrent states, each after this many tokens of `tokens` were fed.
     snapshots: list[tuple[int, dict[int, tuple]]] = field(default_factory=list)
+    # The taking request's link to the cache's PromptStore (set by `take`, read by `resume`).
+    link: Link | None = None
 
 
 class PromptCache:
-    def __init__(self) -> None:
+    def __init__(self, store: PromptStore | None = None) -> None:
         self._lock = threading.Lock()
         self._state: CachedState | None = None
         self._lease = 0
+        self.store = store
+        self._link: Link | None = None
+
+    @property
+    def sources(self) -> tuple[int, int]:
+        """Prompt tokens the latest request took from the store: (from memory, from disk)."""
+        link = self._link
+        return (link.memory_tokens, link.disk_tokens) if link is not None else (0, 0)
 
     @property
     def state(self) -> CachedState | None:
@@ -79,7 +101,29 @@ class PromptCache:
             state, self._state = self._state, None
         if state is not None and not (state.owner[0] is model and state.owner[1] is draft):
             state = None
+        if self.store is not None:
+            link = self._link = self.store.link()
+            if state is None:  # nothing of its own: the request may still resume from the store
+                state = CachedState(owner=(model, draft), tokens=[], target_cache=[])
+            state.link = link
         return lease, state
+
+    def watch(
+        self, progress: Callable[[int, int], None] | None
+    ) -> Callable[[int, int], None] | None:
+        """A prefill progress callback that also lets the store keep a recurrent target's
+        state at block boundaries (`progress` itself when there is no store)."""
+        if self.store is None:
+            return progress
+
+        def watched(done: int, total: int) -> None:
+            link = self._link
+            if link is not None:
+                link.progress(done)
+            if progress is not None:
+                progress(done, total)
+
+        return watched
 
     def commit(self, lease: int, state: CachedState) -> bool:
         """Keep `state` unless another request took the cache since `lease` was given."""
@@ -87,7 +131,13 @@ class PromptCache:
             if lease != self._lease:
                 return False
             self._state = state
-            return True
+            link = self._link
+        if link is not None and self.store is not None:
+            try:
+                self.store.keep(link, state.target_cache, state.snapshots)
+            except Exception as e:  # noqa: BLE001 - the store is an optimisation
+                log.warning("prompt cache: keeping the prompt's blocks failed (%s)", e)
+        return True
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
