@@ -19,6 +19,7 @@ from .errors import internal
 
 DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
+DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
 
 
 def serve(
@@ -81,6 +82,34 @@ def serve(
     prompt_cache_size: Annotated[
         int, typer.Option(help="Conversations whose prompt cache is kept between requests.")
     ] = 4,
+    prompt_cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the prompt cache's blocks on disk, kept across restarts and "
+            "shared by servers of any model.",
+            show_default="prompt-cache in the cache folder (dflash-mlx --version shows it)",
+        ),
+    ] = None,
+    no_prompt_cache_dir: Annotated[
+        bool,
+        typer.Option(
+            "--no-prompt-cache-dir", help="Keep prompt prefixes in memory only, never on disk."
+        ),
+    ] = False,
+    prompt_cache_gb: Annotated[
+        float,
+        typer.Option(
+            help="Disk budget of the prompt cache in GB (least recently used blocks go first).",
+            callback=options.finite,
+        ),
+    ] = 10.0,
+    prompt_cache_memory_gb: Annotated[
+        float,
+        typer.Option(
+            help="Memory budget of the prompt cache's shared blocks in GB.",
+            callback=options.finite,
+        ),
+    ] = 2.0,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
@@ -121,6 +150,9 @@ def serve(
             },
             max_context=max_context,
             prompt_cache_size=prompt_cache_size,
+            prompt_cache_dir=prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
+            prompt_cache_gb=prompt_cache_gb,
+            prompt_cache_memory_gb=prompt_cache_memory_gb,
             verify_width=options.verify_width(verify_width, block_size),
             draft_window=draft_window,
             cors_origins=tuple(cors_origin or ()),
@@ -145,6 +177,27 @@ def max_tokens_option(max_tokens: int | None, old: int | None) -> int | None:
     if max_tokens is not None and max_tokens != old:
         raise BadArgument(f"--default-max-tokens {old} and --max-tokens {max_tokens} disagree")
     return old
+
+
+def prompt_cache_folder(folder: Path | None, off: bool) -> Path | None:
+    """--prompt-cache-dir, its default, or None with --no-prompt-cache-dir."""
+    if folder is not None and off:
+        raise BadArgument("pass either --prompt-cache-dir or --no-prompt-cache-dir, not both")
+    return None if off else folder or DEFAULT_DIR
+
+
+def prompt_store(folder: Path | None, disk_gb: float, memory_gb: float):
+    """The server's `PromptStore`: on disk under `folder` (`DEFAULT_DIR`: the cache folder's
+    prompt-cache; None: memory only)."""
+    from dflash_mlx.paths import cache_dir
+    from dflash_mlx.prompt_store import GB, PromptStore
+
+    if folder == DEFAULT_DIR:
+        folder = cache_dir() / "prompt-cache"
+    store = PromptStore(folder, disk_bytes=int(disk_gb * GB), memory_bytes=int(memory_gb * GB))
+    if folder is not None:
+        ui.note(f"prompt cache: {folder} (up to {disk_gb:g} GB; --no-prompt-cache-dir: none)")
+    return store
 
 
 def is_loopback(host: str) -> bool:
@@ -202,6 +255,9 @@ def run(
     max_body_mb: float = 32.0,
     draft_window: int | None = None,
     sampling: dict | None = None,
+    prompt_cache_dir: Path | None = None,
+    prompt_cache_gb: float = 10.0,
+    prompt_cache_memory_gb: float = 2.0,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C.
 
@@ -221,6 +277,12 @@ def run(
         raise BadArgument(f"--max-context {max_context} must be >= 2")
     if prompt_cache_size < 1:
         raise BadArgument(f"--prompt-cache-size {prompt_cache_size} must be >= 1")
+    for name, gb in [
+        ("--prompt-cache-gb", prompt_cache_gb),
+        ("--prompt-cache-memory-gb", prompt_cache_memory_gb),
+    ]:
+        if not gb >= 0:
+            raise BadArgument(f"{name} {gb} must be >= 0")
     from dflash_mlx import GenerateOptions
 
     # The requests' defaults, checked by the engine's own rules before anything loads.
@@ -245,6 +307,7 @@ def run(
     import dflash_mlx
     from dflash_mlx.server import Engine, ServerSettings, create_server
 
+    store = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
     sock = listen(host, port)  # first: a busy port fails before a long model load
     model_id, aliases = model, set()
     if demo:
@@ -291,6 +354,7 @@ def run(
         options=defaults,
         max_queue=max_queue,
         prompt_cache_slots=prompt_cache_size,
+        prompt_store=store,
     )
     server = create_server(engine, settings)
     serve_ui.serving(

@@ -26,6 +26,7 @@ from typing import Any
 from ..generate import GenerationResponse, stream_generate
 from ..options import GenerateOptions
 from ..pair import Pair
+from ..prompt_store import PromptStore
 from ..stats import SEPARATOR, stats_fields
 from ..text import encode_prompt
 from .prompt_pool import PromptCachePool
@@ -74,6 +75,9 @@ class Job:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._cancel = threading.Event()
+        # Prompt tokens taken from the prompt store's memory and disk (set before the first
+        # response is handed over).
+        self.sources: tuple[int, int] = (0, 0)
 
     @property
     def cancelled(self) -> bool:
@@ -143,6 +147,7 @@ class Engine:
         options: GenerateOptions | None = None,
         max_queue: int = 16,
         prompt_cache_slots: int = 4,
+        prompt_store: PromptStore | None = None,
         warm_up: bool = True,
         **old: Any,
     ):
@@ -162,7 +167,9 @@ class Engine:
         self.options = options or GenerateOptions()
         # Whether requests choose their width from the pair's measured costs.
         self._calibrates = pair.calibration is not None and self.options.verify_width is None
-        self._pool = PromptCachePool(prompt_cache_slots)
+        # Prompt prefixes in blocks, shared by every conversation, maybe on disk.
+        self.prompt_store = prompt_store
+        self._pool = PromptCachePool(prompt_cache_slots, prompt_store)
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
@@ -229,7 +236,7 @@ class Engine:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            return {
+            out = {
                 "running": int(self._running is not None),
                 "waiting": len(self._waiting),
                 "max_queue": self.max_queue,
@@ -237,6 +244,9 @@ class Engine:
                 "generated_tokens": self.generated_tokens,
                 "restarts": self.restarts,
             }
+        if self.prompt_store is not None:
+            out["prompt_cache"] = self.prompt_store.stats()
+        return out
 
     def close(self, timeout: float = 30.0) -> None:
         """Refuse new requests, stop the queued and running ones, wait for the worker to stop.
@@ -253,6 +263,8 @@ class Engine:
             job._put(EngineClosed("the server is shutting down"))
         if self._thread.is_alive():
             self._parked.wait(timeout)
+        if self.prompt_store is not None and timeout and not self.prompt_store.flush(timeout):
+            log.warning("prompt cache: blocks still being written were left unwritten")
 
     def _retry_after(self, ahead: int) -> int:
         return max(1, min(60, math.ceil(self._mean_seconds * ahead)))
@@ -359,6 +371,8 @@ class Engine:
         last = None
         try:
             for last in stream:
+                if last.width == 0:
+                    job.sources = pc.sources
                 job._put(last)
                 if job.cancelled:
                     outcome = "cancelled"

@@ -66,6 +66,8 @@ class Usage:
         self.finish_reason: str | None = None
         self.stop: str | None = None  # the stop string that ended the reply, if one did
         self.responses = 0
+        # Of the cached prompt tokens, those the prompt store held in memory and on disk.
+        self.sources: tuple[int, int] = (0, 0)
 
     def add(self, r: GenerationResponse) -> None:
         self.stats = r.stats
@@ -92,6 +94,9 @@ class Usage:
         s = self.stats
         return {
             "cache_n": s.cached_tokens,
+            # From the prompt store (any conversation's prefix): in memory, read from disk.
+            "cache_memory_n": self.sources[0],
+            "cache_disk_n": self.sources[1],
             "prompt_n": s.prefilled_tokens,
             "prompt_ms": s.time_to_first_token * 1000,
             "prompt_per_second": s.prompt_tps,
@@ -142,6 +147,7 @@ class Generation:
         try:
             async for r in self.job.responses():
                 usage.add(r)
+                usage.sources = self.job.sources
                 if self._state is None:
                     if r.text:
                         yield Text(r.text)

@@ -1,6 +1,8 @@
 """The server's prompt caches: one per recent conversation, shared prefixes forked.
 
 Only the engine's worker thread uses the pool, and a cache serves one request at a time.
+With a `PromptStore`, every cache of the pool resumes from it as well: a prefix any
+conversation (or an earlier server on the same folder) prefilled is found there.
 """
 
 from __future__ import annotations
@@ -9,12 +11,13 @@ import copy
 import dataclasses
 
 from ..prompt_cache import PromptCache, common_prefix
+from ..prompt_store import PromptStore
 
 
 def fork(pc: PromptCache) -> PromptCache:
     """A new PromptCache holding a copy of `pc`'s state: the request that resumes from it
     trims and extends the copy, never the original (another conversation's cache)."""
-    out = PromptCache()
+    out = PromptCache(store=pc.store)
     state = pc.state
     if state is not None:
         lease, _ = out.take(*state.owner)
@@ -47,10 +50,11 @@ class PromptCachePool:
 
     MIN_SHARED = 64  # below this, prefilling the prefix again costs less than a copy
 
-    def __init__(self, slots: int):
+    def __init__(self, slots: int, store: PromptStore | None = None):
         if slots < 1:
             raise ValueError(f"prompt cache slots {slots} must be >= 1")
         self.slots = slots
+        self.store = store  # every cache resumes from it too (see PromptCache)
         self._caches: list[PromptCache] = []
         self._prompt_len: list[int] = []  # the length of each cache's last prompt
 
@@ -68,7 +72,7 @@ class PromptCachePool:
             if len(caches) >= self.slots:  # evict the least recently used other cache
                 self._drop(0 if best != 0 else 1)
         elif len(caches) < self.slots:
-            pc = PromptCache()
+            pc = PromptCache(store=self.store)
         else:
             empty = [k for k, c in enumerate(caches) if not c.tokens]
             pc = self._drop(empty[0] if empty else (best if shared[best] else 0))
