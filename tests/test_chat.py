@@ -70,8 +70,10 @@ def test_a_message_gets_a_streamed_reply_and_a_stats_line(session, target, draft
     expected = fresh(target, draft, [{"role": "user", "content": "def add(a, b):"}])
     assert out == expected.text + "\n", "the reply is streamed to the output as it comes"
     stats = err.strip().splitlines()[-1]
-    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "accepted", "prefill", "TTFT", "peak"):
+    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
         assert part in stats, f"stats line lacks {part!r}: {stats}"
+    # What ran: the drafts' acceptance, or (the width chooser decoding plainly) no drafts.
+    assert "accepted" in stats or "all plain" in stats, stats
     assert session.messages == [
         {"role": "user", "content": "def add(a, b):"},
         {"role": "assistant", "content": expected.text},
