@@ -121,8 +121,8 @@ def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
     pexpect = pytest.importorskip("pexpect")
     from .test_cli_serve import exe
 
-    env = {
-        **os.environ,
+    env = {  # the terminal's own width: no COLUMNS another test may have left
+        **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
         "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
         "PROMPT_TOOLKIT_NO_CPR": "1",
         "TERM": "xterm-256color",
@@ -138,15 +138,16 @@ def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
+        for line, shown in [
+            ("/set draft_window 64", "draft_window set to 64"),
+            ("/set seed 7", "seed set to 7"),
+            ("/set", r"seed 7 ·\s+draft_window 64"),
+            ("/help", r"draft_window\s+\(or\s+auto\)"),
+        ]:
+            child.expect("›")  # each line typed at a prompt that reads it
+            child.send(line + "\r")
+            child.expect(shown)
         child.expect("›")
-        child.send("/set draft_window 64\r")
-        child.expect("draft_window set to 64")
-        child.send("/set seed 7\r")
-        child.expect("seed set to 7")
-        child.send("/set\r")
-        child.expect("seed 7 · draft_window 64")
-        child.send("/help\r")
-        child.expect("draft_window \\(or auto\\)")
         child.send("/exit\r")
         child.expect(pexpect.EOF)
     finally:
