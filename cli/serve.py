@@ -187,17 +187,19 @@ def prompt_cache_folder(folder: Path | None, off: bool) -> Path | None:
 
 
 def prompt_store(folder: Path | None, disk_gb: float, memory_gb: float):
-    """The server's `PromptStore`: on disk under `folder` (`DEFAULT_DIR`: the cache folder's
-    prompt-cache; None: memory only)."""
+    """`(PromptStore, note)`: the server's store, on disk under `folder` (`DEFAULT_DIR`: the
+    cache folder's prompt-cache; None: memory only), and the line saying where (shown once
+    the server listens, so that a refusal before is one `error:` line alone)."""
     from dflash_mlx.paths import cache_dir
     from dflash_mlx.prompt_store import GB, PromptStore
 
     if folder == DEFAULT_DIR:
         folder = cache_dir() / "prompt-cache"
     store = PromptStore(folder, disk_bytes=int(disk_gb * GB), memory_bytes=int(memory_gb * GB))
+    note = None
     if folder is not None:
-        ui.note(f"prompt cache: {folder} (up to {disk_gb:g} GB; --no-prompt-cache-dir: none)")
-    return store
+        note = f"prompt cache: {folder} (up to {disk_gb:g} GB; --no-prompt-cache-dir: none)"
+    return store, note
 
 
 def is_loopback(host: str) -> bool:
@@ -307,7 +309,7 @@ def run(
     import dflash_mlx
     from dflash_mlx.server import Engine, ServerSettings, create_server
 
-    store = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
+    store, store_note = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
     sock = listen(host, port)  # first: a busy port fails before a long model load
     model_id, aliases = model, set()
     if demo:
@@ -360,6 +362,8 @@ def run(
     serve_ui.serving(
         host, sock.getsockname()[1], model_id, settings.context_length, api_key is not None
     )
+    if store_note:
+        ui.note(store_note)
     warning = exposure_warning(host, api_key)
     if warning:
         ui.note(f"warning: {warning}")
