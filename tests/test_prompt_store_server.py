@@ -3,6 +3,8 @@ is read from disk by the next one on the same folder, token-identical."""
 
 from __future__ import annotations
 
+import json
+
 from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app as cli_app
@@ -53,3 +55,29 @@ def test_serve_refuses_a_folder_and_no_folder_at_once(models_dir, tmp_path):
     assert result.exit_code == 2 and "--no-prompt-cache-dir" in result.output
     result = CliRunner().invoke(cli_app, ["serve", *pair, "--prompt-cache-gb", "-1"])
     assert result.exit_code == 2 and "--prompt-cache-gb -1" in result.output
+
+
+def test_the_cache_command_shows_and_clears_a_folder(tmp_path):
+    from dflash_mlx.prompt_store.disk import DiskTier
+
+    from .test_prompt_store_disk import block
+
+    tier = DiskTier(tmp_path, 10**9)
+    for seed in range(3):
+        tier.write(*block(seed))
+    size = tier.usage()
+    runner = CliRunner()
+    shown = runner.invoke(cli_app, ["cache", "show", "--dir", str(tmp_path), "--json"])
+    assert shown.exit_code == 0, shown.output
+    info = json.loads(shown.output)
+    assert (info["blocks"], info["bytes"]) == (3, size)
+    shown = runner.invoke(cli_app, ["cache", "show", "--dir", str(tmp_path)])
+    assert "3 blocks" in shown.output
+    kept = runner.invoke(cli_app, ["cache", "clear", "--dir", str(tmp_path)], input="n\n")
+    assert kept.exit_code == 1 and tier.usage() == size, "cleared without asking"
+    cleared = runner.invoke(cli_app, ["cache", "clear", "--dir", str(tmp_path), "--yes"])
+    assert cleared.exit_code == 0 and "removed 3 blocks" in cleared.output
+    assert not tier.scan() and tmp_path.is_dir()
+    empty = runner.invoke(cli_app, ["cache", "show", "--dir", str(tmp_path / "none")])
+    assert empty.exit_code == 0 and "no prompt cache" in empty.output
+    assert not (tmp_path / "none").exists(), "show created the folder"

@@ -183,27 +183,12 @@ class DiskTier:
     def scan(self) -> list[tuple[Path, int, float]]:
         """Every block file: (path, bytes, last use). Removes temporary files a dead
         writer left behind."""
-        out = []
+        files, temps = scan_folder(self.folder)
         now = time.time()
-        try:
-            subdirs = [d for d in os.scandir(self.folder) if d.is_dir()]
-        except OSError:
-            return out
-        for d in subdirs:
-            try:
-                entries = list(os.scandir(d.path))
-            except OSError:
-                continue
-            for e in entries:
-                try:
-                    st = e.stat()
-                except OSError:  # removed meanwhile (another process evicted it)
-                    continue
-                if e.name.endswith(SUFFIX):
-                    out.append((Path(e.path), st.st_size, st.st_mtime))
-                elif e.name.endswith(".tmp") and now - st.st_mtime > STALE_TEMP:
-                    self._unlink(Path(e.path))
-        return out
+        for path, _, mtime in temps:
+            if now - mtime > STALE_TEMP:
+                self._unlink(path)
+        return files
 
     def usage(self) -> int:
         return sum(s for _, s, _ in self.scan())
@@ -254,6 +239,57 @@ class DiskTier:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def scan_folder(folder: Path) -> tuple[list[tuple[Path, int, float]], list]:
+    """Block files and temporary files under `folder`: (path, bytes, modification time)
+    each (nothing when there is no such folder)."""
+    files, temps = [], []
+    try:
+        subdirs = [d for d in os.scandir(folder) if d.is_dir()]
+    except OSError:
+        return files, temps
+    for d in subdirs:
+        try:
+            entries = list(os.scandir(d.path))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                st = e.stat()
+            except OSError:  # removed meanwhile (another process evicted it)
+                continue
+            if e.name.endswith(SUFFIX):
+                files.append((Path(e.path), st.st_size, st.st_mtime))
+            elif e.name.endswith(".tmp"):
+                temps.append((Path(e.path), st.st_size, st.st_mtime))
+    return files, temps
+
+
+def summary(folder: str | Path) -> dict[str, Any]:
+    """What a prompt-cache folder holds: block files, their bytes, first and last use."""
+    files, temps = scan_folder(Path(folder))
+    times = [t for _, _, t in files]
+    return {
+        "folder": str(folder),
+        "exists": Path(folder).is_dir(),
+        "blocks": len(files),
+        "bytes": sum(s for _, s, _ in files),
+        "oldest_use": min(times, default=None),
+        "latest_use": max(times, default=None),
+        "writing": len(temps),
+    }
+
+
+def clear_folder(folder: str | Path) -> tuple[int, int]:
+    """Remove every block file (and leftover temporary file) under `folder`: (files, bytes)."""
+    files, temps = scan_folder(Path(folder))
+    n = size = 0
+    for path, s, _ in files + [t for t in temps if time.time() - t[2] > STALE_TEMP]:
+        if DiskTier._unlink(path):
+            n += path.suffix == SUFFIX
+            size += s
+    return n, size
 
 
 def write_all(f: Any, data: bytes, chunk: int = 1 << 22) -> None:
