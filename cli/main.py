@@ -32,6 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(quantize_app, name="quantize")
+app.add_typer(__import__("dflash_mlx.cli.cache", fromlist=["app"]).app, name="cache")
 
 
 def _version(value: bool) -> None:
