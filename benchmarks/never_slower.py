@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1k,3k")
     ap.add_argument("--replies", default="64,256")
     ap.add_argument("--widths", default="4,8,16")
+    ap.add_argument(
+        "--fixed-contexts", default="128", help="the prompt lengths the fixed widths run at"
+    )
     ap.add_argument("--files", type=int, default=3, help="held-out files (one prompt each)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--pairs", default="demo,nowindow")
@@ -176,7 +179,8 @@ def run(args) -> None:
             s = r.stats
             return s.generation_tps, s.time_to_first_token, out, s
 
-        methods = ["plain", *(f"W={w}" for w in widths), *(["before"] if old else []), "auto"]
+        every = ["plain", *(f"W={w}" for w in widths), *(["before"] if old else []), "auto"]
+        methods = every
         width_of = {"plain": 1, "auto": None, "before": "before"} | {f"W={w}": w for w in widths}
         warm = prompts_at(tok, files[:1], 128)[0]
         for _ in range(2):
@@ -190,10 +194,13 @@ def run(args) -> None:
             + (" auto / before" if old else "")
         )
         print(head, flush=True)
+        with_fixed = set(counts(args.fixed_contexts))
         for n_ctx in counts(args.contexts):
             prompts = prompts_at(tok, files[: args.files], n_ctx)
             for n in replies:
-                speed = {m: [] for m in ["mlx-lm", *methods]}
+                run_fixed = n_ctx in with_fixed
+                methods = [m for m in every if run_fixed or not m.startswith("W=")]
+                speed = {m: [] for m in ["mlx-lm", *every]}
                 ttft_auto, ttft_base, taus, probes = [], [], [], []
                 for rep in range(args.repeats):
                     for i, ids in enumerate(prompts):
@@ -219,14 +226,14 @@ def run(args) -> None:
                                 taus.append(s.tau)
                                 probes.append(s.probes)
                 base = speed["mlx-lm"]
-                fixed = [m for m in methods if m.startswith("W=")] or ["plain"]
-                best = [max(speed[m][k] for m in fixed) for k in range(len(base))]
-                cells = [fmt(paired(speed[m], base)) for m in methods]
+                fixed = [m for m in methods if m.startswith("W=")]
+                best = [max(speed[m][k] for m in fixed) for k in range(len(base))] if fixed else []
+                cells = [fmt(paired(speed[m], base)) if speed[m] else "-" for m in every]
                 extra = f" {fmt(paired(speed['auto'], speed['before'])):<18}" if old else ""
                 print(
                     f"{n_ctx:>6} {n:>5}  {cells[-1]:<18} "
                     + " ".join(f"{c:<18}" for c in cells[:-1])
-                    + f" {fmt(paired(speed['auto'], best)):<18} "
+                    + f" {fmt(paired(speed['auto'], best)) if best else '-':<18} "
                     f"{fmt(paired(ttft_auto, ttft_base)):<19} {statistics.fmean(taus):5.2f} "
                     f"{statistics.fmean(probes):6.1f}{extra}",
                     flush=True,
