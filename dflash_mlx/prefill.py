@@ -113,7 +113,9 @@ def resume(
             cache = fresh
             state = pair.draft_state(window) if draft is not None else None
             if state is not None:
-                state.skip_to(start)  # the draft has no rows for the stored prefix
+                # No rows for the stored prefix: the draft's context starts where the
+                # prefill does (measured: its tau barely changes, see docs/server.md).
+                state.skip_to(start)
     if cache is None:
         cache, state, start = _resume(pair, draft, prompt, saved, window)
     if link is not None:

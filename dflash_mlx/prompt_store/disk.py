@@ -73,7 +73,7 @@ class DiskTier:
     def __init__(self, folder: str | Path, budget: int):
         if budget < 0:
             raise ValueError(f"prompt cache disk budget {budget} bytes must be >= 0")
-        self.folder = Path(folder)
+        self.folder = Path(folder).expanduser()
         self.budget = int(budget)
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
