@@ -200,3 +200,25 @@ def test_bad_settings_are_refused_naming_the_value(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(BadArgument, match="file"):
         PromptStore(tmp_path / "file")
+
+
+@pytest.mark.parametrize("costs", ["steep", "flat"])
+def test_the_automatic_width_after_a_hit_keeps_the_tokens(target, draft, tmp_path, costs):
+    """The default (automatic) width on synthetic costs: a CPU's steep curve (the draft
+    dormant, its prompt window deferred) and a GPU's flat one (speculating from the start,
+    the draft's context from where the prefill resumed)."""
+    from .test_adaptive import FLAT, STEEP
+
+    model, tok = target
+    pair = Pair(model, draft)
+    pair.calibrate_in_plan = False
+    curves = STEEP if costs == "steep" else FLAT
+    pair._curves_at_hand = lambda: curves
+    _, a, b = prompts(tok)
+    opts = GenerateOptions(max_tokens=24, prefill_step=STEP, seed=1)
+    s = store(tmp_path)
+    list(stream_generate(pair, tok, a, opts, prompt_cache=PromptCache(store=s)))
+    chunks = list(stream_generate(pair, tok, b, opts, prompt_cache=PromptCache(store=s)))
+    assert chunks[0].stats.cached_tokens > 0 and chunks[-1].stats.verify_width is None
+    assert (max(c.width for c in chunks) > 1) == (costs == "flat")
+    assert [t for c in chunks for t in c.tokens] == greedy(model, tok, b, 24)
