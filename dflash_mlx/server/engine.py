@@ -2,7 +2,8 @@
 
 Every generation goes through `dflash_mlx.stream_generate` on this thread, one request at a
 time in arrival order; a few `PromptCache`s keep recent conversations so that a follow-up
-request prefills only what its history does not share. Requests arrive from an asyncio
+request prefills only what its history does not share, and a `PromptStore` (optional) keeps
+prompt prefixes for every conversation, on disk across restarts. Requests arrive from an asyncio
 event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
 dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
 has taken its place. No request waits for a calibration: the pair's cost curves are
