@@ -295,7 +295,7 @@ class WidthChooser:
         the device and carry over whole; acceptance belongs to the text, and one prompt's
         useless drafts say little about the next prompt's (on the demo pair τ at W=16 runs
         from 1.1 to 14 across six stretches of standard-library code). So the request's
-        first speculative cycle, on that prior alone, may lose no more than its probe
+        first speculative cycle, on that prior alone, may lose no more than half its probe
         budget were every draft wrong, and when it falls well short of the prior, the
         prior goes (`update`)."""
         self.req_time = 0.0
@@ -331,13 +331,13 @@ class WidthChooser:
         self.probing = False
         if best > 1 and self.carried and limit is not None:
             # Nothing of this request's text seen yet, only earlier texts': were every draft
-            # of its first cycle wrong, it loses no more than the request's probe budget
-            # (of the request decoded plainly), which pays for it.
+            # of its first cycle wrong, it loses no more than half the request's probe
+            # budget (of the request decoded plainly); the probes keep theirs, so that a
+            # good stretch later in the request is still found.
             curve = self.curve()
-            room = self.request_budget * limit * curve[0]
+            room = 0.5 * self.request_budget * limit * curve[0]
             safe = [w for w in widths if w == 2 or 1 < w and curve[w - 1] - curve[0] <= room]
             best = max(safe, key=lambda w: rates[w][0])
-            self.req_lost += curve[best - 1] - curve[0]
         catch_up = self.context_cost(*context)
         if best > 1 and catch_up and self.saving(limit) <= catch_up:
             # Waking the draft costs more than it is expected to save in what is left of

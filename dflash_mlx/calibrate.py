@@ -143,8 +143,8 @@ def measure(
     progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
     """Time verify passes of 1..block tokens and draft passes of 1..block rows, at each of
-    `depths` tokens of context (default: `DEPTHS` within the model's context), and the
-    draft's projection of context rows (per row)."""
+    `depths` tokens of context (default: `DEPTHS` within the model's context), the draft's
+    projection of context rows and the target's deferred features (per row)."""
     target, draft = pair.target, pair.draft
     block = draft.config.block_size
     ids = draft.config.target_layer_ids
@@ -207,6 +207,20 @@ def measure(
 
     sample = feats[:, :64]
     per_row = _median_time(lambda: context(sample), repeats) / sample.shape[1]
+
+    def deferred(rows: int = 64) -> float:
+        # A dormant prefill's window: the caches evaluated, the captured features later.
+        saved = target.snapshot(cache)
+        _, f = target.forward(mx.zeros((1, rows), dtype=mx.int32), cache, ids)
+        mx.eval([c.state for c in cache])
+        tic = time.perf_counter()
+        mx.eval(f)
+        spent = time.perf_counter() - tic
+        target.rewind(cache, keep=0, total=rows, snapshot=saved)
+        return spent / rows
+
+    deferred()  # warm-up
+    lazy = statistics.median(deferred() for _ in range(repeats))
     tables = [curves()]
     for lo, hi in zip(depths, depths[1:]):
         for start in range(lo, hi, 512):  # deepen the context, in prefill-sized chunks
@@ -218,7 +232,12 @@ def measure(
         tables.append(curves())
     (verify_t, draft_t), *deeper = tables
     return CostCurves(
-        verify_t, draft_t, depths=tuple(depths), deeper=tuple(deeper), context=per_row
+        verify_t,
+        draft_t,
+        depths=tuple(depths),
+        deeper=tuple(deeper),
+        context=per_row,
+        lazy=lazy,
     )
 
 
@@ -329,7 +348,9 @@ def _read(path: Path, key: dict) -> CostCurves | None:
             tuple(data["draft"]),
             depths=tuple(data["depths"]),
             deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
-            context=data.get("context"),  # absent from files written before it was measured
+            # Absent from files written before they were measured: estimated.
+            context=data.get("context"),
+            lazy=data.get("lazy"),
         )
     except (ValueError, KeyError, TypeError):
         return None  # unreadable cache: measure again
@@ -346,6 +367,7 @@ def _write(path: Path, key: dict, curves: CostCurves) -> None:
                 "depths": list(curves.depths),
                 "deeper": [[list(v), list(d)] for v, d in curves.deeper],
                 "context": curves.context,
+                "lazy": curves.lazy,
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             },
             indent=1,

@@ -42,6 +42,10 @@ class CostCurves:
     # Seconds the draft takes to project one row of context (target features of a position
     # into its K/V cache); None: not measured (curves from before it was), estimated.
     context: float | None = None
+    # Seconds per position the target's captured layers take when their features were left
+    # unevaluated after its caches were (a dormant prefill's deferred window), at depths[0];
+    # None: not measured, estimated.
+    lazy: float | None = None
 
     def __post_init__(self) -> None:
         if len(self.deeper) != len(self.depths) - 1:
@@ -59,8 +63,10 @@ class CostCurves:
                 )
             if any(t <= 0 for t in verify) or any(t < 0 for t in draft):
                 raise ValueError("cost curves must hold positive times")
-        if self.context is not None and not self.context >= 0:
-            raise ValueError(f"context cost {self.context} must be >= 0 seconds per row")
+        for name in ("context", "lazy"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} cost {value} must be >= 0 seconds per row")
 
     def context_row(self) -> float:
         """Seconds per context row the draft projects (as measured, else a draft pass's cost
@@ -68,6 +74,15 @@ class CostCurves:
         if self.context is not None:
             return self.context
         return self.draft[-1] / len(self.draft)
+
+    def lazy_row(self, depth: int) -> float:
+        """Seconds per deferred position at `depth`: as measured at the shallowest depth,
+        scaled as a full verify's cost grows with depth (else a quarter of a wide verify's
+        cost per token: the layers a draft reads that the caches did not need)."""
+        wide = self.at(depth)[0][-1]
+        if self.lazy is None:
+            return wide / len(self.verify) / 4
+        return self.lazy * wide / self.at(self.depths[0])[0][-1]
 
     def at(self, depth: int) -> tuple[Curve, Curve]:
         """`(verify, draft)` at context `depth`."""
@@ -94,9 +109,9 @@ class CatchUp:
     """What catching a draft's context up costs before a speculative cycle (after plain
     steps, or a dormant prefill): `rows` rows to project, `lazy` positions of which still
     need the target's captured layers (a dormant prefill's deferred window). Predicted from
-    the calibration (the projection per row; a lazy position as a wide verify's cost per
-    token at the depth, an overestimate) and scaled by what catch-ups measured against that
-    (decayed; a stalled one moves it by at most a factor of two)."""
+    the calibration (the projection per row, the deferred layers per position, both
+    measured) and scaled by what catch-ups measured against that (decayed; a stalled one
+    moves it by at most a factor of two)."""
 
     def __init__(self, costs: CostCurves, block: int):
         self.costs = costs
@@ -105,8 +120,7 @@ class CatchUp:
         self.seen = 0
 
     def predicted(self, rows: int, lazy: int, depth: int) -> float:
-        verify = self.costs.at(depth)[0]
-        return rows * self.costs.context_row() + lazy * verify[self.block - 1] / self.block
+        return rows * self.costs.context_row() + lazy * self.costs.lazy_row(depth)
 
     def cost(self, rows: int, lazy: int, depth: int) -> float:
         return self.ratio * self.predicted(rows, lazy, depth) if rows > 0 or lazy > 0 else 0.0

@@ -25,10 +25,11 @@ if TYPE_CHECKING:
     from .pair import Pair
 
 PREFILL_STEP = 512
-# A dormant prefill leaves the prompt window's features unevaluated; when more than this many
-# positions of the chunk the window starts in lie before it, the chunk is split at the window
+# A dormant prefill leaves the prompt window's features unevaluated; when this many positions
+# or more of the chunk the window starts in lie before it, the chunk is split at the window
 # so that a probe computes the captured layers over the window alone (one more target pass
-# in prefill, instead of those layers over the whole chunk at the first probe).
+# in prefill); with fewer, the window is not kept (a probe would compute those layers over
+# the whole chunk): the draft's context starts at the prompt's last token.
 SPLIT_BEFORE_WINDOW = 256
 
 
@@ -226,8 +227,10 @@ def prefill_prompt(
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
     is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
     feeds them: prefill then costs what the target alone costs. The chunk the window starts
-    in is split at it only when `SPLIT_BEFORE_WINDOW` positions or more precede it there (a
-    probe then computes the captured layers over the window alone, not over the chunk).
+    in is split at it when `SPLIT_BEFORE_WINDOW` positions or more precede it there (a probe
+    then computes the captured layers over the window alone); else the window is not kept,
+    only the prompt's last token (the first probe would compute those layers over the whole
+    chunk, which cost more than the probe itself on short prompts).
     Under a draft window, the positions no block will see are skipped the same way."""
     total = len(req.prompt)
     cut = req.reused
@@ -238,13 +241,16 @@ def prefill_prompt(
         if chooser is not None and chooser.expects_plain(total):
             cut = max(cut, total - 1 - chooser.window)
             dormant = True
+    if dormant and (cut - req.reused) % step < SPLIT_BEFORE_WINDOW:
+        # The window cannot be split off its chunk cheaply, and left in it, its features
+        # would cost the captured layers over the whole chunk at the first probe: the
+        # draft's context starts at the prompt's last token instead.
+        cut = max(cut, total - 1)
     if cut > req.reused:
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
-    if dormant and (cut - req.reused) % step < SPLIT_BEFORE_WINDOW:
-        prefill(req, req.reused, total - 1, step, progress, capture_from=cut, defer=True)
-    elif dormant:
+    if dormant:
         prefill(req, req.reused, cut, step, progress, capture_from=cut)
         prefill(req, cut, total - 1, step, progress, defer=True)
     else:

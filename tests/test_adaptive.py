@@ -566,15 +566,20 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
         assert during == [], f"a dormant prefill projected {during}"
         cut = len(ids) - 1 - ch.window
         if cut < SPLIT_BEFORE_WINDOW:
-            # Chunked as the target alone would be: a window near the chunk's start does
-            # not split the prompt (a probe computes the captured layers over the chunk).
+            # Chunked as the target alone would be: a window near the chunk's start is
+            # not split off (nor kept).
             assert passes == [len(ids) - 1, 1], passes
         else:
             # Far into its chunk, the window is split off: a probe then computes the
             # captured layers over the window alone, not over the positions before it.
             assert passes == [cut, ch.window, 1], passes
-        # The first probe reads the window (and the last prompt token) and the plain steps.
-        assert after and after[0] >= 8 + 1 + ch.base_probe - 1, after
+        if cut < SPLIT_BEFORE_WINDOW:
+            # No window kept: the first probe reads the last prompt token and the plain
+            # steps (the window would have cost the captured layers over the chunk).
+            assert after and ch.base_probe <= after[0] < 8 + ch.base_probe, after
+        else:
+            # The first probe reads the window, the last prompt token and the plain steps.
+            assert after and after[0] >= 8 + 1 + ch.base_probe - 1, after
     else:
         assert sum(n for _, n in during) >= len(ids) - 1, during
 

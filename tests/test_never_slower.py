@@ -250,16 +250,16 @@ def request(ch: WidthChooser, alpha: float, tokens: int) -> tuple[float, list[in
 @pytest.mark.parametrize("bad", [0.0, 0.3])
 def test_a_request_unlike_the_ones_before_loses_one_cheap_cycle_to_them(bad):
     """Drafts that were right in earlier requests (alpha 0.95) and are wrong in this one:
-    its first cycle risks no more than the request's probe budget (3% of 64 plain steps)
-    and one failure ends what they taught."""
+    its first cycle risks no more than half the request's probe budget (1.5% of 64 plain
+    steps) and one failure ends what they taught."""
     ch = WidthChooser(DEEP, BLOCK)
     for _ in range(6):
         request(ch, 0.95, 96)
     speed, widths = request(ch, bad, 64)
     first = DEEP.verify[widths[0] - 1] + DEEP.draft[widths[0] - 1]
-    assert 1 < widths[0] < BLOCK and first - 1.0 <= 0.03 * 64, widths[0]
+    assert 1 < widths[0] < BLOCK and first - 1.0 <= 0.015 * 64, widths[0]
     assert sum(w > 1 for w in widths[:8]) == 1, widths[:8]
-    assert speed >= 0.97, speed
+    assert speed >= 0.95, speed
     old = Trusting(DEEP, BLOCK)
     for _ in range(6):
         request(old, 0.95, 96)
