@@ -20,13 +20,14 @@ from rich.console import Console
 
 from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
 
-from . import options, ui
+from . import options, serve, ui
 from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
     from dflash_mlx.chat_session import ChatSession
     from dflash_mlx.options import GenerateOptions
     from dflash_mlx.pair import Pair as DFlashPair
+    from dflash_mlx.prompt_store import PromptStore
 
     from .chat_ui import ChatUI
 
@@ -84,6 +85,20 @@ def command(
     hide_thinking: Annotated[
         bool, typer.Option("--hide-thinking", help="Collapse <think> sections to one line.")
     ] = False,
+    prompt_cache_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of the prompt cache's blocks on disk, shared with serve and kept "
+            "across restarts: a conversation resumes from the longest stored prefix.",
+            show_default="prompt-cache in the cache folder",
+        ),
+    ] = None,
+    no_prompt_cache_dir: Annotated[
+        bool,
+        typer.Option(
+            "--no-prompt-cache-dir", help="Keep prompt prefixes in memory only, never on disk."
+        ),
+    ] = False,
 ) -> None:
     """Chat in the terminal, with DFlash speculative decoding.
 
@@ -108,6 +123,7 @@ def command(
             think=think,
             hide_thinking=hide_thinking,
             draft_window=draft_window,
+            prompt_cache_dir=serve.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
         )
     except UserError as e:  # LoadError included
         ui.error(str(e))
@@ -142,8 +158,10 @@ def run(
     top_k: int = 0,
     min_p: float = 0.0,
     json_out: bool = False,
+    prompt_cache_dir: Path | None = None,
 ) -> int:
-    """Load the pair and chat; the exit code."""
+    """Load the pair and chat; the exit code (`prompt_cache_dir`: the prompt store's folder,
+    `DEFAULT_DIR` for the cache folder's, None: memory only)."""
     from . import chat_repl, chat_ui
 
     view = chat_ui.ChatUI(
@@ -171,7 +189,10 @@ def run(
             "(echo 'hello' | dflash-mlx chat --json)"
         )
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
-    session = load_session(pair, view, system=system, settings=settings)
+    store = None
+    if prompt_cache_dir is not None:  # the same store serve keeps, with serve's budgets
+        store, _ = serve.prompt_store(prompt_cache_dir, serve.DISK_GB, serve.MEMORY_GB)
+    session = load_session(pair, view, system=system, settings=settings, store=store)
     if piped:
         return chat_repl.answer_once(session, view, read_stdin(), json_out=json_out)
     view.banner(pair.banner, session.options)
@@ -262,7 +283,12 @@ def resolve_pair(
 
 
 def load_session(
-    pair: PairSource, view: ChatUI, *, system: str | None, settings: GenerateOptions
+    pair: PairSource,
+    view: ChatUI,
+    *,
+    system: str | None,
+    settings: GenerateOptions,
+    store: PromptStore | None = None,
 ) -> ChatSession:
     """Download (with progress), load, check and calibrate the pair; a fresh ChatSession."""
     import dflash_mlx
@@ -285,6 +311,7 @@ def load_session(
         template_kwargs=pair.template_kwargs,
         model_id=pair.label,
         draft_id=pair.draft_label if pair.draft else None,
+        store=store,
     )
 
 

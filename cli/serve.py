@@ -20,6 +20,7 @@ from .errors import internal
 DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
 DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
+DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
 
 
 def serve(
@@ -102,14 +103,14 @@ def serve(
             help="Disk budget of the prompt cache in GB (least recently used blocks go first).",
             callback=options.finite,
         ),
-    ] = 10.0,
+    ] = DISK_GB,
     prompt_cache_memory_gb: Annotated[
         float,
         typer.Option(
             help="Memory budget of the prompt cache's shared blocks in GB.",
             callback=options.finite,
         ),
-    ] = 2.0,
+    ] = MEMORY_GB,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
@@ -258,8 +259,8 @@ def run(
     draft_window: int | None = None,
     sampling: dict | None = None,
     prompt_cache_dir: Path | None = None,
-    prompt_cache_gb: float = 10.0,
-    prompt_cache_memory_gb: float = 2.0,
+    prompt_cache_gb: float = DISK_GB,
+    prompt_cache_memory_gb: float = MEMORY_GB,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C.
 

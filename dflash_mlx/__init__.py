@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from .options import GenerateOptions
     from .pair import Pair, load_pair
     from .prompt_cache import PromptCache
+    from .prompt_store import PromptStore
     from .stats import Stats
 
 _API = {
@@ -41,6 +42,7 @@ _API = {
     "load": ".loading",
     "load_draft": ".loading",
     "PromptCache": ".prompt_cache",
+    "PromptStore": ".prompt_store",
 }
 
 __all__ = [
@@ -53,6 +55,7 @@ __all__ = [
     "LoadError",
     "Pair",
     "PromptCache",
+    "PromptStore",
     "Stats",
     "UserError",
     "generate",

@@ -24,6 +24,7 @@ from .generate import GenerationResponse, stream_generate
 from .options import GenerateOptions
 from .pair import Pair
 from .prompt_cache import PromptCache
+from .prompt_store import PromptStore
 from .stats import SEPARATOR, Stats, stats_fields
 
 Message = dict[str, str]
@@ -63,6 +64,7 @@ class ChatSession:
         template_kwargs: dict[str, Any] | None = None,
         model_id: str = "",
         draft_id: str | None = None,
+        store: PromptStore | None = None,
     ):
         if not isinstance(pair, Pair):  # the old form: (model, draft, tokenizer)
             if len(args) != 2:
@@ -88,7 +90,9 @@ class ChatSession:
         self.replies: list[Reply] = []  # one per assistant message
         self.last: Reply | None = None  # the latest reply, kept or not
         self.history: list[Stats] = []  # every reply's, retried and interrupted ones included
-        self.cache = PromptCache()
+        # Each turn resumes from the conversation's own state, or from the longest prefix
+        # the `store` holds (another conversation's, or a previous process's on disk).
+        self.cache = PromptCache(store=store)
         self.starts_in_thinking = False  # the latest prompt opened a <think> block
         self._generations = 0
 

@@ -222,3 +222,49 @@ def test_the_automatic_width_after_a_hit_keeps_the_tokens(target, draft, tmp_pat
     assert chunks[0].stats.cached_tokens > 0 and chunks[-1].stats.verify_width is None
     assert (max(c.width for c in chunks) > 1) == (costs == "flat")
     assert [t for c in chunks for t in c.tokens] == greedy(model, tok, b, 24)
+
+
+def test_two_chat_sessions_share_a_system_prompt_through_the_store(pair, target, tmp_path):
+    """The chat REPL's session takes the store: a second conversation with the same system
+    prompt, in this process or after a restart, prefills only what follows the stored
+    prefix, and answers as a session with no store does."""
+    from dflash_mlx.chat_session import CHAT_DEFAULTS, ChatSession
+
+    tok = target[1]
+    opts = CHAT_DEFAULTS.replace(max_tokens=8, verify_width=4, prefill_step=STEP)
+
+    def ask(store_, text):
+        session = ChatSession(pair, tok, system=PREFIX, options=opts, store=store_)
+        out = list(session.send(text))
+        return [t for r in out for t in r.tokens], out[-1].stats.cached_tokens
+
+    alone = ask(None, "def mul(a, b):")
+    assert alone[1] == 0
+    s = store(tmp_path)
+    assert ask(s, "def add(a, b):")[1] == 0
+    tokens, cached = ask(s, "def mul(a, b):")
+    assert cached >= BLOCK and tokens == alone[0], (cached, "a stored prefix changed the reply")
+    assert s.flush(timeout=30)
+    tokens, cached = ask(store(tmp_path), "def mul(a, b):")  # a new process on the folder
+    assert cached >= BLOCK and tokens == alone[0]
+
+
+def test_chat_takes_the_prompt_cache_folder(models_dir, tmp_path):
+    """`dflash-mlx chat` keeps prefixes in --prompt-cache-dir (shared with serve), and
+    --no-prompt-cache-dir keeps nothing on disk."""
+    from .test_cli_serve import dflash, text
+
+    args = ["chat", "-m", str(models_dir / "qwen3"), "-d", str(models_dir / "draft")]
+    args += ["--system", PREFIX * 2, "--max-tokens", "4", "--verify-width", "2"]
+    folder = tmp_path / "blocks"
+    for prompt in ("def add(a, b):", "def mul(a, b):"):
+        done = dflash(*args, "--prompt-cache-dir", str(folder), input=prompt)
+        assert done.returncode == 0, text(done)[1]
+    assert "reused" in text(done)[1], "the second conversation took the first one's prefix"
+    assert any(p.is_file() for p in folder.rglob("*")), "blocks were written to the folder"
+    off = tmp_path / "off"
+    done = dflash(*args, "--no-prompt-cache-dir", input="x", env={"DFLASH_MLX_CACHE": str(off)})
+    assert done.returncode == 0, text(done)[1]
+    assert not (off / "prompt-cache").exists()
+    both = dflash(*args, "--prompt-cache-dir", str(folder), "--no-prompt-cache-dir", input="x")
+    assert both.returncode == 2 and "--no-prompt-cache-dir" in text(both)[1]

@@ -13,6 +13,7 @@ them. Writes run on one background thread per store.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import logging
@@ -34,6 +35,7 @@ SUFFIX = ".block"
 HEADER = len(MAGIC) + 32
 STALE_TEMP = 3600.0  # seconds: a temporary file this old was left by a writer that died
 RESCAN_EVERY = 64  # writes between two scans of the folder (other processes write too)
+EXIT_WAIT = 60.0  # seconds a process's exit waits for its pending block writes
 
 
 class BadBlock(Exception):
@@ -217,6 +219,10 @@ class DiskTier:
         with self._idle:
             self._pending += 1
             if self._thread is None or not self._thread.is_alive():
+                if self._thread is None:
+                    # A process that ends with writes pending finishes them first: a
+                    # daemon thread killed inside MLX at exit aborts the process.
+                    atexit.register(self.flush, EXIT_WAIT)
                 self._thread = threading.Thread(
                     target=self._work, name="dflash-mlx-prompt-store", daemon=True
                 )
