@@ -85,20 +85,8 @@ def command(
     hide_thinking: Annotated[
         bool, typer.Option("--hide-thinking", help="Collapse <think> sections to one line.")
     ] = False,
-    prompt_cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Folder of the prompt cache's blocks on disk, shared with serve and kept "
-            "across restarts: a conversation resumes from the longest stored prefix.",
-            show_default="prompt-cache in the cache folder",
-        ),
-    ] = None,
-    no_prompt_cache_dir: Annotated[
-        bool,
-        typer.Option(
-            "--no-prompt-cache-dir", help="Keep prompt prefixes in memory only, never on disk."
-        ),
-    ] = False,
+    prompt_cache_dir: serve.PromptCacheDir = None,
+    no_prompt_cache_dir: serve.NoPromptCacheDir = False,
 ) -> None:
     """Chat in the terminal, with DFlash speculative decoding.
 

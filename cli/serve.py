@@ -21,6 +21,21 @@ DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
 DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
 DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
+# The prompt store's folder flags, serve's and chat's.
+PromptCacheDir = Annotated[
+    Path | None,
+    typer.Option(
+        help="Folder of the prompt cache's blocks on disk, kept across restarts and shared "
+        "by servers and chats of any model.",
+        show_default="prompt-cache in the cache folder (dflash-mlx --version shows it)",
+    ),
+]
+NoPromptCacheDir = Annotated[
+    bool,
+    typer.Option(
+        "--no-prompt-cache-dir", help="Keep prompt prefixes in memory only, never on disk."
+    ),
+]
 
 
 def serve(
@@ -83,20 +98,8 @@ def serve(
     prompt_cache_size: Annotated[
         int, typer.Option(help="Conversations whose prompt cache is kept between requests.")
     ] = 4,
-    prompt_cache_dir: Annotated[
-        Path | None,
-        typer.Option(
-            help="Folder of the prompt cache's blocks on disk, kept across restarts and "
-            "shared by servers of any model.",
-            show_default="prompt-cache in the cache folder (dflash-mlx --version shows it)",
-        ),
-    ] = None,
-    no_prompt_cache_dir: Annotated[
-        bool,
-        typer.Option(
-            "--no-prompt-cache-dir", help="Keep prompt prefixes in memory only, never on disk."
-        ),
-    ] = False,
+    prompt_cache_dir: PromptCacheDir = None,
+    no_prompt_cache_dir: NoPromptCacheDir = False,
     prompt_cache_gb: Annotated[
         float,
         typer.Option(
