@@ -338,15 +338,15 @@ class WidthChooser:
             room = 0.5 * self.request_budget * limit * curve[0]
             safe = [w for w in widths if w == 2 or 1 < w and curve[w - 1] - curve[0] <= room]
             best = max(safe, key=lambda w: rates[w][0])
-        catch_up = self.context_cost(*context)
-        if best > 1 and catch_up and self.saving(limit) <= catch_up:
+        # Priced only where it decides something (plain steps far from a probe are most).
+        if best > 1 and any(context) and self.saving(limit) <= self.context_cost(*context):
             # Waking the draft costs more than it is expected to save in what is left of
             # the request (and ever less is left): plain to its end.
             best, self.req_done = 1, True
         elif best == 1 and len(widths) > 1 and not self.req_done:
             self.since_probe += 1
             if self.since_probe >= self.probe_interval:
-                best = self._probe(widths, limit, catch_up)
+                best = self._probe(widths, limit, self.context_cost(*context))
         # Plain steps capture features for the draft only within a window before a probe
         # that can still come in this request.
         due = self.probe_interval - self.since_probe
