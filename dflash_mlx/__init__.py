@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .controls import TokenLogprob, check_grammar
     from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
     from .generate import GenerationResponse, GenerationResult, generate, stream_generate
     from .loading import LoadError, load, load_draft
@@ -43,6 +44,8 @@ _API = {
     "load_draft": ".loading",
     "PromptCache": ".prompt_cache",
     "PromptStore": ".prompt_store",
+    "TokenLogprob": ".controls",
+    "check_grammar": ".controls",
 }
 
 __all__ = [
@@ -57,7 +60,9 @@ __all__ = [
     "PromptCache",
     "PromptStore",
     "Stats",
+    "TokenLogprob",
     "UserError",
+    "check_grammar",
     "generate",
     "load",
     "load_draft",

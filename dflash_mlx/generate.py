@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
+from .controls import TokenLogprob
 from .decode import speculative_decode
 from .draft import DFlashDraft
 from .errors import BadArgument
@@ -33,6 +34,7 @@ __all__ = [
     "GenerationResponse",
     "GenerationResult",
     "Prompt",
+    "TokenLogprob",
     "encode_prompt",
     "generate",
     "stream_generate",
@@ -81,6 +83,8 @@ class GenerationResponse(_StatsView):
     stats: Stats = field(repr=False)
     finish_reason: str | None = None  # "stop" | "length" | None while running
     stop: str | None = None  # the stop string that ended the reply, if one did
+    # With `options.logprobs`: one per token of `tokens`, in order (else None).
+    logprobs: list[TokenLogprob] | None = None
 
     drafted_tokens = _stat("drafted")
     accepted_tokens = _stat("accepted")
@@ -95,6 +99,7 @@ class GenerationResult(_StatsView):
     finish_reason: str | None
     stats: Stats = field(repr=False)
     stop: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # with `options.logprobs`: one per token
 
     accepted_per_position = _stat("accepted_per_position")
     drafted_per_position = _stat("drafted_per_position")

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
+from types import MappingProxyType
 from typing import Any
 
 from .errors import BadArgument
@@ -34,7 +35,18 @@ OPTIONS = {
     "draft_window": "positions a draft block sees (None: the draft's own window, else all)",
     "stop": "strings that end the reply (never shown)",
     "prefill_step": "prompt tokens per prefill chunk",
+    "presence_penalty": "subtract this from the logit of every token already generated (0: off)",
+    "frequency_penalty": "subtract this times a token's count among the generated ones (0: off)",
+    "repetition_penalty": "divide (or multiply, if negative) the logits of recent tokens (None: off)",
+    "repetition_context_size": "recent tokens (prompt included) the repetition penalty looks at",
+    "logit_bias": "token id -> value added to its logit, before sampling ({id: bias}; None: off)",
+    "logprobs": "report each token's log-probability and this many top alternatives (None: off)",
+    "json_schema": "constrain the reply to JSON: a JSON schema, or True for any JSON object",
+    "grammar": "constrain the reply to a grammar (llguidance's Lark syntax)",
 }
+
+# Most top alternatives `logprobs` can ask for (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 
 
 def _int(name: str, value: Any, low: int, what: str = "") -> int:
@@ -79,6 +91,14 @@ class GenerateOptions:
     draft_window: int | None = None
     stop: tuple[str, ...] = ()
     prefill_step: int = 512
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    logit_bias: Mapping[int, float] | None = None
+    logprobs: int | None = None
+    json_schema: Mapping[str, Any] | bool | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1)
@@ -108,6 +128,32 @@ class GenerateOptions:
                 "take a string or a list)"
             )
         _int("prefill_step", self.prefill_step, 1)
+        _number("presence_penalty", self.presence_penalty, -2, 2, "[-2, 2]")
+        _number("frequency_penalty", self.frequency_penalty, -2, 2, "[-2, 2]")
+        if self.repetition_penalty is not None:
+            _number("repetition_penalty", self.repetition_penalty, 0, math.inf, "(0, inf)")
+        _int("repetition_context_size", self.repetition_context_size, 1)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, f" in [0, {MAX_TOP_LOGPROBS}] or None (off)")
+            if self.logprobs > MAX_TOP_LOGPROBS:
+                raise BadArgument(
+                    f"logprobs {self.logprobs!r} must be an integer in [0, {MAX_TOP_LOGPROBS}]"
+                    " (the top alternatives reported per token) or None (off)"
+                )
+        if self.json_schema is not None and not (
+            self.json_schema is True or isinstance(self.json_schema, Mapping)
+        ):
+            raise BadArgument(
+                f"json_schema {self.json_schema!r} must be a JSON schema (a dict), True (any "
+                "JSON object) or None"
+            )
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar.strip():
+                raise BadArgument(f"grammar {self.grammar!r} must be a non-empty Lark grammar")
+            if self.json_schema is not None:
+                raise BadArgument("json_schema and grammar are both set: give one constraint")
 
     @classmethod
     def from_kwargs(cls, options: GenerateOptions | None = None, /, **kwargs: Any):
@@ -141,11 +187,32 @@ class GenerateOptions:
         return GenerateOptions.from_kwargs(self, **kwargs)
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field, mappings as plain dicts (JSON can write it)."""
+        return {
+            f.name: dict(v) if isinstance(v := getattr(self, f.name), Mapping) else v
+            for f in fields(self)
+        }
 
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the target's logits are changed before sampling (penalties, a bias, a
+        grammar): `controls.Controls` does it, at every verified position."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty is not None
+            or self.logit_bias
+            or self.constrained
+        )
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar (a JSON schema or a Lark grammar) constrains the reply."""
+        return self.json_schema is not None or self.grammar is not None
 
     @property
     def block_size(self) -> int | None:
@@ -154,6 +221,22 @@ class GenerateOptions:
             "'block_size' is deprecated: use 'verify_width'", DeprecationWarning, stacklevel=2
         )
         return self.verify_width
+
+
+def _logit_bias(bias: Any) -> Mapping[int, float]:
+    """`{token id: bias}` with int ids >= 0 (OpenAI's string keys are read as ids) and biases
+    in [-100, 100], as a read-only mapping; anything else is a `BadArgument`."""
+    if not isinstance(bias, Mapping):
+        raise BadArgument(f"logit_bias {bias!r} must be a mapping of token id -> bias")
+    out = {}
+    for key, value in bias.items():
+        tid = key
+        if isinstance(key, str) and key.strip().isdigit():
+            tid = int(key)
+        if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
+            raise BadArgument(f"logit_bias key {key!r} must be a token id (an integer >= 0)")
+        out[tid] = _number(f"logit_bias[{key!r}]", value, -100, 100, "[-100, 100]")
+    return MappingProxyType(out)
 
 
 def _stops(stop: Any) -> Any:
