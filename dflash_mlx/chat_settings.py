@@ -22,6 +22,9 @@ NAMES = {
     "verify_width": "verify_width",
     "seed": "seed",
     "draft_window": "draft_window",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
 }
 DEPRECATED = {"block_size": "verify_width"}  # old names: they work, with a note
 INTEGERS = {"top_k", "max_tokens", "verify_width", "seed", "draft_window"}
@@ -30,6 +33,7 @@ UNSET = {
     "verify_width": ("auto", "none"),
     "seed": ("none", "auto", "random"),
     "draft_window": ("auto", "none", "default"),
+    "repetition_penalty": ("off", "none"),
 }
 
 

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
+from .controls import Controls, Grammar, TokenLogprob, bits_to_mask, read_logprobs
 from .options import GenerateOptions
 from .pair import Pair
 from .prefill import Request, prefill_prompt, resume
@@ -36,6 +38,8 @@ from .sampling import (
     rejection_accept,
     sample,
 )
+
+NEG_INF = float("-inf")
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
 # buffers of a long decode (growing caches, verify passes of every width) are returned.
@@ -50,6 +54,7 @@ class Cycle:
     accepted: int  # drafted tokens accepted (n); tau of this cycle = accepted + 1
     width: int  # verify width W of this cycle (0 for the token sampled after prefill)
     reused: int = 0  # prompt tokens taken from a PromptCache instead of prefilled (first only)
+    logprobs: list[TokenLogprob] | None = None  # with `options.logprobs`: one per token
 
 
 class _Step(NamedTuple):
@@ -62,6 +67,7 @@ class _Step(NamedTuple):
     width: int
     built: float  # seconds its launch took on the host
     chained: bool  # launched before the previous cycle's result reached the host
+    logprobs: tuple[mx.array, ...] | None = None  # `Controls.logprobs` of the verified rows
 
 
 def speculative_decode(
@@ -78,6 +84,7 @@ def speculative_decode(
     progress: Callable[[int, int], None] | None = None,
     prompt_cache: PromptCache | None = None,
     speculate: bool = True,
+    grammar: Grammar | None = None,
 ) -> Iterator[Cycle]:
     """Decode up to `options.max_tokens` tokens after `prompt` with `pair`, yielding each
     committed cycle (`speculate=False`, or a pair without a draft: the target alone).
@@ -91,6 +98,9 @@ def speculative_decode(
     previous request is reused from the longest common prefix on; this request's state is
     committed back when it ends or is closed between cycles, and not at all when it fails.
     `options.draft_window` bounds the positions a draft block sees (`make_state`).
+    Penalties, a logit bias and a `grammar` (compiled by `controls.compile_grammar` for
+    `options`' constraint) process the target's logits at every verified position, and the
+    draft's proposals (`controls.Controls`); `options.logprobs` reports log-probabilities.
     """
     if width is None:
         width, draft_block, chooser = pair.plan(options)
@@ -113,6 +123,7 @@ def speculative_decode(
         start,
         draft.config.target_layer_ids if draft is not None else None,
         keep_snapshots=prompt_cache is not None and pair.target.recurrent,
+        controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
     )
     if chooser is not None:
         chooser.begin_request()
@@ -153,6 +164,10 @@ def _cycles(
     """The cycles after prefill. The next cycle is always launched before the current one
     is handed to the caller, so detokenizing and rendering overlap with device work."""
     n_prompt = len(req.prompt)
+    grammar = req.controls.grammar if req.controls is not None else None
+    # A plain step is chained on the device token of the one before it, unless a grammar's
+    # masks must first see that token on the host.
+    chain = grammar is None
 
     def launch(anchor: mx.array, a: int, chained: bool) -> _Step:
         """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
@@ -179,30 +194,37 @@ def _cycles(
                     if chooser is not None and learn_costs:
                         chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
-            drafts, q = make_drafts(req, anchor, a, w, rows)
+            drafts, q, masks = make_drafts(req, anchor, a, w, rows)
             logits, feats, saved = verify(req, anchor, drafts, capture)
-            n, out = accept(req, drafts, q, logits, a)
-            mx.async_eval(n, out)
+            n, out, lp = accept(req, drafts, q, logits, a, masks)
+            mx.async_eval(n, out, *(lp or ()))
         # On a CPU much of the work runs inside async_eval: the launch time is part of
         # what the cycle costs, wherever it falls between host syncs.
-        return _Step(n, out, feats, saved, w, time.perf_counter() - tic, chained)
+        return _Step(n, out, feats, saved, drafts.size + 1, time.perf_counter() - tic, chained, lp)
 
     with mx.stream(generation_stream):
-        anchor = first_token(req, logits)
+        anchor, lp = first_token(req, logits)
+        if req.controls is not None:
+            req.controls.commit(anchor)
         # Started before the first cycle is built, as mlx-lm does: the prompt's last token
         # runs on the device while the host builds that cycle.
-        mx.async_eval(anchor)
-    step = launch(anchor, 0, chained=True) if max_tokens > 1 else None
+        mx.async_eval(anchor, *(lp or ()))
+    step = launch(anchor, 0, chained=True) if max_tokens > 1 and chain else None
     tok = anchor.item()
+    if grammar is not None:
+        grammar.consume([tok])
     clock.sync()
     req.generated.append(tok)
-    yield Cycle([tok], 0, 0, req.reused)
+    if step is None and max_tokens > 1 and tok not in eos_ids:
+        step = launch(anchor, 0, chained=False)
+    yield Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]))
     if tok in eos_ids or step is None:
         return
     prev_w = 0
     while True:
         nxt = None
-        if step.width == 1:
+        plain = step.width == 1
+        if plain and chain:
             # A plain step accepts nothing, so it commits with no host decision and the
             # next step is chained on the device token before waiting, as mlx-lm does.
             commit(req, step, 0)
@@ -211,21 +233,23 @@ def _cycles(
                 nxt = launch(step.out[:1], len(req.generated), chained=True)
         n, new = result(req, step)  # the host sync
         clock.charge(step, prev_w, nxt)
-        if step.width > 1:
+        if not (plain and chain):
             commit(req, step, n)
-            if chooser is not None:
+            if chooser is not None and not plain:
                 chooser.update(step.width, n)
         new, cut = _cut_at_eos(new, eos_ids)
+        if grammar is not None:
+            grammar.consume(new)
         _clear_cache_every(len(req.generated), len(new))
         req.generated.extend(new)
-        if step.width > 1 and not cut:
+        if not (plain and chain) and not cut:
             # Everything but the last emitted token was fed (after an EOS cut, more was).
             _snapshot(req, n_prompt + len(req.generated) - 1)
         done = new[-1] in eos_ids or len(req.generated) >= max_tokens
         if not done and nxt is None:
             last = mx.array(new[-1:], dtype=mx.int32)
             nxt = launch(last, len(req.generated) - 1, chained=False)
-        yield Cycle(new, n, step.width)
+        yield Cycle(new, n, step.width, logprobs=read_logprobs(step.logprobs, range(len(new)), new))
         if done:
             return
         step, prev_w = nxt, step.width
@@ -234,14 +258,20 @@ def _cycles(
 # -- the steps of the cycle -----------------------------------------------------------------
 
 
-def first_token(req: Request, logits: mx.array) -> mx.array:
-    """The target's own token after the prompt (generated index 0), `(1,)` int32."""
+def first_token(req: Request, logits: mx.array) -> tuple[mx.array, tuple | None]:
+    """The target's own token after the prompt (generated index 0), `(1,)` int32, and its
+    logprobs when asked for."""
     last = logits[0, -1:]
+    if req.controls is not None:
+        grammar = req.controls.grammar
+        masks = grammar.mask()[None] if grammar is not None else None
+        last = req.controls.target(last, mx.zeros((0,), dtype=mx.int32), masks)
     if req.params.greedy:
         tok = mx.argmax(last, axis=-1)
     else:
         tok = sample(probabilities(last, req.params), req.keys(PositionKeys.FINAL, 0, 1)[0])
-    return tok.astype(mx.int32).reshape(1)
+    tok = tok.astype(mx.int32).reshape(1)
+    return tok, req.controls.logprobs(last, tok) if req.controls is not None else None
 
 
 def choose(
@@ -262,16 +292,87 @@ def choose(
 
 def make_drafts(
     req: Request, anchor: mx.array, a: int, w: int, rows: int
-) -> tuple[mx.array, mx.array | None]:
+) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
     """The draft's `w - 1` proposals after the anchor at generated index `a` (none for
-    W = 1), and when sampling the distributions `q` they were drawn from."""
+    W = 1), when sampling the distributions `q` they were drawn from, and under a grammar
+    its masks at each verified row `(W', words)` (a block it ends early has W' < W rows)."""
+    controls = req.controls
+    grammar = controls.grammar if controls is not None else None
     if w == 1:
-        return mx.zeros((0,), dtype=mx.int32), None
+        masks = grammar.mask()[None] if grammar is not None else None
+        return mx.zeros((0,), dtype=mx.int32), None, masks
     req.feed_draft()
     keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
-    drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys)
+    walk = grammar is not None or (controls is not None and controls.follows_history)
+    if walk and "candidate_selector" not in req.draft:
+        drafts, q, masks = _walk(req, anchor, rows, w - 1, keys)
+    else:
+        process = controls.draft if controls is not None else None
+        drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys, process)
+        masks = _masks_along(grammar, drafts.tolist()) if grammar is not None else None
     req.lazy_rows = 0  # computed with this draft pass
-    return drafts.astype(mx.int32), q
+    return drafts.astype(mx.int32), q, masks
+
+
+def _walk(
+    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
+) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
+    """The draft's proposals row by row, each from its processed distribution given the
+    proposals before it (`Controls.walk`); under a grammar that masks drafts, within the
+    tokens it allows there (a host step per row: the matcher advances, and is rolled back
+    after), stopping after EOS. Returns the proposals, their `q` when sampling, and the
+    grammar's masks at each verified row."""
+    controls = req.controls
+    grammar = controls.grammar
+    masking = grammar is not None and grammar.mask_drafts
+    masks, qs = [grammar.mask()] if masking else [], []
+    ended = []  # an EOS was proposed: nothing follows it
+
+    def pick(row: mx.array, i: int) -> mx.array | None:
+        if masking:
+            if ended:
+                return None
+            row = mx.where(bits_to_mask(masks[-1][None], row.shape[-1]), row, NEG_INF)
+        if req.params.greedy:
+            tok = mx.argmax(row, axis=-1)[0]
+        else:
+            qs.append(probabilities(row, req.params)[0])
+            tok = sample(qs[-1], keys[i])
+        tok = tok.astype(mx.int32)
+        if masking:
+            t = tok.item()
+            if t in grammar.eos:
+                ended.append(t)
+            else:
+                grammar.consume([t])
+                masks.append(grammar.mask())
+        return tok
+
+    logits = req.draft.block_logits(anchor, length, rows, req.state)
+    picked = controls.walk(logits, pick)
+    drafts = mx.stack(picked) if picked else mx.zeros((0,), dtype=mx.int32)
+    q = mx.stack(qs) if qs else None
+    if not masking:
+        return drafts, q, None if grammar is None else _masks_along(grammar, drafts.tolist())
+    grammar.rollback(len(picked) - len(ended))
+    if len(masks) == len(picked):  # nothing may follow the last proposal: its row is unread
+        masks.append(np.full_like(masks[0], -1))
+    return drafts, q, np.stack(masks)
+
+
+def _masks_along(grammar: Grammar, drafts: list[int]) -> np.ndarray:
+    """The grammar's masks at each verified row after unmasked `drafts`: rows past the
+    first proposal it refuses are never accepted (left unmasked)."""
+    masks, taken = [grammar.mask()], 0
+    for tok in drafts:
+        if not grammar.allows(masks[-1], tok) or tok in grammar.eos:
+            break
+        grammar.consume([tok])
+        taken += 1
+        masks.append(grammar.mask())
+    grammar.rollback(taken)
+    masks += [np.full_like(masks[0], -1)] * (len(drafts) + 1 - len(masks))
+    return np.stack(masks)
 
 
 def verify(
@@ -286,21 +387,34 @@ def verify(
 
 
 def accept(
-    req: Request, drafts: mx.array, q: mx.array | None, logits: mx.array, a: int
-) -> tuple[mx.array, mx.array]:
-    """`(n, out)`: drafts accepted, and the tokens to emit (`out[:n]` accepted drafts, then
-    the target's own token, last). Greedy prefix matching or rejection sampling (SPEC 4)."""
+    req: Request,
+    drafts: mx.array,
+    q: mx.array | None,
+    logits: mx.array,
+    a: int,
+    masks: np.ndarray | None = None,
+) -> tuple[mx.array, mx.array, tuple | None]:
+    """`(n, out, logprobs)`: drafts accepted, the tokens to emit (`out[:n]` accepted drafts,
+    then the target's own token, last), and the rows' logprobs when asked for. Greedy prefix
+    matching or rejection sampling (SPEC 4), on the processed logits (`Controls.target`)."""
+    controls = req.controls
+    if controls is not None:
+        logits = controls.target(logits, drafts, masks)
     if req.params.greedy:
-        return greedy_accept(drafts, logits)
-    w = logits.shape[0]
-    n, final = rejection_accept(
-        drafts,
-        q,
-        probabilities(logits, req.params),
-        req.keys(PositionKeys.ACCEPT, a + 1, w - 1),
-        req.keys(PositionKeys.FINAL, a + 1, w),
-    )
-    return n, mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
+        n, out = greedy_accept(drafts, logits)
+        emitted = out  # row i emits out[i], for i <= n
+    else:
+        w = logits.shape[0]
+        n, final = rejection_accept(
+            drafts,
+            q,
+            probabilities(logits, req.params),
+            req.keys(PositionKeys.ACCEPT, a + 1, w - 1),
+            req.keys(PositionKeys.FINAL, a + 1, w),
+        )
+        out = mx.concatenate([drafts, final.reshape(1).astype(mx.int32)])
+        emitted = mx.where(mx.arange(w) < n, out, final.astype(mx.int32))
+    return n, out, controls.logprobs(logits, emitted) if controls is not None else None
 
 
 def result(req: Request, step: _Step) -> tuple[int, list[int]]:
@@ -323,6 +437,15 @@ def commit(req: Request, step: _Step, n: int) -> None:
                 req.pending.append(step.feats[:, : n + 1])
             req.state.commit(n if step.width > 1 else None)
             req.speculating = step.width > 1
+        if req.controls is not None:
+            req.controls.commit(_emitted(req, step, n))
+
+
+def _emitted(req: Request, step: _Step, n: int) -> mx.array:
+    """The tokens a cycle emits, on the device (what `result` reads on the host)."""
+    if step.width == 1 or req.params.greedy:
+        return step.out[: n + 1]
+    return mx.concatenate([step.out[:n], step.out[-1:]])
 
 
 # -- bookkeeping beside the cycle ------------------------------------------------------------

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
-from .controls import TokenLogprob
+from .controls import TokenLogprob, compile_grammar
 from .decode import speculative_decode
 from .draft import DFlashDraft
 from .errors import BadArgument
@@ -128,6 +128,7 @@ def stream_generate(
     opts = GenerateOptions.from_kwargs(options, **kwargs)
     ids = encode_prompt(tokenizer, prompt)
     pair.check_context(len(ids))
+    grammar = compile_grammar(opts, tokenizer, pair.target.logits_width)
     width, rows, chooser = pair.plan(opts)
     speculate = pair.draft is not None and (width > 1 or chooser is not None)
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -157,6 +158,7 @@ def stream_generate(
         progress=prompt_progress if prompt_cache is None else prompt_cache.watch(prompt_progress),
         prompt_cache=prompt_cache,
         speculate=speculate,
+        grammar=grammar,
     )
     memory = contextlib.ExitStack()
     memory.enter_context(_wired_limit())
@@ -212,6 +214,7 @@ def stream_generate(
                 stats=stats.copy(),
                 finish_reason=finish,
                 stop=stopped,
+                logprobs=cyc.logprobs[: len(tokens)] if cyc.logprobs is not None else None,
             )
             if finish is not None:
                 return
@@ -282,11 +285,13 @@ def _abandon(cycle_iter: Iterator, error: BaseException) -> None:
 
 def generate(target: Pair | nn.Module, *args: Any, **kwargs: Any) -> GenerationResult:
     """Run `stream_generate` to the end and return the text with the run's `Stats`."""
-    text, tokens = [], []
+    text, tokens, logprobs = [], [], []
     last = None
     for r in stream_generate(target, *args, **kwargs):
         text.append(r.text)
         tokens.extend(r.tokens)
+        if r.logprobs is not None:
+            logprobs.extend(r.logprobs)
         last = r
     return GenerationResult(
         text="".join(text),
@@ -294,6 +299,7 @@ def generate(target: Pair | nn.Module, *args: Any, **kwargs: Any) -> GenerationR
         finish_reason=last.finish_reason,
         stats=last.stats,
         stop=last.stop,
+        logprobs=logprobs if last.logprobs is not None else None,
     )
 
 

@@ -37,7 +37,7 @@ OPTIONS = {
     "prefill_step": "prompt tokens per prefill chunk",
     "presence_penalty": "subtract this from the logit of every token already generated (0: off)",
     "frequency_penalty": "subtract this times a token's count among the generated ones (0: off)",
-    "repetition_penalty": "divide (or multiply, if negative) the logits of recent tokens (None: off)",
+    "repetition_penalty": "divide (multiply, if negative) the logits of recent tokens (None: off)",
     "repetition_context_size": "recent tokens (prompt included) the repetition penalty looks at",
     "logit_bias": "token id -> value added to its logit, before sampling ({id: bias}; None: off)",
     "logprobs": "report each token's log-probability and this many top alternatives (None: off)",

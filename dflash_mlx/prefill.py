@@ -22,6 +22,7 @@ from .target import TargetAdapter
 
 if TYPE_CHECKING:
     from .adaptive import WidthChooser
+    from .controls import Controls
     from .pair import Pair
 
 PREFILL_STEP = 512
@@ -47,6 +48,8 @@ class Request:
     reused: int  # prompt positions the caches held when the request started
     ids: list[int] | None  # target layers the draft reads
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
+    # Penalties, bias, grammar and logprobs (None: the request asks for none of them).
+    controls: Controls | None = None
     generated: list[int] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
     # Positions whose captured target layers are still to be computed (a dormant prefill's

@@ -10,6 +10,7 @@ accepted count and the tokens. Models are called, never changed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -98,15 +99,27 @@ class PositionKeys:
 
 
 def propose(
-    draft, state, anchor: mx.array, length: int, rows: int, params: SamplingParams, keys
+    draft,
+    state,
+    anchor: mx.array,
+    length: int,
+    rows: int,
+    params: SamplingParams,
+    keys,
+    process: Callable[[mx.array], mx.array] | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """The draft's tokens for block indices `1..rows` and, when sampling, the distributions
-    `q` `(rows, V)` they were drawn from (SPEC 4). `keys` `(rows, 2)`: one per row."""
+    `q` `(rows, V)` they were drawn from (SPEC 4). `keys` `(rows, 2)`: one per row.
+    `process` changes the draft's logits first (a request's penalties and bias)."""
     if "candidate_selector" in draft:
         h = draft.block_hidden(anchor, length, rows, state)
         logits = draft.logits(h, state.head).astype(mx.float32)
+        if process is not None:
+            logits = process(logits)
         return selector_walk(draft.candidate_selector, logits, h, anchor, params.temperature, keys)
     logits = draft.block_logits(anchor, length, rows, state)
+    if process is not None:
+        logits = process(logits)
     if params.greedy:
         return mx.argmax(logits, axis=-1), None
     q = probabilities(logits, params)

@@ -111,6 +111,13 @@ class TargetAdapter:
                 layer.__class__ = _capturing_class(type(layer))
                 layer._dflash_idx = i
 
+    @property
+    def logits_width(self) -> int:
+        """Entries in a row of the target's logits: its LM head's rows (the embedding's when
+        tied)."""
+        head = self._head if self._head is not None else self.embed_tokens
+        return int(head.weight.shape[0])
+
     @classmethod
     def of(cls, model: nn.Module) -> TargetAdapter:
         """Deprecated: a `Pair` owns its adapter (`pair.target`); this makes a new one."""
