@@ -141,10 +141,15 @@ def test_nesting_within_the_limit_is_served(server):
 
 
 def test_a_responses_text_format_that_is_not_an_object_is_a_400(server):
-    for text in ({"format": "json"}, {"format": 5}, {"format": {"type": "json_schema"}}):
+    for text in ({"format": "json"}, {"format": 5}):
         err = refused(post(server, RESPONSES, {"input": "hi", "text": text}))
-        assert err["param"] == "text" and err["code"] == "unsupported_parameter", err
-        assert "plain text" in err["message"], err
+        assert err["param"] == "text.format" and err["code"] == "invalid_type", err
+    err = refused(post(server, RESPONSES, {"input": "hi", "text": {"format": {"type": "xml"}}}))
+    assert err["param"] == "text.format.type" and err["code"] == "invalid_value", err
+    no_schema = {"format": {"type": "json_schema"}}
+    err = refused(post(server, RESPONSES, {"input": "hi", "text": no_schema}))
+    assert err["param"] == "text.format.schema", err
+    assert err["code"] == "missing_required_parameter", err
     for text in ({"format": {"type": "text"}}, {}, {"format": None}, {"verbosity": "low"}):
         r = post(server, RESPONSES, {"input": "hi", "text": text, "max_output_tokens": 1})
         assert r.status_code == 200, (text, r.text)

@@ -27,16 +27,18 @@ from jinja2 import TemplateError
 from mlx_lm.generate import make_text_state_machine
 from starlette.concurrency import run_in_threadpool
 
-from ..errors import ContextTooLong
+from ..errors import BadArgument, ContextTooLong
 from ..options import GenerateOptions
 from ..pair import check_context
 from ..text import encode_prompt
+from . import structured
 from .engine import Engine
 from .errors import APIError, as_api_error
 from .events import (
     Event,
     Finish,
     Generation,
+    Logprobs,
     Reasoning,
     Text,
     ToolCall,
@@ -44,7 +46,9 @@ from .events import (
     collect,
     merged,
     new_id,
+    scores,
 )
+from .logprobs import Pieces
 from .request import MIN_TEMPERATURE, SEED_MODULUS, Request, _text_bytes, check_unicode
 
 __all__ = [
@@ -54,6 +58,7 @@ __all__ = [
     "Event",
     "Finish",
     "Generation",
+    "Logprobs",
     "Reasoning",
     "Request",
     "Service",
@@ -65,6 +70,7 @@ __all__ = [
     "collect",
     "merged",
     "new_id",
+    "scores",
 ]
 
 
@@ -95,6 +101,7 @@ class Service:
         # The most bytes one token stands for: bytes / this is a lower bound on tokens.
         vocab = self.tokenizer.get_vocab()
         self._bytes_per_token = max((len(t.encode("utf-8")) for t in vocab), default=1) or 1
+        self._pieces: Pieces | None = None
 
     @property
     def has_tools(self) -> bool:
@@ -190,13 +197,67 @@ class Service:
         wanted = req.max_tokens or self.default_max_tokens
         return wanted if limit is None else min(wanted, limit - n)
 
-    def options(self, req: Request, n: int) -> GenerateOptions:
-        """The engine's options for a request of `n` prompt tokens."""
-        return req.options(self.engine.options, self.budget(req, n), self.sampling)
+    def options(self, req: Request, ids: list[int]) -> GenerateOptions:
+        """The engine's options for a request whose prompt is `ids`: its sampling and
+        processing, and its constraint (a JSON format, or the grammar of a forced tool
+        call), checked here so that an invalid one is a 400 before anything streams."""
+        vocab = self.engine.vocab_size
+        for key in req.logit_bias or {}:
+            if vocab is not None and int(key) >= vocab:
+                raise APIError(
+                    400,
+                    f"Invalid 'logit_bias': token id {key} is outside the vocabulary "
+                    f"(0..{vocab - 1})",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
+        try:
+            options = req.options(self.engine.options, self.budget(req, len(ids)), self.sampling)
+        except BadArgument as e:
+            field = str(e).split(" ", 1)[0].split("[", 1)[0]
+            param = req.format_param if field == "json_schema" else field
+            raise APIError(
+                400, f"Invalid '{param}': {e}", param=param, code="invalid_value"
+            ) from None
+        param = req.format_param
+        if req.forced_tool and req.messages is not None:
+            if options.json_schema is not None:
+                raise APIError(
+                    400,
+                    f"'{param}' and a forced tool_choice both constrain the reply: send one.",
+                    param=param,
+                )
+            options = options.replace(grammar=self._tool_grammar(req, ids))
+            param = "tool_choice"
+        if options.constrained:
+            with self._lock:
+                structured.check(options, self.tokenizer, vocab, param)
+        return options
+
+    def _tool_grammar(self, req: Request, ids: list[int]) -> str:
+        tok = self.tokenizer
+        reasoning = bool(tok.has_thinking) and tok.rfind_think_start(ids) > tok.rfind_think_end(ids)
+        return structured.tool_grammar(tok, req.template_tools() or [], reasoning)
+
+    @property
+    def pieces(self) -> Pieces:
+        """Each token's bytes (for logprobs), read from the vocabulary when first needed."""
+        if self._pieces is None:
+            self._pieces = Pieces(self.tokenizer, self._lock)
+        return self._pieces
+
+    def _prepare(self, req: Request) -> tuple[list[int], GenerateOptions]:
+        ids = self._tokenize(req)
+        options = self.options(req, ids)
+        if options.logprobs is not None:
+            self.pieces  # noqa: B018 - read off the event loop
+        return ids, options
 
     async def start(self, req: Request) -> Generation:
-        ids = await self.tokenize(req)
-        job = self.engine.submit(ids, self.options(req, len(ids)))
+        # Off the event loop: the checks walk the whole request, the ids may be many and a
+        # grammar compiles.
+        ids, options = await run_in_threadpool(self._prepare, req)
+        job = self.engine.submit(ids, options)
         return Generation(self, job, req, ids, chat=req.messages is not None)
 
     async def count(self, req: Request) -> int:

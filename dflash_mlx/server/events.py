@@ -22,6 +22,7 @@ from mlx_lm.generate import TextStateMachine
 from ..generate import GenerationResponse
 from ..stats import Stats
 from .engine import Job
+from .logprobs import Ledger, Scored
 from .request import Request
 
 if TYPE_CHECKING:
@@ -48,6 +49,14 @@ class ToolCall:
 
 
 @dataclass
+class Logprobs:
+    """The scores of the tokens whose text the events after it begin to show (streamed
+    chunks carry them with their text)."""
+
+    scores: list[Scored]
+
+
+@dataclass
 class Finish:
     reason: str  # stop | length | tool_calls
     usage: Usage
@@ -55,7 +64,7 @@ class Finish:
     truncated_tool_call: bool = False  # the budget ran out inside a tool call
 
 
-Event = Text | Reasoning | ToolCall | Finish
+Event = Text | Reasoning | ToolCall | Logprobs | Finish
 
 
 class Usage:
@@ -134,6 +143,9 @@ class Generation:
             if tok.rfind_think_start(ids) > tok.rfind_think_end(ids):
                 initial = "reasoning"  # the template opened the reasoning block
         self._state = service.text_machine.make_state(initial) if chat else None
+        self._ledger = None
+        if req.logprobs is not None:
+            self._ledger = Ledger(service.pieces, service.eos_ids)
 
     def cancel(self) -> None:
         self.job.cancel()
@@ -148,6 +160,10 @@ class Generation:
             async for r in self.job.responses():
                 usage.add(r)
                 usage.sources = self.job.sources
+                if self._ledger is not None:
+                    scores = self._ledger.add(r)
+                    if scores:
+                        yield Logprobs(scores)
                 if self._state is None:
                     if r.text:
                         yield Text(r.text)
@@ -227,6 +243,11 @@ async def collect(gen: Generation, receive) -> list[Event]:
     finally:
         watcher.cancel()
         gen.cancel()
+
+
+def scores(events: list[Event]) -> list[Scored]:
+    """The scores of a collected request's shown tokens, in order."""
+    return [s for e in events if isinstance(e, Logprobs) for s in e.scores]
 
 
 def merged(events: list[Event]) -> tuple[str, str, list[ToolCall], Finish | None]:

@@ -18,8 +18,9 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from . import core
-from .core import APIError, Finish, Reasoning, Text, ToolCall, new_id
+from .core import APIError, Finish, Logprobs, Reasoning, Text, ToolCall, new_id
 from .limits import BoundedRoute
+from .logprobs import chat_logprobs, text_logprobs
 from .openai_requests import ChatCompletionRequest, CompletionRequest
 from .replies import sse, streamed, whole
 
@@ -49,45 +50,59 @@ def _usage(finish: Finish) -> dict[str, Any]:
     }
 
 
-def _completion(rid: str, model: str, kind: str, choice: dict, finish: Finish) -> dict:
+def _completion(
+    rid: str, model: str, kind: str, choice: dict, finish: Finish, logprobs: dict | None
+) -> dict:
     """A whole response of `kind` (its `object`), with its one choice."""
     return {
         "id": rid,
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish.reason}],
+        "choices": [{"index": 0, **choice, "logprobs": logprobs, "finish_reason": finish.reason}],
         "usage": _usage(finish),
         "timings": finish.usage.timings(),
     }
 
 
-def chat_completion(rid: str, model: str, events: list[core.Event]) -> dict[str, Any]:
+def chat_completion(
+    rid: str, model: str, logprobs: bool, events: list[core.Event]
+) -> dict[str, Any]:
     text, reasoning, calls, finish = core.merged(events)
     message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
     if reasoning:
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [_call(c) for c in calls]
-    out = _completion(rid, model, "chat.completion", {"message": message}, finish)
+    scored = chat_logprobs(core.scores(events)) if logprobs else None
+    out = _completion(rid, model, "chat.completion", {"message": message}, finish, scored)
     if finish.truncated_tool_call:
         out["choices"][0]["truncated_tool_call"] = True
     return out
 
 
-def text_completion(rid: str, model: str, events: list[core.Event]) -> dict[str, Any]:
+def text_completion(
+    rid: str, model: str, logprobs: bool, events: list[core.Event]
+) -> dict[str, Any]:
     text, _, _, finish = core.merged(events)
-    return _completion(rid, model, "text_completion", {"text": text}, finish)
+    scored = text_logprobs(core.scores(events)) if logprobs else None
+    return _completion(rid, model, "text_completion", {"text": text}, finish, scored)
 
 
 class _Chunks:
-    """The SSE chunks of one streamed response of `kind` (their `object`)."""
+    """The SSE chunks of one streamed response of `kind` (their `object`); with `logprobs`
+    (its shape), each chunk carries the scores that came before it."""
 
-    def __init__(self, rid: str, model: str, kind: str):
+    def __init__(self, rid: str, model: str, kind: str, logprobs=None):
         self.head = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+        self.logprobs = logprobs
+        self.scores: list = []
 
     def choice(self, choice: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
-        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish}
+        scored = None
+        if self.logprobs is not None and self.scores:
+            scored, self.scores = self.logprobs(self.scores), []
+        choice = {"index": 0, **choice, "logprobs": scored, "finish_reason": finish}
         return sse({**self.head, "choices": [choice], **extra})
 
     def usage(self, finish: Finish) -> str:
@@ -107,13 +122,15 @@ async def _ended(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 async def chat_stream(
-    gen: core.Generation, rid: str, model: str, include_usage: bool
+    gen: core.Generation, rid: str, model: str, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[str]:
-    chunks = _Chunks(rid, model, "chat.completion.chunk")
+    chunks = _Chunks(rid, model, "chat.completion.chunk", chat_logprobs if logprobs else None)
     calls = 0
     yield chunks.choice({"delta": {"role": "assistant", "content": ""}})
     async for e in gen.events():
-        if isinstance(e, Text):
+        if isinstance(e, Logprobs):
+            chunks.scores += e.scores
+        elif isinstance(e, Text):
             yield chunks.choice({"delta": {"content": e.text}})
         elif isinstance(e, Reasoning):
             yield chunks.choice({"delta": {"reasoning_content": e.text}})
@@ -130,11 +147,13 @@ async def chat_stream(
 
 
 async def text_stream(
-    gen: core.Generation, rid: str, model: str, include_usage: bool
+    gen: core.Generation, rid: str, model: str, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[str]:
-    chunks = _Chunks(rid, model, "text_completion")
+    chunks = _Chunks(rid, model, "text_completion", text_logprobs if logprobs else None)
     async for e in gen.events():
-        if isinstance(e, Text):
+        if isinstance(e, Logprobs):
+            chunks.scores += e.scores
+        elif isinstance(e, Text):
             yield chunks.choice({"text": e.text})
         elif isinstance(e, Finish):
             yield chunks.choice({"text": ""}, e.reason, timings=e.usage.timings())
@@ -151,11 +170,12 @@ def routes(service: core.Service, model_name) -> APIRouter:
         model = model_name(body.model)
         gen = await service.start(await run_in_threadpool(body.core))
         rid = new_id("chatcmpl-" if chat else "cmpl-")
+        logprobs = body.top_alternatives() is not None
         if body.stream:
             stream = chat_stream if chat else text_stream
-            return streamed(_ended(stream(gen, rid, model, body.include_usage)))
+            return streamed(_ended(stream(gen, rid, model, body.include_usage, logprobs)))
         build = chat_completion if chat else text_completion
-        return await whole(gen, request, partial(build, rid, model))
+        return await whole(gen, request, partial(build, rid, model, logprobs))
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -16,7 +16,10 @@ from pydantic import Field, field_validator
 from . import core
 from .core import APIError, new_id
 from .limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, nested_too_deep, too_deep
-from .refused import Strict, ToolSchema, refuse, unsupported
+from .refused import Strict, ToolSchema, refuse, unsupported, unsupported_value
+from .structured import ResponseFormat
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the engine's too)
 
 
 class StreamOptions(Strict):
@@ -37,11 +40,25 @@ class _Request(Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
+    # mlx-lm's extension: divide the logits of the recent tokens' (prompt included).
+    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_context_size: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
 
     limits: ClassVar[dict[str, int]] = {"stop": MAX_STOP}  # arrays' lengths (`limits.py`)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise unsupported_value(f"key {key!r} is not a token id (an integer >= 0)")
+            if not -100 <= value <= 100:
+                raise unsupported_value(f"the bias of token {key} is {value}, not in [-100, 100]")
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -51,6 +68,7 @@ class _Request(Strict):
         return [value] if isinstance(value, str) else value
 
     def core_request(self, **kw: Any) -> core.Request:
+        fmt = self.response_format
         return core.Request(
             max_tokens=self.requested_max_tokens(),
             temperature=self.temperature,  # None: the server's default
@@ -59,8 +77,19 @@ class _Request(Strict):
             min_p=self.min_p,
             seed=self.seed,
             stop=self.stop,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+            logit_bias=self.logit_bias,
+            logprobs=self.top_alternatives(),
+            json_schema=fmt.engine_schema("response_format") if fmt else None,
             **kw,
         )
+
+    def top_alternatives(self) -> int | None:
+        """The engine's `logprobs`: None (off), or the top alternatives per token."""
+        return None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -163,8 +192,7 @@ class ChatCompletionRequest(_Request):
     functions: list[Any] | None = None
     function_call: Any = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     limits: ClassVar[dict[str, int]] = {
         **_Request.limits,
@@ -172,6 +200,16 @@ class ChatCompletionRequest(_Request):
         "tools": MAX_TOOLS,
     }
     _refused = refuse("chat/completions")
+
+    def top_alternatives(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(
+                400,
+                "Invalid 'top_logprobs': it needs 'logprobs' set to true.",
+                param="top_logprobs",
+                code="invalid_value",
+            )
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
@@ -239,7 +277,7 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's top alternatives
 
     _refused = refuse("completions")
 
@@ -253,6 +291,9 @@ class CompletionRequest(_Request):
                 )
             prompt = prompt[0]
         return prompt
+
+    def top_alternatives(self) -> int | None:
+        return self.logprobs
 
     def core(self) -> core.Request:
         return self.core_request(prompt=self.prompt, param="prompt")

@@ -4,10 +4,10 @@ validator that refuses them.
 Request schemas are `Strict`: "max_tokens": "5" is a type error (as with OpenAI), and the
 fields a schema does not know are ignored (clients send vendor extras). The exceptions
 are the fields in `REFUSED`: a client sends them to change the result in a way this
-server does not honour (decoding is lossless, so no penalties or biases; one reply per
-request; plain text out; nothing kept between requests). A schema refuses its group with
-`_refused = refuse("<group>")`; `app` renders the error as a 400 `unsupported_parameter`
-whose `param` is the field: "Unsupported parameter 'n': n=2: this server returns ...".
+server does not honour (one reply per request; nothing kept between requests). A schema
+refuses its group with `_refused = refuse("<group>")`; `app` renders the error as a 400
+`unsupported_parameter` whose `param` is the field: "Unsupported parameter 'n': n=2:
+this server returns ...".
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ def unsupported(reason: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported_parameter", reason)
 
 
+def unsupported_value(reason: str) -> PydanticCustomError:
+    """The error refusing a value of a supported field: a 400 `invalid_value` naming it."""
+    return PydanticCustomError("value_error", reason)
+
+
 def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     problem = schema_problem(schema)
     if problem is not None:
@@ -51,11 +56,6 @@ def _unset(value: Any) -> bool:
     return not value  # null, false, 0, "", [], {}: what says "none of that"
 
 
-def _plain_text(fmt: Any) -> bool:
-    """An output format asking for plain text, or for nothing in particular."""
-    return not fmt or (isinstance(fmt, dict) and fmt.get("type", "text") == "text")
-
-
 @dataclass(frozen=True)
 class Refused:
     """Why a field is refused, and the values of it accepted all the same.
@@ -70,14 +70,6 @@ class Refused:
 
 _OPENAI = {  # both /v1/chat/completions and /v1/completions
     "n": Refused("n={value}: this server returns one choice per request (n=1)", lambda n: n == 1),
-    **dict.fromkeys(
-        ("presence_penalty", "frequency_penalty"),
-        Refused(
-            "penalties are not supported: decoding is lossless, the output follows the "
-            "model's own distribution (send 0 or leave it out)"
-        ),
-    ),
-    "logit_bias": Refused("logit_bias is not supported"),
 }
 
 _BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
@@ -91,11 +83,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
         **dict.fromkeys(
             ("functions", "function_call"),
             Refused("'functions' / 'function_call' are deprecated: use 'tools'"),
-        ),
-        "logprobs": Refused("logprobs are not supported"),
-        "top_logprobs": Refused("top_logprobs are not supported"),
-        "response_format": Refused(
-            "response_format {type!r}: only plain text output is supported", _plain_text
         ),
     },
     "chat/completions messages[]": {
@@ -115,7 +102,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
         "best_of": Refused(
             "best_of={value}: one completion per request is supported", lambda n: n in (None, 1)
         ),
-        "logprobs": Refused("logprobs are not supported", lambda n: n is None),
     },
     "responses": {
         "store": Refused(
@@ -126,7 +112,6 @@ REFUSED: dict[str, dict[str, Refused]] = {
             "this server is stateless and keeps no responses: send the whole conversation "
             "as input instead of previous_response_id"
         ),
-        "text.format": Refused("text.format {type!r}: only plain text is supported", _plain_text),
     },
     "responses tools[]": {
         "type": Refused(

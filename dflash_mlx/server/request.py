@@ -28,7 +28,19 @@ SAMPLING_DEFAULTS: dict[str, Any] = {
     "top_k": 0,
     "min_p": 0.0,
     "seed": None,
+    # Logits processing, off unless the request or the server (`serve --presence-penalty`)
+    # sets it.
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": None,
+    "repetition_context_size": 20,
 }
+PROCESSING = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "repetition_context_size",
+)
 
 
 @dataclass
@@ -47,6 +59,17 @@ class Request:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     param: str = "messages"  # the request field errors about the prompt name
+    # Logits processing (None: the server's default, else off).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    repetition_context_size: int | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as text) -> bias
+    logprobs: int | None = None  # None: none; k: each token's logprob and k alternatives
+    # The reply as JSON: a schema, or True for any JSON object; `format_param` names the
+    # request field it came from, for errors about it.
+    json_schema: dict[str, Any] | bool | None = None
+    format_param: str = "response_format"
 
     def options(
         self,
@@ -81,6 +104,17 @@ class Request:
             min_p=get("min_p"),
             seed=None if seed is None else seed % SEED_MODULUS,
             stop=tuple(self.stop or ()),
+            **{name: get(name) for name in PROCESSING},
+            logit_bias=self.logit_bias or None,
+            logprobs=self.logprobs,
+            json_schema=self.json_schema,
+        )
+
+    @property
+    def forced_tool(self) -> bool:
+        """Whether the reply must be a tool call (tool_choice required, or a named one)."""
+        return bool(self.tools) and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, dict)
         )
 
     def template_tools(self) -> list[dict[str, Any]] | None:

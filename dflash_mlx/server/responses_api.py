@@ -25,6 +25,12 @@ from .replies import sse, streamed, whole
 from .responses_requests import NamedChoice, ResponsesRequest
 
 
+def _format(body: ResponsesRequest) -> dict[str, Any]:
+    """`text.format` as the request set it (plain text when it did not)."""
+    fmt = body.text.format if body.text else None
+    return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+
+
 def _status(finish: Finish) -> str:
     return "incomplete" if finish.reason == "length" else "completed"
 
@@ -74,7 +80,7 @@ class Builder:
             else (b.tool_choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or []],
             "store": False,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format(b)},
             "truncation": "disabled",
             "metadata": b.metadata or {},
             "usage": usage,

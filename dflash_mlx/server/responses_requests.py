@@ -2,7 +2,8 @@
 
 `input` (a string, or items: messages, `function_call`, `function_call_output`; reasoning
 items sent back are dropped) and `instructions` become chat messages in the template's
-shape; function tools become `core`'s tools. The refused fields (`store`,
+shape; function tools become `core`'s tools; `text.format` (json_schema, json_object) the
+reply's JSON schema. The refused fields (`store`,
 `previous_response_id`: nothing is stored, the client sends the whole input) are in
 `refused.REFUSED`.
 """
@@ -18,6 +19,7 @@ from .core import APIError
 from .limits import MAX_MESSAGES, MAX_TOOLS
 from .openai_requests import template_call
 from .refused import Strict, ToolSchema, refuse
+from .structured import TextOptions
 
 
 class FunctionTool(Strict):
@@ -48,7 +50,7 @@ class ResponsesRequest(Strict):
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
-    text: dict[str, Any] | None = None
+    text: TextOptions | None = None
     reasoning: dict[str, Any] | None = None  # reasoning models think as their template says
     metadata: dict[str, Any] | None = None
 
@@ -87,6 +89,8 @@ class ResponsesRequest(Strict):
             temperature=self.temperature,  # None: the server's default
             top_p=self.top_p,
             param="input",
+            json_schema=fmt.engine_schema() if (fmt := self.text and self.text.format) else None,
+            format_param="text.format",
         )
 
     def messages(self) -> list[dict[str, Any]]:
