@@ -63,6 +63,9 @@ def command(
     top_k: options.TopK = 0,
     min_p: options.MinP = 0.0,
     seed: options.Seed = None,
+    presence_penalty: options.PresencePenalty = 0.0,
+    frequency_penalty: options.FrequencyPenalty = 0.0,
+    repetition_penalty: options.RepetitionPenalty = None,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
@@ -104,6 +107,11 @@ def command(
             top_p=top_p,
             top_k=top_k,
             min_p=min_p,
+            penalties=dict(
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+            ),
             max_tokens=max_tokens,
             verify_width=options.verify_width(verify_width, block_size),
             seed=seed,
@@ -145,6 +153,7 @@ def run(
     draft_window: int | None = None,
     top_k: int = 0,
     min_p: float = 0.0,
+    penalties: dict | None = None,
     json_out: bool = False,
     prompt_cache_dir: Path | None = None,
 ) -> int:
@@ -167,6 +176,7 @@ def run(
         verify_width=verify_width,
         seed=seed,
         draft_window=draft_window,
+        **(penalties or {}),
     )
     if system is not None:
         options.unicode_text("--system", system)

@@ -8,6 +8,7 @@ output goes through `ui.py`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -40,9 +41,22 @@ def command(
     top_k: options.TopK = 0,
     min_p: options.MinP = 0.0,
     seed: options.Seed = None,
+    presence_penalty: options.PresencePenalty = 0.0,
+    frequency_penalty: options.FrequencyPenalty = 0.0,
+    repetition_penalty: options.RepetitionPenalty = None,
     verify_width: options.VerifyWidth = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
+    json_schema: Annotated[
+        Path | None,
+        typer.Option(
+            "--json-schema",
+            metavar="FILE",
+            help="Constrain the reply to JSON following the JSON schema in FILE "
+            "(e.g. schema.json); the reply ends when the JSON does.",
+            show_default=False,
+        ),
+    ] = None,
     chat: Annotated[
         bool | None,
         typer.Option(
@@ -76,6 +90,7 @@ def command(
             json_out=json_out,
             compare=compare,
             demo=demo,
+            schema_file=json_schema,
             settings=dict(
                 max_tokens=max_tokens,
                 temperature=temp,
@@ -83,8 +98,12 @@ def command(
                 top_k=top_k,
                 min_p=min_p,
                 seed=seed,
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
                 verify_width=options.verify_width(verify_width, block_size),
                 draft_window=draft_window,
+                json_schema=read_schema(json_schema),
             ),
         )
     if code:
@@ -102,6 +121,7 @@ def run(
     demo: bool,
     settings: dict,
     compare: bool = False,
+    schema_file: Path | None = None,
 ) -> int:
     """Generate; the exit code (1: --compare found plain decoding's tokens differ)."""
     import dflash_mlx
@@ -120,6 +140,11 @@ def run(
     opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = load(model, draft, no_draft)
     pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+    if opts.constrained:  # a schema no grammar can be made of fails before anything runs
+        try:
+            dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
+        except BadArgument as e:
+            raise BadArgument(f"--json-schema {schema_file}: {e}") from None
     if compare and pair.draft is None:
         raise BadArgument(
             "--compare measures DFlash against plain decoding: it needs a draft "
@@ -218,6 +243,33 @@ NO_PROMPT = (
     'no prompt: pass it as an argument (dflash-mlx generate "..."), with --prompt/-p, '
     "or on stdin (echo ... | dflash-mlx generate, or --prompt - to read stdin)"
 )
+
+
+def read_schema(path: Path | None) -> dict | None:
+    """The JSON schema in `path` (None: none); a file that cannot be read, is not JSON or
+    holds no schema object is a `BadArgument` naming it."""
+    if path is None:
+        return None
+    import json
+
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise BadArgument(f"--json-schema {path}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadArgument(f"--json-schema {path}: not JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise BadArgument(
+            f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}"
+        )
+    return schema
+
+
+def vocab_size(model) -> int | None:
+    """The width of the target's logits (its config's vocab_size), if it says."""
+    args = getattr(model, "args", None)
+    n = getattr(args, "vocab_size", None)
+    return int(n) if n else None
 
 
 def prompt_text(positional: str | None, option: str | None) -> str:

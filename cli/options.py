@@ -102,6 +102,8 @@ class Setting:
     name: str  # chat's /set NAME
     help: str
     short: str | None = None
+    # Whether `bench` takes it: its baseline decodes through mlx-lm with sampling only.
+    bench: bool = True
 
     @property
     def decls(self) -> list[str]:
@@ -145,9 +147,40 @@ SETTINGS = (
         "Positions a draft block sees on long contexts: its anchor and the N - 1 before "
         "it (default: the draft's own sliding window, else all).",
     ),
+    Setting(
+        "presence_penalty",
+        "--presence-penalty",
+        "presence_penalty",
+        "Subtract this from the logit of every token already generated (OpenAI's, "
+        "-2 to 2); 0 disables.",
+        bench=False,
+    ),
+    Setting(
+        "frequency_penalty",
+        "--frequency-penalty",
+        "frequency_penalty",
+        "Subtract this times a token's count so far from its logit (OpenAI's, -2 to 2); "
+        "0 disables.",
+        bench=False,
+    ),
+    Setting(
+        "repetition_penalty",
+        "--repetition-penalty",
+        "repetition_penalty",
+        "Scale down the logits of the last 20 tokens by this factor (mlx-lm's; > 1 "
+        "discourages repeats); default off.",
+        bench=False,
+    ),
 )
 SETTING = {s.field: s for s in SETTINGS}
-_FLOATS = {"temperature", "top_p", "min_p"}
+_FLOATS = {
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+}
 
 
 def option(field: str, **extra: Any) -> Any:
@@ -165,6 +198,9 @@ TopK = Annotated[int, option("top_k")]
 MinP = Annotated[float, option("min_p")]
 Seed = Annotated[int | None, option("seed", show_default="random")]
 VerifyWidth = Annotated[int | None, option("verify_width", show_default=False)]
+PresencePenalty = Annotated[float, option("presence_penalty")]
+FrequencyPenalty = Annotated[float, option("frequency_penalty")]
+RepetitionPenalty = Annotated[float | None, option("repetition_penalty", show_default=False)]
 DraftWindow = Annotated[int | None, option("draft_window", show_default=False)]
 
 

@@ -88,6 +88,18 @@ def serve(
     seed: Annotated[
         int | None, options.option("seed", show_default="random, for requests that do not say")
     ] = None,
+    presence_penalty: Annotated[
+        float | None,
+        options.option("presence_penalty", show_default="0, for requests that do not say"),
+    ] = None,
+    frequency_penalty: Annotated[
+        float | None,
+        options.option("frequency_penalty", show_default="0, for requests that do not say"),
+    ] = None,
+    repetition_penalty: Annotated[
+        float | None,
+        options.option("repetition_penalty", show_default="off, for requests that do not say"),
+    ] = None,
     max_context: Annotated[
         int | None,
         typer.Option(
@@ -148,7 +160,14 @@ def serve(
             sampling={
                 name: value
                 for name, value in dict(
-                    temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed
+                    temperature=temp,
+                    top_p=top_p,
+                    top_k=top_k,
+                    min_p=min_p,
+                    seed=seed,
+                    presence_penalty=presence_penalty,
+                    frequency_penalty=frequency_penalty,
+                    repetition_penalty=repetition_penalty,
                 ).items()
                 if value is not None
             },
@@ -267,8 +286,8 @@ def run(
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C.
 
-    `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed) for requests
-    that leave them out; `default_max_tokens` None: 2048."""
+    `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed, the
+    penalties) for requests that leave them out; `default_max_tokens` None: 2048."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:

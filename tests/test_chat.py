@@ -131,7 +131,8 @@ def test_set_confirms_each_change_and_shows_every_setting(session, tmp_path):
     assert "draft_window set to 64" in err and "top_k set to 5" in err
     assert (
         "temp 0 · top_p 1 · top_k 5 · min_p 0.1 · max_tokens 6 · verify_width auto · "
-        "seed none · draft_window 64 · thinking shown"
+        "seed none · draft_window 64 · presence_penalty 0 · frequency_penalty 0 · "
+        "repetition_penalty off · thinking shown"
     ) in err
     help_text = err.split("thinking shown")[-1]
     for name in ("top_k", "min_p", "verify_width", "seed", "draft_window", "thinking"):

@@ -526,3 +526,22 @@ def test_forced_tool_choice_is_refused_where_the_call_format_is_unknown():
     Tokenizer.tool_call_start, Tokenizer.tool_call_end = "<tool_call>", "</tool_call>"
     grammar = tool_grammar(Tokenizer(), TOOLS, reasoning=False)
     assert '"<tool_call>"' in grammar and "get_time" in grammar  # not an added token: text
+
+
+def test_the_servers_penalty_defaults_apply_to_requests_that_do_not_say(models_dir, target, draft):
+    """`serve --presence-penalty 2`: a request without one gets the server's."""
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    kw = dict(max_tokens=32, temperature=0, verify_width=WIDTH)
+    want = dflash_mlx.generate(model, draft, tok, ids, **kw, presence_penalty=2.0)
+    plain = dflash_mlx.generate(model, draft, tok, ids, **kw)
+    assert want.tokens != plain.tokens
+    settings = {"sampling": {"presence_penalty": 2.0}}
+    with serving(models_dir, verify_width=WIDTH, settings=settings) as s:
+        client = s.client()
+        out = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=32)
+        assert out.choices[0].text == want.text
+        off = client.completions.create(
+            model=MODEL, prompt=ids, temperature=0, max_tokens=32, presence_penalty=0
+        )
+        assert off.choices[0].text == plain.text
