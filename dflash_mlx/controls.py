@@ -141,6 +141,10 @@ class Grammar:
         self._check()
         return out
 
+    def allowed(self, mask: np.ndarray) -> np.ndarray:
+        """`(vocab,)` bool: the tokens a `mask` allows."""
+        return np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
+
     def allows(self, mask: np.ndarray, token: int) -> bool:
         return 0 <= token < self.vocab and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
 
@@ -281,18 +285,14 @@ class Controls:
         row the same; no grammar): for proposals drawn all at once (DFlash 2's selector)."""
         return self._apply(logits.astype(mx.float32), self.counts, self.recent)
 
-    def walk(
-        self, logits: mx.array, pick: Callable[[mx.array, int], mx.array | None]
-    ) -> list[mx.array]:
+    def walk(self, logits: mx.array, pick: Callable[[mx.array, int], mx.array]) -> list[mx.array]:
         """The draft's proposals drawn row by row from its logits `(rows, V)`: row `i`
         processed with the committed history and the proposals before it, then
-        `pick(row (1, V), i)` draws its token (None: the block ends there)."""
+        `pick(row (1, V), i)` draws its token (on the device: no host sync)."""
         counts, recent = self.counts, self.recent
         tokens = []
         for i in range(logits.shape[0]):
             tok = pick(self._apply(logits[i : i + 1].astype(mx.float32), counts, recent), i)
-            if tok is None:
-                break
             tokens.append(tok)
             if counts is not None:
                 counts = counts.at[tok].add(1.0)

@@ -25,7 +25,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
-from .controls import Controls, Grammar, TokenLogprob, bits_to_mask, read_logprobs
+from .controls import Controls, Grammar, TokenLogprob, read_logprobs
 from .options import GenerateOptions
 from .pair import Pair
 from .prefill import Request, prefill_prompt, resume
@@ -38,8 +38,6 @@ from .sampling import (
     rejection_accept,
     sample,
 )
-
-NEG_INF = float("-inf")
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
 # buffers of a long decode (growing caches, verify passes of every width) are returned.
@@ -196,6 +194,11 @@ def _cycles(
                     tic = time.perf_counter()
             drafts, q, masks = make_drafts(req, anchor, a, w, rows)
             logits, feats, saved = verify(req, anchor, drafts, capture)
+            if callable(masks):
+                # Masks along free proposals: computed on the host while the target's
+                # forward runs.
+                mx.async_eval(logits)
+                masks = masks()
             n, out, lp = accept(req, drafts, q, logits, a, masks)
             mx.async_eval(n, out, *(lp or ()))
         # On a CPU much of the work runs inside async_eval: the launch time is part of
@@ -292,10 +295,11 @@ def choose(
 
 def make_drafts(
     req: Request, anchor: mx.array, a: int, w: int, rows: int
-) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
+) -> tuple[mx.array, mx.array | None, np.ndarray | Callable[[], np.ndarray] | None]:
     """The draft's `w - 1` proposals after the anchor at generated index `a` (none for
     W = 1), when sampling the distributions `q` they were drawn from, and under a grammar
-    its masks at each verified row `(W', words)` (a block it ends early has W' < W rows)."""
+    its masks at each verified row `(W', words)` (a block it ends early has W' < W rows),
+    or for free proposals what computes them while the verify pass runs."""
     controls = req.controls
     grammar = controls.grammar if controls is not None else None
     if w == 1:
@@ -303,13 +307,15 @@ def make_drafts(
         return mx.zeros((0,), dtype=mx.int32), None, masks
     req.feed_draft()
     keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
-    walk = grammar is not None or (controls is not None and controls.follows_history)
-    if walk and "candidate_selector" not in req.draft:
+    selector = "candidate_selector" in req.draft  # DFlash 2: proposals drawn all at once
+    if grammar is not None and grammar.mask_drafts and not selector:
+        drafts, q, masks = _walk_grammar(req, anchor, rows, w - 1, keys)
+    elif controls is not None and controls.follows_history and not selector:
         drafts, q, masks = _walk(req, anchor, rows, w - 1, keys)
     else:
         process = controls.draft if controls is not None else None
         drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys, process)
-        masks = _masks_along(grammar, drafts.tolist()) if grammar is not None else None
+        masks = _masks_along(req, drafts)
     req.lazy_rows = 0  # computed with this draft pass
     return drafts.astype(mx.int32), q, masks
 
@@ -317,52 +323,69 @@ def make_drafts(
 def _walk(
     req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
 ) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
-    """The draft's proposals row by row, each from its processed distribution given the
-    proposals before it (`Controls.walk`); under a grammar that masks drafts, within the
-    tokens it allows there (a host step per row: the matcher advances, and is rolled back
-    after), stopping after EOS. Returns the proposals, their `q` when sampling, and the
-    grammar's masks at each verified row."""
-    controls = req.controls
-    grammar = controls.grammar
-    masking = grammar is not None and grammar.mask_drafts
-    masks, qs = [grammar.mask()] if masking else [], []
-    ended = []  # an EOS was proposed: nothing follows it
+    """The draft's proposals row by row on the device, each from its processed distribution
+    given the proposals before it (`Controls.walk`): the penalties see the block's own
+    proposals. Returns the proposals, their `q` when sampling, and under a grammar that does
+    not mask drafts its masks along them."""
+    qs = []
 
-    def pick(row: mx.array, i: int) -> mx.array | None:
-        if masking:
-            if ended:
-                return None
-            row = mx.where(bits_to_mask(masks[-1][None], row.shape[-1]), row, NEG_INF)
+    def pick(row: mx.array, i: int) -> mx.array:
         if req.params.greedy:
-            tok = mx.argmax(row, axis=-1)[0]
-        else:
-            qs.append(probabilities(row, req.params)[0])
-            tok = sample(qs[-1], keys[i])
-        tok = tok.astype(mx.int32)
-        if masking:
-            t = tok.item()
-            if t in grammar.eos:
-                ended.append(t)
-            else:
-                grammar.consume([t])
-                masks.append(grammar.mask())
-        return tok
+            return mx.argmax(row, axis=-1)[0].astype(mx.int32)
+        qs.append(probabilities(row, req.params)[0])
+        return sample(qs[-1], keys[i]).astype(mx.int32)
 
     logits = req.draft.block_logits(anchor, length, rows, req.state)
-    picked = controls.walk(logits, pick)
-    drafts = mx.stack(picked) if picked else mx.zeros((0,), dtype=mx.int32)
-    q = mx.stack(qs) if qs else None
-    if not masking:
-        return drafts, q, None if grammar is None else _masks_along(grammar, drafts.tolist())
-    grammar.rollback(len(picked) - len(ended))
-    if len(masks) == len(picked):  # nothing may follow the last proposal: its row is unread
+    drafts = mx.stack(req.controls.walk(logits, pick))
+    return drafts, mx.stack(qs) if qs else None, _masks_along(req, drafts)
+
+
+def _walk_grammar(
+    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
+) -> tuple[mx.array, mx.array | None, np.ndarray]:
+    """The draft's proposals within the grammar, row by row on the host: the draft's block
+    (processed with the committed history) is read back once, and each row is drawn from the
+    tokens the grammar allows after the proposals before it: greedily, or from
+    `softmax(row / temperature)` over them with the row's own key (that is its `q`). The
+    matcher advances with each proposal and is rolled back after; a proposed EOS ends the
+    block. Returns the proposals, `q` when sampling, and the masks of every verified row."""
+    grammar, greedy = req.controls.grammar, req.params.greedy
+    logits = req.controls.draft(req.draft.block_logits(anchor, length, rows, req.state))
+    if not greedy:
+        logits = logits * (1.0 / req.params.temperature)
+    host = np.array(logits, dtype=np.float64)  # the one host sync of the walk
+    seeds = None if greedy else np.array(keys).astype(np.uint64)
+    masks, drafts, qs = [grammar.mask()], [], []
+    for i in range(rows):
+        row = np.where(grammar.allowed(masks[-1]), host[i], -np.inf)
+        if greedy:
+            tok = int(np.argmax(row))
+        else:
+            q = np.exp(row - row.max())
+            qs.append(q / q.sum())
+            rng = np.random.default_rng(int(seeds[i, 0] << np.uint64(32) | seeds[i, 1]))
+            tok = int(min(np.searchsorted(np.cumsum(qs[-1]), rng.random()), row.size - 1))
+        drafts.append(tok)
+        if tok in grammar.eos:
+            break
+        grammar.consume([tok])
+        masks.append(grammar.mask())
+    grammar.rollback(len(masks) - 1)
+    if len(masks) == len(drafts):  # nothing follows a proposed EOS: its row is unread
         masks.append(np.full_like(masks[0], -1))
-    return drafts, q, np.stack(masks)
+    q = mx.array(np.stack(qs), dtype=mx.float32) if qs else None
+    return mx.array(drafts, dtype=mx.int32), q, np.stack(masks)
 
 
-def _masks_along(grammar: Grammar, drafts: list[int]) -> np.ndarray:
-    """The grammar's masks at each verified row after unmasked `drafts`: rows past the
-    first proposal it refuses are never accepted (left unmasked)."""
+def _masks_along(req: Request, drafts: mx.array) -> Callable[[], np.ndarray] | None:
+    """Under a grammar that does not mask the draft's proposals: what computes its masks at
+    each verified row after the free `drafts` (called once the verify pass is launched).
+    Rows past the first proposal it refuses are never accepted (left unmasked)."""
+    grammar = req.controls.grammar if req.controls is not None else None
+    return None if grammar is None else lambda: _masks_after(grammar, drafts.tolist())
+
+
+def _masks_after(grammar: Grammar, drafts: list[int]) -> np.ndarray:
     masks, taken = [grammar.mask()], 0
     for tok in drafts:
         if not grammar.allows(masks[-1], tok) or tok in grammar.eos:
