@@ -140,7 +140,7 @@ def run(
     opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = load(model, draft, no_draft)
     pair.plan(opts)  # a width the draft cannot hold fails before anything runs
-    if opts.constrained:  # a schema no grammar can be made of fails before anything runs
+    if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now
         try:
             dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
         except BadArgument as e:
