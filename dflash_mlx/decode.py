@@ -38,6 +38,7 @@ from .sampling import (
     rejection_accept,
     sample,
 )
+from .tree import BRANCH, Tree, accept_greedy, accept_sampled, attention_mask, build
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
 # buffers of a long decode (growing caches, verify passes of every width) are returned.
@@ -53,6 +54,8 @@ class Cycle:
     width: int  # verify width W of this cycle (0 for the token sampled after prefill)
     reused: int = 0  # prompt tokens taken from a PromptCache instead of prefilled (first only)
     logprobs: list[TokenLogprob] | None = None  # with `options.logprobs`: one per token
+    tree: bool = False  # a tree of `width` tokens was verified (SPEC 7), not a chain
+    tree_note: str | None = None  # (first only) trees were asked for, chains run: why
 
 
 class _Step(NamedTuple):
@@ -66,6 +69,8 @@ class _Step(NamedTuple):
     built: float  # seconds its launch took on the host
     chained: bool  # launched before the previous cycle's result reached the host
     logprobs: tuple[mx.array, ...] | None = None  # `Controls.logprobs` of the verified rows
+    tree: Tree | None = None  # a tree cycle: `out` is the target's argmax or p at each node
+    path: list[int] | None = None  # a tree cycle's accepted nodes, once `result` read them
 
 
 def speculative_decode(
@@ -102,7 +107,7 @@ def speculative_decode(
     """
     if width is None:
         width, draft_block, chooser = pair.plan(options)
-    assert 1 <= width <= max(draft_block, 1)
+    assert 1 <= width and (options.tree or width <= max(draft_block, 1))
     seed = seed if seed is not None else options.seed if options.seed is not None else 0
     # Plain decoding throughout (W = 1 fixed): the draft would never run, so nothing is
     # built for it.
@@ -123,6 +128,7 @@ def speculative_decode(
         keep_snapshots=prompt_cache is not None and pair.target.recurrent,
         controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
     )
+    req.trees = _trees(req, options)
     if chooser is not None:
         chooser.begin_request()
     try:
@@ -192,6 +198,10 @@ def _cycles(
                     if chooser is not None and learn_costs:
                         chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
+            if req.trees and w >= 3:
+                return _launch_tree(req, anchor, a, w, rows, capture, tic, chained)
+            if w > rows > 1:  # a tree's budget asked for where chains run
+                w = rows
             drafts, q, masks = make_drafts(req, anchor, a, w, rows)
             logits, feats, saved = verify(req, anchor, drafts, capture)
             if callable(masks):
@@ -220,7 +230,7 @@ def _cycles(
     req.generated.append(tok)
     if step is None and max_tokens > 1 and tok not in eos_ids:
         step = launch(anchor, 0, chained=False)
-    yield Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]))
+    yield Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
     if tok in eos_ids or step is None:
         return
     prev_w = 0
@@ -238,7 +248,7 @@ def _cycles(
         clock.charge(step, prev_w, nxt)
         if not (plain and chain):
             commit(req, step, n)
-            if chooser is not None and not plain:
+            if chooser is not None and not plain and step.tree is None:
                 chooser.update(step.width, n)
         new, cut = _cut_at_eos(new, eos_ids)
         if grammar is not None:
@@ -252,7 +262,8 @@ def _cycles(
         if not done and nxt is None:
             last = mx.array(new[-1:], dtype=mx.int32)
             nxt = launch(last, len(req.generated) - 1, chained=False)
-        yield Cycle(new, n, step.width, logprobs=read_logprobs(step.logprobs, range(len(new)), new))
+        lp = read_logprobs(step.logprobs, range(len(new)), new)
+        yield Cycle(new, n, step.width, logprobs=lp, tree=step.tree is not None)
         if done:
             return
         step, prev_w = nxt, step.width
@@ -442,6 +453,8 @@ def accept(
 
 def result(req: Request, step: _Step) -> tuple[int, list[int]]:
     """The host sync of a cycle: drafts accepted, and the tokens it emits."""
+    if step.tree is not None:
+        return _tree_result(req, step)
     if step.width == 1:
         return 0, step.out.tolist()
     n, out = step.n.item(), step.out.tolist()
@@ -452,12 +465,15 @@ def commit(req: Request, step: _Step, n: int) -> None:
     """Keep the first `n + 1` verified positions: the target rewinds the rest (SPEC 5.3), the
     draft gets their features and its conv rows at block index `n`."""
     with mx.stream(generation_stream):
-        if step.width > 1:
+        if step.tree is not None:
+            req.target.keep_path(req.cache, step.path, step.width)
+        elif step.width > 1:
             before, calls = step.saved
             req.target.rewind(req.cache, n + 1, step.width, before, calls)
         if req.draft is not None:
             if step.feats is not None:
-                req.pending.append(step.feats[:, : n + 1])
+                rows = step.feats[:, mx.array(step.path)] if step.tree is not None else None
+                req.pending.append(rows if rows is not None else step.feats[:, : n + 1])
             req.state.commit(n if step.width > 1 else None)
             req.speculating = step.width > 1
         if req.controls is not None:
@@ -524,3 +540,75 @@ class _Clock:
             spent = now - self.synced + (step.built if step.chained else 0.0)
             self.chooser.observe(step.width, spent - (nxt.built if nxt is not None else 0.0))
         self.synced = now
+
+
+# -- trees (SPEC 7) --------------------------------------------------------------------------
+
+
+def _trees(req: Request, options: GenerateOptions) -> bool:
+    """Whether this request's speculative cycles verify trees (`options.tree`); where a
+    tree cannot be verified, chains, and `req.tree_note` says why."""
+    if not options.tree or req.draft is None:
+        return False
+    why = req.target.tree_support(req.cache)
+    if why is None and req.controls is not None:
+        why = "penalties, a bias, a grammar or logprobs (their histories follow chains)"
+    req.tree_note = why
+    return why is None
+
+
+def _launch_tree(
+    req: Request,
+    anchor: mx.array,
+    a: int,
+    budget: int,
+    rows: int,
+    capture: bool,
+    tic: float,
+    chained: bool,
+) -> _Step:
+    """Draft, build the tree of `budget` tokens (anchor included) from the draft's ranked
+    tokens at each block position (`tree.build`), and verify it in one target pass."""
+    req.feed_draft()
+    logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
+    req.lazy_rows = 0
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(BRANCH, lp.shape[-1])
+    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)  # best first
+    top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    tree = build(anchor.item(), np.array(vals), np.array(top), budget)
+    prefix = req.cache[0].offset
+    logits, feats = req.target.forward_tree(
+        mx.array(tree.tokens, dtype=mx.int32)[None],
+        req.cache,
+        attention_mask(tree, prefix),
+        tree.depths,
+        req.ids if capture else None,
+    )
+    if req.params.greedy:
+        out = mx.argmax(logits[0], axis=-1)
+    else:
+        out = probabilities(logits[0], req.params)
+    mx.async_eval(out)
+    built = time.perf_counter() - tic
+    return _Step(None, out, feats, ({}, {}), tree.size, built, chained, None, tree, [])
+
+
+def _tree_result(req: Request, step: _Step) -> tuple[int, list[int]]:
+    """The host sync of a tree cycle: walk the verified tree (`tree.accept_*`)."""
+    tree, host = step.tree, np.array(step.out)
+    if req.params.greedy:
+        path, final = accept_greedy(tree, host)
+    else:
+        a = len(req.generated) - 1  # the anchor's generated index
+        uniforms = np.stack(
+            [
+                req.keys.uniforms(PositionKeys.ACCEPT, a + 1 + int(d), BRANCH + 1)
+                for d in tree.depths
+            ]
+        )
+        path, final = accept_sampled(tree, host, uniforms)
+    step.path.extend(path)
+    return len(path) - 1, [int(t) for t in tree.tokens[path[1:]]] + [final]

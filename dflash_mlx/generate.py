@@ -168,9 +168,10 @@ def stream_generate(
             if cyc.width == 0:
                 stats.time_to_first_token = now - tic
                 stats.cached_tokens = cyc.reused
+                stats.tree_note = cyc.tree_note
                 gen_start = now
             else:
-                stats.add(cyc.width, cyc.accepted)
+                stats.add(cyc.width, cyc.accepted, cyc.tree)
                 if chooser is not None:
                     stats.probes = chooser.probes - probes
                     stats.draft = "active" if chooser.capture else "dormant"

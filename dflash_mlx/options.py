@@ -43,6 +43,7 @@ OPTIONS = {
     "logprobs": "report each token's log-probability and this many top alternatives (None: off)",
     "json_schema": "constrain the reply to JSON: a JSON schema, or True for any JSON object",
     "grammar": "constrain the reply to a grammar (llguidance's Lark syntax)",
+    "tree": "verify a tree of drafts, verify_width tokens (None: chosen; False: chains)",
 }
 
 # Most top alternatives `logprobs` can ask for (OpenAI's limit).
@@ -99,6 +100,7 @@ class GenerateOptions:
     logprobs: int | None = None
     json_schema: Mapping[str, Any] | bool | None = None
     grammar: str | None = None
+    tree: bool | None = None
 
     def __post_init__(self) -> None:
         _int("max_tokens", self.max_tokens, 1)
@@ -149,6 +151,8 @@ class GenerateOptions:
                 f"json_schema {self.json_schema!r} must be a JSON schema (a dict), True (any "
                 "JSON object) or None"
             )
+        if self.tree is not None and not isinstance(self.tree, bool):
+            raise BadArgument(f"tree {self.tree!r} must be True, False or None (chosen)")
         if self.grammar is not None:
             if not isinstance(self.grammar, str) or not self.grammar.strip():
                 raise BadArgument(f"grammar {self.grammar!r} must be a non-empty Lark grammar")

@@ -23,6 +23,7 @@ from .draft import DFlashDraft, DraftState, TargetHead
 from .errors import BadArgument, ContextTooLong
 from .options import GenerateOptions
 from .target import TargetAdapter
+from .tree import BRANCH as TREE_BRANCH
 
 # Fallback verify-width cap for quantized targets, before anything is measured on the
 # device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
@@ -144,6 +145,15 @@ class Pair:
                     f"block of {block} (its conv and selector see the whole block)"
                 )
         rows = draft_block or block
+        if width is not None and options.tree:
+            # A tree's budget: its tokens spread over at most `rows - 1` depths.
+            most = (rows - 1) * TREE_BRANCH + 1
+            if width > most:
+                raise BadArgument(
+                    f"verify_width {width}: a tree over {rows - 1} drafted positions holds at "
+                    f"most {most} tokens"
+                )
+            return width, rows, None
         if width is not None:
             if width > block:
                 raise BadArgument(

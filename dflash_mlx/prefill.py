@@ -50,6 +50,9 @@ class Request:
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
     # Penalties, bias, grammar and logprobs (None: the request asks for none of them).
     controls: Controls | None = None
+    # Speculative cycles verify trees (SPEC 7); else chains, and `tree_note` says why.
+    trees: bool = False
+    tree_note: str | None = None
     generated: list[int] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed
     # Positions whose captured target layers are still to be computed (a dormant prefill's

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 
@@ -88,6 +89,12 @@ class PositionKeys:
     def __init__(self, seed: int):
         self.seed = seed
         self._base = _mix(int(seed) & _MASK64)
+
+    def uniforms(self, purpose: int, position: int, n: int) -> np.ndarray:
+        """`n` draws in [0, 1) on the host for generated `position` and `purpose` (a tree
+        node's child tests), a function of the seed, the position and the draw's index."""
+        x = _mix(self._base ^ _mix(4 * position + purpose))
+        return np.array([(_mix(x ^ _mix(j + 1)) >> 11) / float(1 << 53) for j in range(n)])
 
     def __call__(self, purpose: int, start: int, n: int) -> mx.array:
         """Keys `(n, 2)` for positions `start .. start + n - 1`."""

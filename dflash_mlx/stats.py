@@ -42,13 +42,23 @@ class Stats:
     widths: dict[int, list[int]] = field(default_factory=dict)
     probes: int = 0
     draft: str | None = None
+    # Tree verification (SPEC 7): per budget (tokens verified), [cycles, tokens committed];
+    # and, when trees were asked for but chains ran, why.
+    trees: dict[int, list[int]] = field(default_factory=dict)
+    tree_note: str | None = None
 
     # -- filling ------------------------------------------------------------------------
 
-    def add(self, width: int, accepted: int) -> None:
-        """One verify pass of `width` tokens that accepted `accepted` drafts."""
+    def add(self, width: int, accepted: int, tree: bool = False) -> None:
+        """One verify pass of `width` tokens that accepted `accepted` drafts (a tree of
+        `width` tokens: counted apart, its positions are not a chain's)."""
         self.cycles += 1
         self.committed += accepted + 1
+        if tree:
+            ran = self.trees.setdefault(width, [0, 0])
+            ran[0] += 1
+            ran[1] += accepted + 1
+            return
         ran = self.widths.setdefault(width, [0, 0])
         ran[0] += 1
         ran[1] += accepted + 1
@@ -66,6 +76,7 @@ class Stats:
         out.drafted_per_position = list(self.drafted_per_position)
         out.accepted_per_position = list(self.accepted_per_position)
         out.widths = {w: list(v) for w, v in self.widths.items()}
+        out.trees = {w: list(v) for w, v in self.trees.items()}
         return out
 
     def merge(self, other: Stats) -> Stats:
@@ -87,10 +98,12 @@ class Stats:
         out.peak_memory = max(self.peak_memory, other.peak_memory)
         out.draft = other.draft if other.cycles else self.draft
         out.verify_width = other.verify_width
-        for w, (c, t) in other.widths.items():
-            ran = out.widths.setdefault(w, [0, 0])
-            ran[0] += c
-            ran[1] += t
+        for table, theirs in ((out.widths, other.widths), (out.trees, other.trees)):
+            for w, (c, t) in theirs.items():
+                ran = table.setdefault(w, [0, 0])
+                ran[0] += c
+                ran[1] += t
+        out.tree_note = other.tree_note or self.tree_note
         for i, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
             if i >= len(out.drafted_per_position):
                 out.accepted_per_position.append(0)
@@ -172,11 +185,17 @@ class Stats:
             "plain_fraction": round(self.plain_fraction, 4),
             "probes": self.probes,
             "draft": self.draft,
+            "trees": {
+                str(b): {"cycles": c, "tokens": t} for b, (c, t) in sorted(self.trees.items())
+            },
+            "tree_note": self.tree_note,
         }
 
     def to_dict(self) -> dict[str, Any]:
         """Every field and derived figure, JSON-ready."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "widths"}
+        out = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("widths", "trees")
+        }
         out.update(
             tau=self.tau,
             drafted=self.drafted,

@@ -16,7 +16,14 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+import numpy as np
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from .errors import BadCheckpoint
 
@@ -29,6 +36,10 @@ class _Recorder:
         self.replay_ids: frozenset[int] = frozenset()
         self.outputs: dict[int, mx.array] = {}
         self.calls: dict[int, tuple[mx.array, tuple, dict]] = {}
+        # A tree pass (SPEC 7): the attention mask every layer gets instead of the causal
+        # one, and each fed token's depth (its position is the cache offset plus it).
+        self.tree_mask: mx.array | None = None
+        self.tree_depths: np.ndarray | None = None
 
     def clear(self) -> None:
         self.outputs = {}
@@ -49,8 +60,13 @@ def _capturing_class(cls: type) -> type:
         return _CAPTURE_CLASSES[cls]
 
     def __call__(self, x, *args, **kwargs):
-        out = cls.__call__(self, x, *args, **kwargs)
         rec = _ACTIVE.get()
+        if rec is not None and rec.tree_mask is not None:
+            if args:
+                args = (rec.tree_mask, *args[1:])
+            else:
+                kwargs["mask"] = rec.tree_mask
+        out = cls.__call__(self, x, *args, **kwargs)
         if rec is not None:
             i = self._dflash_idx
             if i in rec.capture_ids:
@@ -192,6 +208,59 @@ class TargetAdapter:
             feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)
         return logits, feats
 
+    # -- trees (SPEC 7) -----------------------------------------------------------------------
+
+    def tree_support(self, cache: list[Any]) -> str | None:
+        """None when this target can verify a tree in one pass with `cache`, else why not
+        (then the engine verifies chains)."""
+        if self.recurrent:
+            return "recurrent layers (their state steps token by token, not along a tree)"
+        if any(not isinstance(c, (KVCache, QuantizedKVCache)) for c in cache):
+            return "a cache whose rows cannot be gathered"
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            rope = getattr(attn, "rope", None)
+            if rope is None:
+                return f"layer {i} has no rotary embedding the engine can position"
+            if not isinstance(rope, _TreeRoPE):
+                attn.rope = _TreeRoPE(rope)
+        return None
+
+    def forward_tree(
+        self,
+        tokens: mx.array,
+        cache: list[Any],
+        mask: mx.array,
+        depths: np.ndarray,
+        capture_ids: list[int] | None,
+    ) -> tuple[mx.array, mx.array | None]:
+        """`forward` over a tree's nodes (`tree_support` first): each node attends as `mask`
+        says, at position `cache offset + depth`."""
+        rec = self._rec
+        rec.tree_mask, rec.tree_depths = mask, depths
+        try:
+            return self.forward(tokens, cache, capture_ids)
+        finally:
+            rec.tree_mask, rec.tree_depths = None, None
+
+    def keep_path(self, cache: list[Any], path: list[int], total: int) -> None:
+        """After a tree pass of `total` nodes: keep the rows of the nodes on `path` (ids in
+        pass order, root first), gathered into place, and drop the rest."""
+        if path != list(range(len(path))):
+            rows = mx.array(path)
+            for c in cache:
+                start = c.offset - total
+                end = start + len(path)
+                if isinstance(c, QuantizedKVCache):
+                    for parts in (c.keys, c.values):
+                        for a in parts:
+                            a[..., start:end, :] = a[..., start + rows, :]
+                else:
+                    c.keys[..., start:end, :] = c.keys[..., start + rows, :]
+                    c.values[..., start:end, :] = c.values[..., start + rows, :]
+        for c in cache:
+            c.trim(total - len(path))
+
     @property
     def replay_ids(self) -> frozenset[int]:
         """Layers whose cache is replayed rather than trimmed (known after make_cache)."""
@@ -256,3 +325,29 @@ def _slice_mask(a: Any, keep: int) -> Any:
             )
         return a[:, :keep]
     return a
+
+
+class _TreeRoPE(nn.Module):
+    """An attention layer's rotary embedding that, in a tree pass, puts each fed token at
+    the cache offset plus its depth (siblings share a position) by running the layer's own
+    embedding once per depth; otherwise it is the layer's embedding unchanged."""
+
+    def __init__(self, rope: nn.Module):
+        super().__init__()
+        self.inner = rope
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        rec = _ACTIVE.get()
+        depths = rec.tree_depths if rec is not None else None
+        if depths is None:
+            return self.inner(x, offset=offset)
+        parts, order = [], []
+        for d in np.unique(depths):
+            idx = np.nonzero(depths == d)[0]
+            xs = x[..., mx.array(idx), :]  # (B, H, k, D)
+            xs = mx.moveaxis(xs, -2, 0)[..., None, :]  # (k, B, H, 1, D): one position each
+            xs = self.inner(xs, offset=offset + int(d))
+            parts.append(mx.moveaxis(xs[..., 0, :], 0, -2))
+            order.append(idx)
+        inverse = np.argsort(np.concatenate(order))
+        return mx.concatenate(parts, axis=-2)[..., mx.array(inverse), :]
