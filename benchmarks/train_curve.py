@@ -1,0 +1,347 @@
+"""Learning curves of `dflash-mlx train` against an earlier revision and a minimal reference
+loop, on the same data and seeds (issue 28).
+
+    python benchmarks/train_curve.py data --out D/data.jsonl            # the prompts
+    python benchmarks/train_curve.py command --root . --out D/now -- --steps 250 ...
+    python benchmarks/train_curve.py command --root D/prev --out D/prev -- --steps 250 ...
+    python benchmarks/train_curve.py reference --data D/data.jsonl --out D/ref --steps 250
+    python benchmarks/train_curve.py eval D/now D/prev D/ref            # engine τ per step
+
+`data`: ~100-token raw prompts cut (seeded) from 48 held-in stdlib files (the demo pair's
+training split, scripts/make_demo_pair.py). `command`: the real `dflash-mlx train` of the
+checkout at `--root` (this one, or a `git worktree` of an earlier revision), run in its own
+process with a copy of every checkpoint kept under OUT/curve/step-N and the time spent
+regenerating, stepping and evaluating written to OUT/timing.json. `reference`: a minimal
+distillation loop written for the comparison: the same draft initialisation, the target's
+greedy replies (`mlx_lm.generate_step`, one prompt at a time, whole, up to 128 tokens) as the
+data, anchors at random reply positions, loss = weighted cross-entropy against the target's
+own greedy tokens, AdamW with warm-up and cosine. `eval`: engine τ of every kept checkpoint
+with this checkout's decode engine, greedy, at a fixed verify width (8), on the demo pair's
+held-out prompts, each run checked token for token against the target's greedy decode.
+Everything is seeded; run each with OpenBLAS preloaded on an otherwise idle core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+DEMO = HERE / "dflash_mlx" / "demo_pair"
+
+# Imports dflash_mlx (and its `cli` as dflash_mlx.cli) from the tree in argv[1], keeps each
+# checkpoint, times the phases, then runs `dflash-mlx train` with the rest of argv.
+CHILD = r"""
+import importlib.util, json, os, shutil, sys, time
+root = sys.argv[1]
+MAP = {"dflash_mlx": "dflash_mlx", "dflash_mlx.cli": "cli", "dflash_mlx.quantize": "quantize"}
+class Finder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in MAP:
+            d = os.path.join(root, MAP[name])
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+sys.meta_path.insert(0, Finder)
+from pathlib import Path
+import dflash_mlx.train as T
+import dflash_mlx.cli.train as C
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+timing = {"regenerate_s": 0.0, "eval_s": 0.0, "evals": 0, "step_s": []}
+save, held, regen, train = T._save_state, T.held_out_tau, C._regenerator, T.train
+def keep(draft, config, optimizer, out, state_dir, step, log):
+    save(draft, config, optimizer, out, state_dir, step, log)
+    dst = out / "curve" / f"step-{step:05d}"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(out / f, dst / f)
+def timed_held(*a, **k):
+    tic = time.perf_counter()
+    r = held(*a, **k)
+    timing["eval_s"] += time.perf_counter() - tic
+    timing["evals"] += 1
+    return r
+def timed_regen(*a, **k):
+    fn = regen(*a, **k)
+    def go(*b, **kw):
+        tic = time.perf_counter()
+        r = fn(*b, **kw)
+        timing["regenerate_s"] += time.perf_counter() - tic
+        return r
+    return go
+def timed_train(*a, **k):
+    progress = k.get("progress")
+    last = [time.perf_counter(), 0.0]
+    def p(entry):
+        now = time.perf_counter()
+        timing["step_s"].append(now - last[0] - (timing["eval_s"] - last[1]))
+        last[0], last[1] = now, timing["eval_s"]
+        if progress:
+            progress(entry)
+    k["progress"] = p
+    tic = time.perf_counter()
+    r = train(*a, **k)
+    timing["train_s"] = time.perf_counter() - tic
+    return r
+T._save_state, T.held_out_tau, C._regenerator, T.train = keep, timed_held, timed_regen, timed_train
+if os.environ.get("TRAIN_CURVE_FLOAT32") == "1":  # an old tree without the CPU float32 upcast
+    import dflash_mlx, mlx.core as mx
+    load = dflash_mlx.load
+    def load32(*a, **k):
+        model, tok = load(*a, **k)
+        model.set_dtype(mx.float32)
+        return model, tok
+    dflash_mlx.load = load32
+from dflash_mlx.cli.main import app
+sys.argv = ["dflash-mlx", "train", *sys.argv[2:]]
+try:
+    app()
+except SystemExit as e:
+    if e.code:
+        raise
+finally:
+    steps = timing["step_s"]
+    timing["mean_step_s"] = sum(steps[1:]) / max(1, len(steps) - 1)
+    (out / "timing.json").write_text(json.dumps(timing, indent=1))
+"""
+
+
+def cmd_data(args) -> None:
+    """~100-token raw prompts: 10 seeded windows from each of 48 held-in stdlib files."""
+    sys.path.insert(0, str(HERE / "scripts"))
+    from make_demo_pair import split_files
+    from tokenizers import Tokenizer
+
+    tk = Tokenizer.from_file(str(Path(args.target) / "tokenizer.json"))
+    held_out, train_files = split_files()
+    rng = random.Random(args.seed)
+    out = []
+    key = "prompt" if args.held_out else "text"
+    for f in (held_out if args.held_out else train_files)[: args.files]:
+        ids = tk.encode(f.read_text(errors="replace")).ids
+        for s in sorted(rng.sample(range(0, len(ids) - args.tokens), args.per_file)):
+            out.append({key: tk.decode(ids[s : s + args.tokens])})
+    rng.shuffle(out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(json.dumps(o) for o in out) + "\n")
+    print(f"{len(out)} prompts from {args.files} files -> {args.out}")
+
+
+def cmd_command(args, rest: list[str]) -> None:
+    env = dict(os.environ)
+    env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    if args.float32:
+        env["TRAIN_CURVE_FLOAT32"] = "1"
+    argv = [sys.executable, "-c", CHILD, str(Path(args.root).resolve()), "--out", str(args.out)]
+    subprocess.run([*argv, *rest], check=True, env=env)
+
+
+# -- the reference loop ------------------------------------------------------------------------
+
+
+def greedy_reply(model, ids: list[int], max_tokens: int, eos: set[int]) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for t, _ in generate_step(
+        mx.array(ids), model, max_tokens=max_tokens, sampler=lambda x: x.argmax(-1)
+    ):
+        out.append(int(t))
+        if out[-1] in eos:
+            break
+    return out
+
+
+def cmd_reference(args) -> None:
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    import numpy as np
+
+    import dflash_mlx
+    from dflash_mlx.cli.train import default_mask_token
+    from dflash_mlx.train import (
+        Example,
+        draft_config_for,
+        init_draft,
+        save_draft_checkpoint,
+        split_held_out,
+    )
+
+    model, tok = dflash_mlx.load(args.target)
+    eos = set(tok.eos_token_ids)
+    tic = time.perf_counter()
+    cached = args.replies is not None and args.replies.is_file()
+    replies = json.loads(args.replies.read_text()) if cached else []
+    data = []
+    for i, line in enumerate(args.data.read_text().splitlines()):
+        ids = tok.encode(json.loads(line)["text"])[-(args.seq_len - args.reply) :]
+        if not cached:
+            replies.append(greedy_reply(model, ids, args.reply, eos))
+        if len(replies[i]) >= 2:
+            data.append(Example(ids + replies[i], len(ids)))
+    regen_s = time.perf_counter() - tic
+    if args.replies is not None and not cached:
+        args.replies.write_text(json.dumps(replies))
+    data, _ = split_held_out(data, 8, args.seed)  # the command's training split
+    ids = [int(x) for x in args.target_layer_ids.split(",")]
+    config = draft_config_for(
+        model, layers=args.layers, block_size=args.block_size, target_layer_ids=ids,
+        mask_token_id=default_mask_token(tok),
+    )  # fmt: skip
+    pair = init_draft(model, config, seed=args.seed)
+    draft, L = pair.draft, args.block_size
+    warm = max(1, int(0.04 * args.steps))
+    cosine = optim.cosine_decay(args.lr, args.steps - warm, args.lr * 0.1)
+    sched = optim.join_schedules([optim.linear_schedule(0.0, args.lr, warm), cosine], [warm])
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    w = mx.exp(-(mx.arange(1, L) - 1) / args.gamma)
+
+    def loss_fn(draft, feats, labels, block, si, an, valid):
+        logits = draft.training_logits(feats, si, an, block, pair.head)
+        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+        wv = w[None] * valid
+        return (ce * wv).sum() / wv.sum()
+
+    grad = nn.value_and_grad(draft, loss_fn)
+    times, losses = [], []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        rng = np.random.default_rng((args.seed, step))
+        seqs = [data[i] for i in rng.choice(len(data), size=args.batch, replace=False)]
+        S = max(len(e.tokens) for e in seqs)
+        toks = np.zeros((len(seqs), S), np.int32)
+        si, an = [], []
+        for b, e in enumerate(seqs):
+            toks[b, : len(e.tokens)] = e.tokens
+            where = np.arange(e.start, len(e.tokens) - 1)  # reply positions with a label after
+            pos = rng.choice(where, size=min(args.anchors, len(where)), replace=False)
+            si += [b] * len(pos)
+            an += [int(a) for a in pos]
+        toks, si, an = mx.array(toks), mx.array(si, mx.int32), mx.array(an, mx.int32)
+        logits, feats = pair.target.forward(toks, None, config["dflash_config"]["target_layer_ids"])
+        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy[p]: the target's token at p+1
+        pos = an[:, None] + mx.arange(L - 1)[None]
+        lens = mx.array([len(e.tokens) for e in seqs])[si]
+        valid = pos + 1 < lens[:, None]
+        labels = greedy[si[:, None], mx.minimum(pos, S - 1)]
+        block = mx.full((an.size, L), config["dflash_config"]["mask_token_id"], mx.int32)
+        block[:, 0] = toks[si, an]
+        loss, g = grad(draft, mx.stop_gradient(feats), labels, block, si, an, valid)
+        g, _ = optim.clip_grad_norm(g, 1.0)
+        opt.update(draft, g)
+        mx.eval(loss, draft.parameters(), opt.state)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if (step + 1) % args.curve_every == 0 or step + 1 == args.steps:
+            save_draft_checkpoint(draft, config, args.out / "curve" / f"step-{step + 1:05d}")
+            print(
+                f"reference step {step + 1}: loss {np.mean(losses[-args.curve_every :]):.3f}",
+                flush=True,
+            )
+    timing = {"regenerate_s": regen_s, "step_s": times, "mean_step_s": float(np.mean(times[1:]))}
+    (args.out / "timing.json").write_text(json.dumps(timing, indent=1))
+    (args.out / "losses.json").write_text(json.dumps(losses))
+
+
+# -- engine τ of the kept checkpoints --------------------------------------------------------
+
+
+def cmd_eval(args) -> None:
+
+    from dflash_mlx import GenerateOptions, Pair, Stats, generate, load, load_draft
+
+    model, tok = load(args.target)
+    prompts = [
+        tok.encode(json.loads(x)["prompt"])
+        for x in args.prompts.read_text().splitlines()
+        if x.strip()
+    ]
+    want = [greedy_reply(model, p, args.tokens, set()) for p in prompts]
+    options = GenerateOptions(max_tokens=args.tokens, verify_width=args.width)
+    table = {}
+    for run in args.runs:
+        rows = []
+        for ck in sorted((run / "curve").glob("step-*")):
+            pair = Pair(model, load_draft(str(ck)))
+            results = [generate(pair, tok, p, options) for p in prompts]
+            same = all(r.tokens == w[: len(r.tokens)] and r.tokens for r, w in zip(results, want))
+            tau = Stats.total([r.stats for r in results]).tau
+            rows.append(
+                {"step": int(ck.name.split("-")[1]), "tau": round(tau, 3), "identical": same}
+            )
+            print(
+                f"{run.name} step {rows[-1]['step']}: τ {tau:.2f} (W={args.width}), "
+                f"identical {same}",
+                flush=True,
+            )
+        table[str(run)] = rows
+        (run / "curve_tau.json").write_text(json.dumps(rows, indent=1))
+    print(json.dumps(table))
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    rest = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, rest = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("data")
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--target", default=str(DEMO / "target"))
+    d.add_argument("--files", type=int, default=48)
+    d.add_argument("--per-file", type=int, default=10)
+    d.add_argument("--tokens", type=int, default=100)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--held-out", action="store_true", help='from the held-out files, as {"prompt"} lines'
+    )
+    c = sub.add_parser("command", help="`dflash-mlx train` of --root; train options after --")
+    c.add_argument("--root", default=str(HERE))
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument(
+        "--float32",
+        action="store_true",
+        help="upcast the target to float32 (trees older than the CPU float32 upcast)",
+    )
+    r = sub.add_parser("reference")
+    r.add_argument("--target", default=str(DEMO / "target"))
+    r.add_argument("--data", type=Path, required=True)
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--steps", type=int, default=250)
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--anchors", type=int, default=32)
+    r.add_argument("--seq-len", type=int, default=256)
+    r.add_argument("--reply", type=int, default=128)
+    r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--gamma", type=float, default=4.0)
+    r.add_argument("--layers", type=int, default=2)
+    r.add_argument("--block-size", type=int, default=8)
+    r.add_argument("--target-layer-ids", default="1,3")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--curve-every", type=int, default=50)
+    r.add_argument("--replies", type=Path, help="a JSON file of the replies: read, or written")
+    e = sub.add_parser("eval")
+    e.add_argument("runs", type=Path, nargs="+")
+    e.add_argument("--target", default=str(DEMO / "target"))
+    e.add_argument("--prompts", type=Path, default=DEMO / "heldout_prompts.jsonl")
+    e.add_argument("--width", type=int, default=8)
+    e.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args(argv)
+    if args.cmd == "command":
+        cmd_command(args, rest)
+    else:
+        {"data": cmd_data, "reference": cmd_reference, "eval": cmd_eval}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

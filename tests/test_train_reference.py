@@ -1,0 +1,187 @@
+"""`dflash-mlx train`'s defaults against a minimal reference distillation loop (issue 28).
+
+The reference is written here, apart from `dflash_mlx.train`: the same draft initialisation,
+the target's greedy replies as data, anchors at random reply positions, loss = weighted
+cross-entropy against the target's own greedy tokens, AdamW with warm-up and cosine. Both
+train a fresh draft for the same steps on the same examples and seeds; the command's draft
+must not come out materially worse on held-out replies (a fixed loss: every reply position
+of the held-out examples an anchor, γ 4), nor in engine τ. Losses and τ, never wall time.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+import pytest
+
+from dflash_mlx import Stats, generate
+from dflash_mlx.cli.train import _regenerator
+from dflash_mlx.tiny import CORPUS
+from dflash_mlx.train import (
+    TrainSettings,
+    block_targets,
+    draft_config_for,
+    grouped_blocks,
+    grouped_logits,
+    init_draft,
+    read_examples,
+    train,
+)
+
+from .test_decode import target_greedy
+
+STEPS, BATCH, ANCHORS, SEQ_LEN, REPLY = 40, 4, 8, 96, 40
+
+
+@pytest.fixture(scope="module")
+def data(target, tmp_path_factory):
+    """(training examples, held-out examples): raw prompts the target continues with the
+    command's own (batched) regenerator; the replies are the target's greedy ones."""
+    model, tok = target
+    text = "".join(dict.fromkeys(CORPUS))
+    prompts = [text[i : i + 12 + i % 17] for i in range(0, len(text) - 30, 12)]
+    path = tmp_path_factory.mktemp("ref") / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"text": p}) for p in prompts))
+    regen = _regenerator(model, tok, REPLY)
+    examples, skipped = read_examples(
+        path, tok, seq_len=SEQ_LEN, regenerate=regen, reply_room=REPLY
+    )
+    assert not skipped and len(examples) >= 20
+    for e in examples[::10]:
+        want = target_greedy(model, e.tokens[: e.start], REPLY)
+        assert e.tokens[e.start :] == want[: len(e.tokens) - e.start], "the target's greedy reply"
+    return examples, examples[::4]
+
+
+def fresh(model):
+    cfg = draft_config_for(model, layers=1, block_size=8, mask_token_id=1)
+    return init_draft(model, cfg, seed=0), cfg
+
+
+def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
+    """The plain recipe, a few dozen lines (not `dflash_mlx.train`'s code)."""
+    draft, L = pair.draft, pair.draft.config.block_size
+    warm = max(1, int(0.04 * steps))
+    sched = optim.join_schedules(
+        [optim.linear_schedule(0.0, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 10)],
+        [warm],
+    )
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    w = mx.exp(-mx.arange(L - 1) / gamma)
+
+    def loss_fn(draft, feats, labels, block, si, an, valid):
+        logits = draft.training_logits(feats, si, an, block, pair.head)
+        ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+        return (ce * w * valid).sum() / (w * valid).sum()
+
+    grad = nn.value_and_grad(draft, loss_fn)
+    rng = np.random.default_rng(seed + 100)
+    for _ in range(steps):
+        seqs = [examples[i] for i in rng.choice(len(examples), BATCH, replace=False)]
+        toks, si, an = reply_anchors(seqs, rng, ANCHORS)
+        labels, block, valid, feats = block_labels(pair, toks, si, an, seqs)
+        loss, g = grad(draft, feats, labels, block, si, an, valid)
+        g, _ = optim.clip_grad_norm(g, 1.0)
+        opt.update(draft, g)
+        mx.eval(loss, draft.parameters(), opt.state)
+
+
+def reply_anchors(seqs, rng, per_seq):
+    """Padded tokens and anchors at random reply positions (None: every reply position)."""
+    S = max(len(e.tokens) for e in seqs)
+    toks = np.zeros((len(seqs), S), np.int32)
+    si, an = [], []
+    for b, e in enumerate(seqs):
+        toks[b, : len(e.tokens)] = e.tokens
+        where = np.arange(e.start, len(e.tokens) - 1)
+        pick = where if per_seq is None else rng.choice(where, min(per_seq, len(where)), False)
+        si += [b] * len(pick)
+        an += [int(a) for a in pick]
+    return mx.array(toks), mx.array(si, mx.int32), mx.array(an, mx.int32)
+
+
+def block_labels(pair, toks, si, an, seqs):
+    L = pair.draft.config.block_size
+    logits, feats = pair.target.forward(toks, None, pair.draft.config.target_layer_ids)
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # the target's token at p + 1
+    pos = an[:, None] + mx.arange(L - 1)[None]
+    lens = mx.array([len(e.tokens) for e in seqs])[si]
+    labels = greedy[si[:, None], mx.minimum(pos, toks.shape[1] - 1)]
+    block = mx.full((an.size, L), pair.draft.config.mask_token_id, mx.int32)
+    block[:, 0] = toks[si, an]
+    return labels, block, pos + 1 < lens[:, None], mx.stop_gradient(feats)
+
+
+def held_out_loss(pair, held, gamma=4.0) -> float:
+    toks, si, an = reply_anchors(held, None, None)
+    labels, block, valid, feats = block_labels(pair, toks, si, an, held)
+    logits = pair.draft.training_logits(feats, si, an, block, pair.head)
+    w = mx.exp(-mx.arange(pair.draft.config.block_size - 1) / gamma) * valid
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    return ((ce * w).sum() / w.sum()).item()
+
+
+def engine_tau(pair, tok, held) -> float:
+    runs = [generate(pair, tok, e.tokens[: e.start], max_tokens=32, verify_width=8) for e in held]
+    for e, r in zip(held, runs):
+        assert r.tokens == target_greedy(pair.model, e.tokens[: e.start], 32)[: len(r.tokens)]
+    return Stats.total([r.stats for r in runs]).tau
+
+
+def test_the_defaults_train_as_well_as_the_reference_loop(target, data, tmp_path):
+    """Three seeds each (one seed's batches decide too much at this size): the command's
+    mean held-out loss within 10% of the reference loop's, its engine τ within 10%."""
+    model, tok = target
+    train_set, held = data
+    start = held_out_loss(fresh(model)[0], held)
+    mine, theirs, t_mine, t_ref = [], [], [], []
+    for seed in range(3):
+        command, cfg = fresh(model)
+        settings = TrainSettings(
+            steps=STEPS, batch=BATCH, anchors_per_seq=ANCHORS, seq_len=SEQ_LEN, seed=seed,
+            eval_every=10**6, save_every=10**6,
+        )  # fmt: skip
+        train(command, tok, cfg, train_set, settings, tmp_path / f"d{seed}")
+        reference, _ = fresh(model)
+        reference_loop(reference, train_set, STEPS, seed=seed)
+        mine.append(held_out_loss(command, held))
+        theirs.append(held_out_loss(reference, held))
+        t_mine.append(engine_tau(command, tok, held[:4]))
+        t_ref.append(engine_tau(reference, tok, held[:4]))
+    mine, theirs, t_mine, t_ref = map(np.mean, (mine, theirs, t_mine, t_ref))
+    assert theirs < 0.8 * start, ("the reference loop learns", start, theirs)
+    assert mine <= 1.1 * theirs, f"held-out loss: command {mine:.3f}, reference {theirs:.3f}"
+    assert t_mine >= 0.9 * t_ref, f"engine τ: command {t_mine:.2f}, reference {t_ref:.2f}"
+
+
+def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
+    """The training step's faster layout (a sequence's blocks share its context) computes the
+    logits `DFlashDraft.training_logits` does, sliding and causal layers included."""
+    model, tok = target
+    for extra in (
+        {},
+        {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6},
+    ):
+        cfg = draft_config_for(model, layers=2, block_size=8, mask_token_id=1)
+        cfg.update(extra)
+        pair = init_draft(model, cfg)
+        rows = [tok.encode(c)[: 20 + 6 * i] for i, c in enumerate(CORPUS[:3])]
+        S = max(map(len, rows))
+        toks = mx.array([r + [0] * (S - len(r)) for r in rows])
+        feats, _ = block_targets(pair, toks)
+        si = np.array([0, 0, 0, 1, 2, 2, 2, 2], np.int32)
+        an = np.array([0, 5, 14, 19, 1, 7, 11, 25], np.int32)
+        block = mx.full((len(an), 8), 1, dtype=mx.int32)
+        block[:, 0] = toks[mx.array(si), mx.array(an)]
+        want = pair.draft.training_logits(feats, mx.array(si), mx.array(an), block, pair.head)
+        m, slot = grouped_blocks(si, 3)
+        anchors = np.zeros(3 * m, np.int32)
+        anchors[slot] = an
+        padded = mx.full((3 * m, 8), 1, dtype=mx.int32)
+        padded[mx.array(slot)] = block
+        got = grouped_logits(pair.draft, feats, mx.array(anchors), padded, pair.head, m)
+        assert mx.allclose(got[mx.array(slot)], want, atol=1e-4).item(), extra
