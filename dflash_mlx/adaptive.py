@@ -42,6 +42,7 @@ from .costs import (
     measured_curve,
     nearest,
 )
+from .tree import ShapeChooser
 
 __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 
@@ -98,6 +99,8 @@ class WidthChooser:
         self.capture = True
         self.smoothing = smoothing  # weight of each new cycle in a width's measured cost
         self.depth = 0  # context depth of the latest decision
+        # Chain or tree at the widths chosen here, for requests that leave it open.
+        self.shapes = ShapeChooser()
         self._buckets: dict[int, _Bucket] = {}
         self._version = 0  # bumped when what the cost model sees changes
         self._curve_memo: tuple | None = None

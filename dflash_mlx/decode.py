@@ -38,7 +38,15 @@ from .sampling import (
     rejection_accept,
     sample,
 )
-from .tree import BRANCH, Tree, accept_greedy, accept_sampled, attention_mask, build
+from .tree import (
+    BRANCH,
+    ShapeChooser,
+    Tree,
+    accept_greedy,
+    accept_sampled,
+    attention_mask,
+    build,
+)
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
 # buffers of a long decode (growing caches, verify passes of every width) are returned.
@@ -69,7 +77,9 @@ class _Step(NamedTuple):
     built: float  # seconds its launch took on the host
     chained: bool  # launched before the previous cycle's result reached the host
     logprobs: tuple[mx.array, ...] | None = None  # `Controls.logprobs` of the verified rows
-    tree: Tree | None = None  # a tree cycle: `out` is the target's argmax or p at each node
+    # A tree cycle's (tokens, parents, depths), on the device: `out` is then the target's
+    # argmax (or its distribution) at each node.
+    tree: tuple[mx.array, mx.array, mx.array] | None = None
     path: list[int] | None = None  # a tree cycle's accepted nodes, once `result` read them
 
 
@@ -128,7 +138,7 @@ def speculative_decode(
         keep_snapshots=prompt_cache is not None and pair.target.recurrent,
         controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
     )
-    req.trees = _trees(req, options)
+    req.trees = _trees(req, options, chooser, learn_costs)
     if chooser is not None:
         chooser.begin_request()
     try:
@@ -198,7 +208,7 @@ def _cycles(
                     if chooser is not None and learn_costs:
                         chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
-            if req.trees and w >= 3:
+            if w >= 3 and (req.trees is True or (req.trees and req.trees.tree_next())):
                 return _launch_tree(req, anchor, a, w, rows, capture, tic, chained)
             if w > rows > 1:  # a tree's budget asked for where chains run
                 w = rows
@@ -245,10 +255,14 @@ def _cycles(
             if len(req.generated) + 1 < max_tokens:
                 nxt = launch(step.out[:1], len(req.generated), chained=True)
         n, new = result(req, step)  # the host sync
-        clock.charge(step, prev_w, nxt)
+        spent = clock.charge(step, prev_w, nxt)
+        if isinstance(req.trees, ShapeChooser) and spent is not None and step.width >= 3:
+            req.trees.observe(step.tree is not None, n + 1, spent)
         if not (plain and chain):
             commit(req, step, n)
-            if chooser is not None and not plain and step.tree is None:
+            if chooser is not None and not plain:
+                # A tree's accepted path teaches the width chooser as a chain of its width
+                # would (about as long at equal width): it keeps probing and waking on it.
                 chooser.update(step.width, n)
         new, cut = _cut_at_eos(new, eos_ids)
         if grammar is not None:
@@ -534,27 +548,44 @@ class _Clock:
     def sync(self) -> None:
         self.synced = time.perf_counter()
 
-    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> None:
-        now = time.perf_counter()
+    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> float | None:
+        """Charge `step` its seconds (returned; None when not measured). A tree's are not
+        a chain's of its width: the width chooser learns chains only."""
+        now, spent = time.perf_counter(), None
         if self.chooser is not None and prev_w:
             spent = now - self.synced + (step.built if step.chained else 0.0)
-            self.chooser.observe(step.width, spent - (nxt.built if nxt is not None else 0.0))
+            spent -= nxt.built if nxt is not None else 0.0
+            if step.tree is None:
+                self.chooser.observe(step.width, spent)
         self.synced = now
+        return spent
 
 
 # -- trees (SPEC 7) --------------------------------------------------------------------------
 
 
-def _trees(req: Request, options: GenerateOptions) -> bool:
-    """Whether this request's speculative cycles verify trees (`options.tree`); where a
-    tree cannot be verified, chains, and `req.tree_note` says why."""
-    if not options.tree or req.draft is None:
+def _trees(
+    req: Request, options: GenerateOptions, chooser: WidthChooser | None, learn_costs: bool
+) -> bool | ShapeChooser:
+    """Whether this request's speculative cycles verify trees: `options.tree` True (always;
+    where a tree cannot be verified, chains, and `req.tree_note` says why), False (never), or
+    None: a `ShapeChooser` picks per cycle from measured speed, where the width is chosen
+    too and costs are learnt (a seeded request verifies chains: its shapes must not follow
+    wall time)."""
+    if options.tree is False or req.draft is None:
+        return False
+    if options.tree is None and (chooser is None or not learn_costs):
         return False
     why = req.target.tree_support(req.cache)
     if why is None and req.controls is not None:
         why = "penalties, a bias, a grammar or logprobs (their histories follow chains)"
-    req.tree_note = why
-    return why is None
+    if options.tree:
+        req.tree_note = why
+    if why is not None:
+        return False
+    if options.tree:
+        return True
+    return chooser.shapes
 
 
 def _launch_tree(
@@ -578,27 +609,27 @@ def _launch_tree(
     vals = mx.take_along_axis(lp, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)  # best first
     top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-    tree = build(anchor.item(), np.array(vals), np.array(top), budget)
-    prefix = req.cache[0].offset
+    tokens, parents, depths, seen = build(anchor, vals, top, budget)
     logits, feats = req.target.forward_tree(
-        mx.array(tree.tokens, dtype=mx.int32)[None],
+        tokens[None],
         req.cache,
-        attention_mask(tree, prefix),
-        tree.depths,
+        attention_mask(seen, req.cache[0].offset),
+        depths,
         req.ids if capture else None,
     )
     if req.params.greedy:
         out = mx.argmax(logits[0], axis=-1)
     else:
         out = probabilities(logits[0], req.params)
-    mx.async_eval(out)
+    mx.async_eval(out, tokens, parents, depths)
     built = time.perf_counter() - tic
-    return _Step(None, out, feats, ({}, {}), tree.size, built, chained, None, tree, [])
+    shape = (tokens, parents, depths)  # read with the result
+    return _Step(None, out, feats, ({}, {}), tokens.size, built, chained, None, shape, [])
 
 
 def _tree_result(req: Request, step: _Step) -> tuple[int, list[int]]:
     """The host sync of a tree cycle: walk the verified tree (`tree.accept_*`)."""
-    tree, host = step.tree, np.array(step.out)
+    tree, host = Tree(*(np.array(x) for x in step.tree)), np.array(step.out)
     if req.params.greedy:
         path, final = accept_greedy(tree, host)
     else:

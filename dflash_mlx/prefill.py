@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
@@ -50,8 +50,9 @@ class Request:
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
     # Penalties, bias, grammar and logprobs (None: the request asks for none of them).
     controls: Controls | None = None
-    # Speculative cycles verify trees (SPEC 7); else chains, and `tree_note` says why.
-    trees: bool = False
+    # Speculative cycles verify trees (SPEC 7): always (True), never (False), or as a
+    # `tree.ShapeChooser` picks; where asked for but impossible, `tree_note` says why.
+    trees: Any = False
     tree_note: str | None = None
     generated: list[int] = field(default_factory=list)
     pending: list[mx.array] = field(default_factory=list)  # committed features not yet fed

@@ -37,7 +37,8 @@ class Stats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     # What ran: per verify width W (1: a plain step), [cycles, tokens committed]; the
-    # speculative cycles the width chooser made as probes; the draft at the end: "active",
+    # speculative cycles the width chooser made as probes (trees among them, counted again
+    # in `trees`); the draft at the end: "active",
     # "dormant" (plain steps capture nothing for it) or None (no draft).
     widths: dict[int, list[int]] = field(default_factory=dict)
     probes: int = 0
@@ -51,17 +52,16 @@ class Stats:
 
     def add(self, width: int, accepted: int, tree: bool = False) -> None:
         """One verify pass of `width` tokens that accepted `accepted` drafts (a tree of
-        `width` tokens: counted apart, its positions are not a chain's)."""
+        `width` tokens: also counted in `trees`, and not per block position, which are a
+        chain's)."""
         self.cycles += 1
         self.committed += accepted + 1
-        if tree:
-            ran = self.trees.setdefault(width, [0, 0])
+        for table in (self.widths, self.trees) if tree else (self.widths,):
+            ran = table.setdefault(width, [0, 0])
             ran[0] += 1
             ran[1] += accepted + 1
+        if tree:
             return
-        ran = self.widths.setdefault(width, [0, 0])
-        ran[0] += 1
-        ran[1] += accepted + 1
         missing = width - 1 - len(self.drafted_per_position)
         if missing > 0:
             self.accepted_per_position += [0] * missing

@@ -16,7 +16,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models.cache import (
     ArraysCache,
     KVCache,
@@ -39,7 +38,7 @@ class _Recorder:
         # A tree pass (SPEC 7): the attention mask every layer gets instead of the causal
         # one, and each fed token's depth (its position is the cache offset plus it).
         self.tree_mask: mx.array | None = None
-        self.tree_depths: np.ndarray | None = None
+        self.tree_depths: mx.array | None = None
 
     def clear(self) -> None:
         self.outputs = {}
@@ -231,7 +230,7 @@ class TargetAdapter:
         tokens: mx.array,
         cache: list[Any],
         mask: mx.array,
-        depths: np.ndarray,
+        depths: mx.array,
         capture_ids: list[int] | None,
     ) -> tuple[mx.array, mx.array | None]:
         """`forward` over a tree's nodes (`tree_support` first): each node attends as `mask`
@@ -329,8 +328,8 @@ def _slice_mask(a: Any, keep: int) -> Any:
 
 class _TreeRoPE(nn.Module):
     """An attention layer's rotary embedding that, in a tree pass, puts each fed token at
-    the cache offset plus its depth (siblings share a position) by running the layer's own
-    embedding once per depth; otherwise it is the layer's embedding unchanged."""
+    the cache offset plus its depth (siblings share a position): the layer's own embedding,
+    with the tokens moved to the batch axis and one offset each. Otherwise unchanged."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
@@ -341,13 +340,8 @@ class _TreeRoPE(nn.Module):
         depths = rec.tree_depths if rec is not None else None
         if depths is None:
             return self.inner(x, offset=offset)
-        parts, order = [], []
-        for d in np.unique(depths):
-            idx = np.nonzero(depths == d)[0]
-            xs = x[..., mx.array(idx), :]  # (B, H, k, D)
-            xs = mx.moveaxis(xs, -2, 0)[..., None, :]  # (k, B, H, 1, D): one position each
-            xs = self.inner(xs, offset=offset + int(d))
-            parts.append(mx.moveaxis(xs[..., 0, :], 0, -2))
-            order.append(idx)
-        inverse = np.argsort(np.concatenate(order))
-        return mx.concatenate(parts, axis=-2)[..., mx.array(inverse), :]
+        b, h, n, d = x.shape
+        assert b == 1, "a tree pass has one sequence"
+        xs = x.reshape(h, n, 1, d).transpose(1, 0, 2, 3)  # (N, H, 1, D): a token per row
+        xs = self.inner(xs, offset=depths + offset)
+        return xs.transpose(1, 0, 2, 3).reshape(1, h, n, d)

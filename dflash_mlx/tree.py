@@ -57,45 +57,64 @@ class Tree:
         return bool((self.parents[1:] == np.arange(self.size - 1)).all())
 
 
-def build(anchor: int, logprobs: np.ndarray, ranked: np.ndarray, budget: int) -> Tree:
-    """The `budget`-node tree (anchor included) of highest path log-probability.
+def build(
+    anchor: mx.array, logprobs: mx.array, ranked: mx.array, budget: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The `budget`-node tree (anchor included) of highest path log-probability, built on
+    the device with no host sync, so that its verify pass is launched as a chain's is.
 
     `ranked` `(D, K)`: the draft's K likeliest tokens at each depth `1..D`, best first, and
     `logprobs` `(D, K)` theirs. A node's path score is the sum of its path's log-probs; every
     child scores at most its parent, so the `budget - 1` best nodes over all depths form a
-    tree (each node's parent is among them)."""
+    tree (each node's parent is among them): each depth keeps its best `budget - 1`
+    extensions of the depth before, and the best of all are kept, in depth order. Equal
+    scores keep the shallower, lower-rank node first, so a node never comes without its
+    parent. Returns `(tokens, parents, depths)`, `(N,)` each (the root's parent is -1), and
+    `ancestors` `(N, N)` bool; shapes follow from `budget` and `ranked.shape` alone."""
     depth, k = ranked.shape
+    keep_most = budget - 1
     scores, parents, ranks, levels = [], [], [], []
-    frontier = np.zeros(1)  # path scores of the kept nodes at the previous depth
-    frontier_ids = np.array([0])  # their node ids (0: the anchor)
+    frontier = mx.zeros((1,))
+    frontier_ids = mx.zeros((1,), dtype=mx.int32)
     next_id = 1
     for d in range(depth):
-        cand = (frontier[:, None] + logprobs[d][None, :]).ravel()
-        keep = np.argsort(-cand, kind="stable")[: budget - 1]
+        cand = (frontier[:, None] + logprobs[d][None, :]).reshape(-1)
+        n = min(cand.size, keep_most)
+        keep = mx.argsort(-cand)[:n]
         scores.append(cand[keep])
         parents.append(frontier_ids[keep // k])
         ranks.append(keep % k)
-        levels.append(np.full(keep.size, d + 1))
+        levels.append(mx.full((n,), d + 1, dtype=mx.int32))
         frontier = cand[keep]
-        frontier_ids = np.arange(next_id, next_id + keep.size)
-        next_id += keep.size
-    score = np.concatenate(scores)
-    parent = np.concatenate(parents)
-    rank = np.concatenate(ranks)
-    level = np.concatenate(levels)
-    ids = np.arange(1, score.size + 1)
-    # The best budget - 1 of all candidate nodes; ties keep the shallower, lower-rank node
-    # first, so a node is never kept without its parent.
-    best = np.lexsort((rank, level, -score))[: budget - 1]
-    best.sort()  # candidate order: by depth, parents before children
-    new_index = np.full(score.size + 1, -1)
-    new_index[0] = 0
-    new_index[ids[best]] = np.arange(1, best.size + 1)
-    tokens = [anchor] + [int(ranked[level[i] - 1, rank[i]]) for i in best]
-    par = [-1] + [int(new_index[parent[i]]) for i in best]
-    assert min(par[1:], default=0) >= 0, "a kept node lost its parent"
-    # Children in rank order among siblings (they were added in score order per parent).
-    return Tree(np.array(tokens), np.array(par), np.array([0] + list(level[best])))
+        frontier_ids = mx.arange(next_id, next_id + n, dtype=mx.int32)
+        next_id += n
+    score, parent = mx.concatenate(scores), mx.concatenate(parents)
+    rank, level = mx.concatenate(ranks), mx.concatenate(levels)
+    total = score.size
+    # Strictly below its parent: a child's key loses the depth and rank tie-breaks.
+    key = score - 1e-6 * level.astype(mx.float32) - 1e-9 * rank.astype(mx.float32)
+    best = mx.sort(mx.argsort(-key)[: min(keep_most, total)])  # candidate order: parents first
+    n = best.size + 1
+    new_index = (
+        mx.zeros((total + 1,), dtype=mx.int32).at[best + 1].add(mx.arange(1, n, dtype=mx.int32))
+    )
+    level_b = level[best]
+    tokens = mx.concatenate([anchor.reshape(1).astype(mx.int32), ranked[level_b - 1, rank[best]]])
+    par = mx.concatenate([mx.array([0], dtype=mx.int32), new_index[parent[best]]])
+    depths = mx.concatenate([mx.array([0], dtype=mx.int32), level_b])
+    par = mx.concatenate([mx.array([-1], dtype=mx.int32), par[1:]])
+    return tokens, par, depths, ancestors(par, depth)
+
+
+def ancestors(parents: mx.array, depth: int) -> mx.array:
+    """`(N, N)` bool: node `i` sees node `j` (itself or an ancestor), for a tree of the given
+    `depth` whose `parents` come before their children (the root's is -1)."""
+    n = parents.size
+    up = mx.maximum(parents, 0)
+    seen = mx.eye(n, dtype=mx.bool_)
+    for _ in range(depth):  # each row takes its parent's ancestors
+        seen = seen | seen[up]
+    return seen
 
 
 def chain(anchor: int, tokens: list[int]) -> Tree:
@@ -103,14 +122,10 @@ def chain(anchor: int, tokens: list[int]) -> Tree:
     return Tree(np.array([anchor, *tokens]), np.arange(-1, n - 1), np.arange(n))
 
 
-def attention_mask(tree: Tree, prefix: int) -> mx.array:
-    """`(N, prefix + N)` bool: node `i` sees the committed prefix, itself and its ancestors."""
-    n = tree.size
-    anc = np.eye(n, dtype=bool)
-    for i in range(1, n):  # parents come first, so each row extends its parent's
-        anc[i] |= anc[tree.parents[i]]
-    full = np.concatenate([np.ones((n, prefix), dtype=bool), anc], axis=1)
-    return mx.array(full)
+def attention_mask(seen: mx.array, prefix: int) -> mx.array:
+    """`(N, prefix + N)` bool: node `i` sees the committed prefix, itself and its ancestors
+    (`seen`, from `ancestors`)."""
+    return mx.concatenate([mx.ones((seen.shape[0], prefix), dtype=mx.bool_), seen], axis=1)
 
 
 def accept_greedy(tree: Tree, argmax: np.ndarray) -> tuple[list[int], int]:
@@ -147,3 +162,32 @@ def accept_sampled(tree: Tree, p: np.ndarray, uniforms: np.ndarray) -> tuple[lis
                 r, total = p[v].astype(np.float64), float(p[v].sum())
             cdf = np.cumsum(r / total)
             return path, int(min(np.searchsorted(cdf, uniforms[v, -1]), r.size - 1))
+
+
+class ShapeChooser:
+    """Chain or tree, per speculative cycle, for `tree=None`: whichever has committed more
+    tokens per second lately at the widths the width chooser picks (an average over each
+    shape's recent cycles, from their measured wall time), trying the other shape every
+    `EXPLORE` cycles so that a change (another text, a loaded device) is seen. Each shape
+    is tried first: a tree before any is measured."""
+
+    EXPLORE = 8
+    KEEP = 0.8  # weight of the past in each shape's average
+
+    def __init__(self) -> None:
+        self.rate: dict[bool, float | None] = {False: None, True: None}
+        self.cycles = 0
+
+    def tree_next(self) -> bool:
+        self.cycles += 1
+        for shape in (True, False):
+            if self.rate[shape] is None:
+                return shape
+        best = self.rate[True] > self.rate[False]
+        return (not best) if self.cycles % self.EXPLORE == 0 else best
+
+    def observe(self, tree: bool, tokens: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate, old = tokens / seconds, self.rate[tree]
+        self.rate[tree] = rate if old is None else self.KEEP * old + (1 - self.KEEP) * rate

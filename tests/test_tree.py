@@ -37,6 +37,17 @@ BRANCHY = Tree(
 )
 
 
+def ancestors_of(tree: Tree) -> np.ndarray:
+    """Who sees whom, by walking up from each node (the reference for `ancestors`)."""
+    seen = np.eye(tree.size, dtype=bool)
+    for i in range(tree.size):
+        v = i
+        while v >= 0:
+            seen[i, v] = True
+            v = tree.parents[v]
+    return seen
+
+
 def path_of(tree: Tree, v: int) -> list[int]:
     out = []
     while v >= 0:
@@ -70,9 +81,11 @@ def best_first(logprobs: np.ndarray, budget: int) -> list[float]:
 def test_build_keeps_the_best_nodes_as_a_tree(budget):
     rng = np.random.default_rng(budget)
     for _ in range(20):
-        lp = np.sort(np.log(rng.dirichlet(np.ones(12), size=7)), axis=1)[:, ::-1][:, :8]
+        lp = np.sort(np.log(rng.dirichlet(np.ones(12), size=7)), axis=1)[:, ::-1][:, :8].copy()
         ranked = rng.permutation(100)[:56].reshape(7, 8)
-        tree = build(3, lp, ranked, budget)
+        out = build(mx.array([3]), mx.array(lp, dtype=mx.float32), mx.array(ranked), budget)
+        tree = Tree(*(np.array(x) for x in out[:3]))
+        assert (np.array(out[3]) == np.array(ancestors_of(tree))).all()
         assert tree.size == min(budget, 1 + 7 * 8) and tree.tokens[0] == 3
         assert (tree.parents[1:] < np.arange(1, tree.size)).all()  # parents first
         assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
@@ -104,8 +117,10 @@ def tree_pass(model, tree: Tree, prefix: list[int]):
     cache = adapter.make_cache()
     assert adapter.tree_support(cache) is None
     adapter.forward(mx.array([prefix]), cache, None)
-    mask = tree_module.attention_mask(tree, len(prefix))
-    logits, _ = adapter.forward_tree(mx.array(tree.tokens)[None], cache, mask, tree.depths, None)
+    seen = tree_module.ancestors(mx.array(tree.parents), tree.depth)
+    mask = tree_module.attention_mask(seen, len(prefix))
+    depths = mx.array(tree.depths, dtype=mx.int32)
+    logits, _ = adapter.forward_tree(mx.array(tree.tokens)[None], cache, mask, depths, None)
     return adapter, cache, logits[0]
 
 
@@ -126,7 +141,11 @@ def test_each_node_sees_its_ancestors_at_its_depth(dense):
 
 def test_the_pass_check_catches_siblings_that_see_each_other(dense, monkeypatch):
     model, _ = dense
-    causal = lambda tree, prefix: mx.array(np.tri(tree.size, prefix + tree.size, prefix) > 0)  # noqa: E731
+
+    def causal(seen, prefix):
+        n = seen.shape[0]
+        return mx.array(np.tri(n, prefix + n, prefix) > 0)
+
     monkeypatch.setattr(tree_module, "attention_mask", causal)
     assert pass_error(model, BRANCHY) > 1e-2
 
@@ -233,12 +252,34 @@ def test_bad_tree_settings_are_refused(dense, draft):
 # -- sampling: the target's exact law --------------------------------------------------------
 
 
+class Top2Draft(TableDraft):
+    """Proposes the target's greedy continuation after the anchor first and, at each
+    position, the target's second choice there second: siblings are often right."""
+
+    def __init__(self, base: DFlashDraft, model):
+        super().__init__(base, greedy_table(model))
+        self.second = {}
+        for a in self.table:
+            seq = PROMPT + [a]
+            self.second[a] = []
+            for t in self.table[a]:
+                row = np.array(model(mx.array([seq]))[0, -1])
+                self.second[a].append(int(np.argsort(-row)[1]))
+                seq.append(t)
+
+    def _table_logits(self, rows: int) -> mx.array:
+        first = (self.table[self._anchor] + [0] * rows)[:rows]
+        second = (self.second[self._anchor] + [1] * rows)[:rows]
+        eye = mx.eye(self.config.vocab_size)
+        return eye[mx.array(first)] * 2.0 + eye[mx.array(second)] * 1.0
+
+
 @pytest.fixture(scope="module")
 def table_pair():
     from .test_sampling import build_tiny_vocab_pair
 
     model, draft = build_tiny_vocab_pair(12)
-    return model, TableDraft(draft, greedy_table(model), sharpness=1.0)
+    return model, Top2Draft(draft, model)
 
 
 def tree_joint_counts(model, draft, draws: int) -> tuple[dict, int]:
