@@ -98,6 +98,8 @@ def compile_grammar(
         return None
     import llguidance
 
+    if options.grammar is not None:
+        _check_special_literals(options.grammar, tokenizer)
     ll_tok = _ll_tokenizer(tokenizer, vocab, _eos_ids(tokenizer))
     error = llguidance.LLMatcher.validate_grammar(source, ll_tok)
     if error:
@@ -107,6 +109,19 @@ def compile_grammar(
     if matcher.is_error():
         raise BadArgument(f"grammar is invalid: {matcher.get_error()}")
     return Grammar(matcher, vocab, _eos_ids(tokenizer), mask_drafts)
+
+
+def _check_special_literals(grammar: str, tokenizer: Any) -> None:
+    """Refuse a Lark grammar that writes a special (added) token as quoted text: llguidance
+    would allow the token there and then refuse it. Bare `<name>` is that token."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "get_added_vocab", dict)()
+    for name in sorted(added, key=len, reverse=True):
+        if len(name) > 1 and (f'"{name}"' in grammar or f"'{name}'" in grammar):
+            raise BadArgument(
+                f"grammar writes the special token {name!r} as quoted text; write it bare, "
+                f"as {name} (the token itself)"
+            )
 
 
 def check_grammar(options: GenerateOptions, tokenizer: Any, vocab: int | None = None) -> None:

@@ -379,3 +379,12 @@ def test_the_check_catches_a_matcher_never_rolled_back(target, draft, monkeypatc
     want, _ = reference(model, tok, ids, GenerateOptions(json_schema=SCHEMA), 120)
     monkeypatch.setattr(controls.Grammar, "rollback", lambda self, n: None)
     assert run_broken(model, tok, draft, ids, want)
+
+
+def test_a_grammar_writing_a_special_token_as_text_is_refused(target):
+    """llguidance would allow the token there and then refuse it (a failure mid-reply):
+    the grammar is refused up front, saying how to write it."""
+    model, tok = target
+    with pytest.raises(BadArgument, match="write it bare, as <\\|im_start\\|>"):
+        check_grammar(GenerateOptions(grammar='start: "<|im_start|>" "a"'), tok)
+    check_grammar(GenerateOptions(grammar='start: <|im_start|> "a"'), tok)
