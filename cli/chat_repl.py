@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_mlx.chat_settings import UNSET, show_value
+from dflash_mlx.chat_settings import choices, show_value
 from dflash_mlx.errors import BadArgument
 
 from . import chat_ui
@@ -29,7 +29,7 @@ COMMANDS = {  # name: (usage, what it does)
         "/set [NAME VALUE]",
         "show the settings, or set "
         + ", ".join(
-            s.name + (f" (or {UNSET[s.field][0]})" if s.field in UNSET else "") for s in SETTINGS
+            s.name + (f" ({choices(s.field)})" if choices(s.field) else "") for s in SETTINGS
         )
         + ", thinking (show or hide)",
     ),
@@ -193,10 +193,12 @@ class Repl:
 
 
 def toolbar(session: ChatSession, label: str) -> str:
-    """The line under the prompt: model, width, temperature, context held."""
+    """The line under the prompt: model, width (and shape, if fixed), temperature, context
+    held."""
     s = session.options
     width = show_value("verify_width", s.verify_width)
-    draft = "no draft" if session.draft is None else f"W {width}"
+    shape = {None: "", True: " tree", False: " chains"}[s.tree]
+    draft = "no draft" if session.draft is None else f"W {width}{shape}"
     return (
         f" {label} · {draft} · temp {s.temperature:g} · max {s.max_tokens} · "
         f"{session.context_tokens} tokens in context · /help"

@@ -45,6 +45,7 @@ def command(
     frequency_penalty: options.FrequencyPenalty = 0.0,
     repetition_penalty: options.RepetitionPenalty = None,
     verify_width: options.VerifyWidth = None,
+    tree: options.Tree = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
     json_schema: Annotated[
@@ -102,6 +103,7 @@ def command(
                 frequency_penalty=frequency_penalty,
                 repetition_penalty=repetition_penalty,
                 verify_width=options.verify_width(verify_width, block_size),
+                tree=tree,
                 draft_window=draft_window,
                 json_schema=read_schema(json_schema),
             ),

@@ -104,10 +104,12 @@ class Setting:
     short: str | None = None
     # Whether `bench` takes it: its baseline decodes through mlx-lm with sampling only.
     bench: bool = True
+    off: str | None = None  # a switch's flag for False (`--no-tree`); left out: None
 
     @property
     def decls(self) -> list[str]:
-        return [self.flag, *([self.short] if self.short else [])]
+        flag = f"{self.flag}/{self.off}" if self.off else self.flag
+        return [flag, *([self.short] if self.short else [])]
 
 
 SETTINGS = (
@@ -138,6 +140,15 @@ SETTINGS = (
         "verify_width",
         "Verify width W: tokens the target checks per cycle (≤ the draft's block; "
         "1: plain decoding; default: picked per cycle for this device).",
+    ),
+    Setting(
+        "tree",
+        "--tree",
+        "tree",
+        "Verify a tree of drafts: --verify-width N then means N verified tokens (the "
+        "anchor included); --no-tree: chains only; default: chosen per cycle.",
+        bench=False,  # the bench compares shapes: --trees
+        off="--no-tree",
     ),
     Setting("seed", "--seed", "seed", "Seed for reproducible sampling."),
     Setting(
@@ -202,6 +213,7 @@ PresencePenalty = Annotated[float, option("presence_penalty")]
 FrequencyPenalty = Annotated[float, option("frequency_penalty")]
 RepetitionPenalty = Annotated[float | None, option("repetition_penalty", show_default=False)]
 DraftWindow = Annotated[int | None, option("draft_window", show_default=False)]
+Tree = Annotated[bool | None, option("tree", show_default=False)]
 
 
 _NONE = re.compile(r"\bor None\b")

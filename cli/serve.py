@@ -127,6 +127,7 @@ def serve(
         ),
     ] = MEMORY_GB,
     verify_width: options.VerifyWidth = None,
+    tree: options.Tree = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
     cors_origin: Annotated[
@@ -177,6 +178,7 @@ def serve(
             prompt_cache_gb=prompt_cache_gb,
             prompt_cache_memory_gb=prompt_cache_memory_gb,
             verify_width=options.verify_width(verify_width, block_size),
+            tree=tree,
             draft_window=draft_window,
             cors_origins=tuple(cors_origin or ()),
             max_body_mb=max_body_mb,
@@ -275,6 +277,7 @@ def run(
     max_context: int | None,
     prompt_cache_size: int,
     verify_width: int | None = None,
+    tree: bool | None = None,
     no_draft: bool = False,
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
@@ -287,7 +290,8 @@ def run(
     """Load the pair, bind the port and serve until Ctrl-C.
 
     `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed, the
-    penalties) for requests that leave them out; `default_max_tokens` None: 2048."""
+    penalties) for requests that leave them out, as are `verify_width`, `draft_window` and
+    `tree` (a request's `tree` field overrides it); `default_max_tokens` None: 2048."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:
@@ -313,7 +317,10 @@ def run(
     # The requests' defaults, checked by the engine's own rules before anything loads.
     sampling = dict(sampling or {})
     defaults = GenerateOptions(
-        max_tokens=default_max_tokens, verify_width=verify_width, draft_window=draft_window
+        max_tokens=default_max_tokens,
+        verify_width=verify_width,
+        draft_window=draft_window,
+        tree=tree,
     )
     defaults.replace(**sampling)
     if not max_body_mb > 0:

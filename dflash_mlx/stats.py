@@ -240,25 +240,41 @@ def finish_words(reason: str | None, stop: str | None = None) -> str | None:
     return None if reason is None else reason.replace("_", " ")
 
 
+def most_used(table: dict[int, list[int]], name: str, noun: str) -> str:
+    """The widths (or budgets) of `table` that ran most, `W=4×12, W=3×2` (`name` "W="), the
+    rest counted: `(+2 widths)`."""
+    ran = sorted(((w, c) for w, (c, _) in table.items()), key=lambda wc: (-wc[1], -wc[0]))
+    shown = ", ".join(f"{name}{w}×{c}" for w, c in ran[:SHOWN_WIDTHS])
+    more = len(ran) - SHOWN_WIDTHS
+    return shown + (f" (+{count(more, noun)})" if more > 0 else "")
+
+
+def chains_note(note: str) -> str:
+    """Why trees were asked for and chains ran, short: `chains only: recurrent layers`
+    (the engine's reason without its parenthesis)."""
+    return "chains only: " + note.split(" (", 1)[0]
+
+
 def what_ran(s: Stats) -> list[str]:
-    """The mechanism: tau, acceptance and the widths that ran; `plain decoding` when no
-    draft ran (none given, or a fixed width of 1)."""
+    """The mechanism: tau, acceptance, the widths that ran and the trees among them (or why
+    chains ran where trees were asked for); `plain decoding` when no draft ran (none
+    given, or a fixed width of 1)."""
     if s.draft is None or not s.cycles:
         return ["plain decoding"] if s.draft is None else []
     out = [f"τ {s.tau:.2f}"]
     if s.drafted:
         out.append(f"accepted {s.acceptance_rate:.0%} of drafts")
-    spec = sorted(
-        ((w, c) for w, (c, _) in s.widths.items() if w > 1), key=lambda wc: (-wc[1], -wc[0])
-    )
+    spec = {w: ran for w, ran in s.widths.items() if w > 1}
     if not spec:
         out.append("all plain")
     else:
         if round(s.plain_fraction * 100):  # a share that rounds to 0% says nothing
             out.append(f"{s.plain_fraction:.0%} plain")
-        shown = ", ".join(f"W={w}×{c}" for w, c in spec[:SHOWN_WIDTHS])
-        more = len(spec) - SHOWN_WIDTHS
-        out.append(shown + (f" (+{count(more, 'width')})" if more > 0 else ""))
+        out.append(most_used(spec, "W=", "width"))
+    if s.trees:  # budget × cycles: the tree cycles among the widths above
+        out.append("trees " + most_used(s.trees, "", "budget"))
+    if s.tree_note:
+        out.append(chains_note(s.tree_note))
     if s.probes:
         out.append(count(s.probes, "probe"))
     if s.draft == "dormant":

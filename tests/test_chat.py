@@ -72,8 +72,9 @@ def test_a_message_gets_a_streamed_reply_and_a_stats_line(session, target, draft
     stats = err.strip().splitlines()[-1]
     for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
         assert part in stats, f"stats line lacks {part!r}: {stats}"
-    # What ran: the drafts' acceptance, or (the width chooser decoding plainly) no drafts.
-    assert "accepted" in stats or "all plain" in stats, stats
+    # What ran: the drafts' acceptance, trees (chosen per cycle), or (the width chooser
+    # decoding plainly) no drafts.
+    assert "accepted" in stats or "trees" in stats or "all plain" in stats, stats
     assert session.messages == [
         {"role": "user", "content": "def add(a, b):"},
         {"role": "assistant", "content": expected.text},
@@ -131,12 +132,26 @@ def test_set_confirms_each_change_and_shows_every_setting(session, tmp_path):
     assert "draft_window set to 64" in err and "top_k set to 5" in err
     assert (
         "temp 0 · top_p 1 · top_k 5 · min_p 0.1 · max_tokens 6 · verify_width auto · "
-        "seed none · draft_window 64 · presence_penalty 0 · frequency_penalty 0 · "
+        "tree auto · seed none · draft_window 64 · presence_penalty 0 · frequency_penalty 0 · "
         "repetition_penalty off · thinking shown"
     ) in err
     help_text = err.split("thinking shown")[-1]
     for name in ("top_k", "min_p", "verify_width", "seed", "draft_window", "thinking"):
         assert name in help_text, f"/help does not list {name}"
+    assert "tree (on, off or auto)" in " ".join(help_text.split())
+
+
+def test_set_tree_takes_on_off_and_auto(session, tmp_path):
+    """`/set tree on|off|auto` sets `GenerateOptions.tree` True, False or None (chosen);
+    another word is refused naming the words, and changes nothing."""
+    _, err = drive(session, "/set tree on", tmp_path=tmp_path)
+    assert session.options.tree is True and "tree set to on" in err, err
+    _, err = drive(session, "/set tree maybe", tmp_path=tmp_path)
+    assert session.options.tree is True and "tree 'maybe': one of on, off or auto" in err, err
+    drive(session, "/set tree off", tmp_path=tmp_path)
+    assert session.options.tree is False
+    drive(session, "/set tree auto", tmp_path=tmp_path)
+    assert session.options.tree is None
 
 
 def test_set_block_size_is_the_deprecated_name_of_verify_width(session, tmp_path):

@@ -27,10 +27,16 @@ PROMPT = "def add(a, b):"
 
 
 def flags_of(command: str) -> dict[str, str]:
-    """Each option of `command`: its long flag -> its help text (as click holds it)."""
+    """Each option of `command`: its long flags -> its help text (as click holds it); a
+    switch's flag for False (`--no-tree` of `--tree/--no-tree`) too."""
     group = typer.main.get_command(app)
     cmd = group.commands[command]
-    return {p.opts[0]: p.help for p in cmd.params if p.opts[0].startswith("--")}
+    return {
+        flag: p.help
+        for p in cmd.params
+        for flag in [p.opts[0], *getattr(p, "secondary_opts", [])]
+        if flag.startswith("--")
+    }
 
 
 def test_every_generation_option_is_one_flag_with_one_help_in_every_command():
@@ -44,6 +50,8 @@ def test_every_generation_option_is_one_flag_with_one_help_in_every_command():
                 continue  # the bench compares several: --verify-widths; no penalties
             flags = flags_of(command)
             assert flags.get(s.flag) == s.help, (command, s.flag)
+            if s.off is not None:  # a switch: its False flag is the same option's
+                assert flags.get(s.off) == s.help, (command, s.off)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -52,7 +60,8 @@ def test_the_help_of_the_real_command_lists_them(command):
     for s in SETTINGS:
         if command == "bench" and (s.field == "verify_width" or not s.bench):
             continue
-        assert re.search(rf"{re.escape(s.flag)}\b(?!-)", out), (command, s.flag, out)
+        for flag in [s.flag, *([s.off] if s.off else [])]:
+            assert re.search(rf"{re.escape(flag)}\b(?!-)", out), (command, flag, out)
     assert "--default-max-tokens" not in out  # the deprecated name works, unlisted
 
 

@@ -21,6 +21,7 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 FIELD = re.compile(  # every field a stats line may hold, numbers and all
     r"\d+ tokens?|[\d.]+ tok/s|τ [\d.]+|accepted \d+% of drafts|\d+% plain|all plain"
     r"|W=\d+×\d+(, W=\d+×\d+)*( \(\+\d+ widths?\))?|\d+ probes?|draft dormant|plain decoding"
+    r"|trees \d+×\d+(, \d+×\d+)*( \(\+\d+ budgets?\))?|chains only: [^·]+"
     r"|prefill \d+ tokens? @ [\d.]+ tok/s( \(\d+ reused\))?|TTFT \d+ ms|peak [\d.]+ [MG]B"
     r"|hit max_tokens|end of text|stop string .+|interrupted"
 )

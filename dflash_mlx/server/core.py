@@ -219,6 +219,18 @@ class Service:
             raise APIError(
                 400, f"Invalid '{param}': {e}", param=param, code="invalid_value"
             ) from None
+        if req.tree is not None and options.verify_width is not None:
+            # Whether the server's fixed width holds this request's shape (`serve --tree
+            # --verify-width 40`: a tree of 40 tokens, which no chain of a 16 block is).
+            try:
+                self.engine.pair.plan(options)
+            except BadArgument as e:
+                raise APIError(
+                    400,
+                    f"Invalid 'tree': {str(req.tree).lower()} with the server's {e}",
+                    param="tree",
+                    code="invalid_value",
+                ) from None
         param = req.format_param
         if req.forced_tool and req.messages is not None:
             if options.json_schema is not None:

@@ -47,6 +47,9 @@ class _Request(Strict):
     repetition_penalty: float | None = Field(None, gt=0)
     repetition_context_size: int | None = Field(None, ge=1)
     response_format: ResponseFormat | None = None
+    # dflash-mlx's extension: verify a tree of drafts (true) or chains only (false); null
+    # or left out: the server's default (`serve --tree/--no-tree`, else chosen per cycle).
+    tree: bool | None = None
 
     limits: ClassVar[dict[str, int]] = {"stop": MAX_STOP}  # arrays' lengths (`limits.py`)
 
@@ -84,6 +87,7 @@ class _Request(Strict):
             logit_bias=self.logit_bias,
             logprobs=self.top_alternatives(),
             json_schema=fmt.engine_schema("response_format") if fmt else None,
+            tree=self.tree,
             **kw,
         )
 

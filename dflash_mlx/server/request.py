@@ -70,6 +70,8 @@ class Request:
     # request field it came from, for errors about it.
     json_schema: dict[str, Any] | bool | None = None
     format_param: str = "response_format"
+    # Verify a tree of drafts (True) or chains only (False); None: the server's default.
+    tree: bool | None = None
 
     def options(
         self,
@@ -80,7 +82,8 @@ class Request:
         """The engine's options for this request: the server's defaults with what the
         request sets, in the engine's terms (a near-zero temperature is greedy, top_p 0 is
         the top token alone, seeds taken modulo 2^64). A sampling field the request leaves
-        out is the server's `sampling` default, else the APIs' own (`SAMPLING_DEFAULTS`)."""
+        out is the server's `sampling` default, else the APIs' own (`SAMPLING_DEFAULTS`);
+        `tree` left out is the server's (`defaults.tree`)."""
         fallback = {**SAMPLING_DEFAULTS, **(sampling or {})}
 
         def get(name: str) -> Any:
@@ -108,6 +111,7 @@ class Request:
             logit_bias=self.logit_bias or None,
             logprobs=self.logprobs,
             json_schema=self.json_schema,
+            tree=defaults.tree if self.tree is None else self.tree,
         )
 
     @property
