@@ -52,6 +52,16 @@ def command(
             show_default=False,
         ),
     ] = None,
+    trees: Annotated[
+        str | None,
+        typer.Option(
+            "--trees",
+            metavar="B[,B...]",
+            help="Comma-separated tree budgets B to run beside the verify widths, e.g. 8,16,32: "
+            "DFlash verifying a tree of B tokens each cycle (the widths run chains).",
+            show_default=False,
+        ),
+    ] = None,
     draft_window: options.DraftWindow = None,
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the full results to this file.")
@@ -93,6 +103,7 @@ def command(
             min_p=min_p,
             repeats=repeats,
             verify_widths=verify_widths,
+            trees=trees,
             seed=seed,
             json_out=json_out,
             calibrate=calibrate,
@@ -120,6 +131,22 @@ def parse_widths(text: str | None) -> list[int | str] | None:
             )
         widths.append(int(part))
     return list(dict.fromkeys(widths))
+
+
+def parse_trees(text: str | None) -> list[int] | None:
+    """`--trees`: "8,16" -> [8, 16] (tree budgets, tokens verified); None -> no trees."""
+    if text is None:
+        return None
+    budgets = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 3:
+            raise BadArgument(
+                f"--trees {text!r}: {part!r} is not a tree budget (use integers >= 3, the "
+                "tokens a tree verifies, e.g. 8,16,32)"
+            )
+        budgets.append(int(part))
+    return list(dict.fromkeys(budgets))
 
 
 def parse_contexts(text: str | None) -> list[int] | None:
@@ -160,9 +187,11 @@ def run(
     top_k: int = 0,
     min_p: float = 0.0,
     full: bool = False,
+    trees: str | None = None,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
+    budgets = parse_trees(trees)
     contexts = parse_contexts(context)
     if prompts is not None and suite is not None:
         raise BadArgument("pass either --prompts or --suite, not both")
@@ -224,6 +253,7 @@ def run(
             tokenizer,
             bench_prompts,
             widths=widths,
+            trees=budgets,
             max_tokens=max_tokens,
             temperature=temp,
             top_p=top_p,

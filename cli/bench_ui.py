@@ -126,11 +126,24 @@ def _header(result: BenchResult, quick: str | None) -> Text:
 
 
 def _run_label(r: RunSummary) -> str:
-    if r.width is None:
-        return "mlx-lm"
-    if r.width == "auto":
+    return _label(r.run)
+
+
+def _label(run: str) -> str:
+    """A run's name (`bench_results.run_name`) as the report shows it: its shape, a chain
+    of W tokens or a tree of B."""
+    if run == "auto":
         return "W=auto"
-    return f"W={r.width}" + (" (no draft)" if r.width == 1 else "")
+    if run.startswith("tree="):
+        return f"tree B={run[5:]}"
+    return run + (" (no draft)" if run == "W=1" else "")
+
+
+def _tree_share(r: RunSummary) -> str:
+    """The trees column: the share of a run's verify passes that verified a tree."""
+    if r.tree_fraction is None or (not r.tree and not r.tree_fraction):
+        return "–"
+    return f"{r.tree_fraction:.0%}"
 
 
 def _speedup(x: float) -> Text:
@@ -161,11 +174,14 @@ def _table(suite: SuiteSummary) -> Table:
         title_style="bold",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
+        collapse_padding=True,  # every column fits 80 columns, the trees column too
     )
     eff = any(r.efficiency is not None for r in suite.runs)
     spread = len(suite.runs[0].generation_tps.values) > 1  # one repeat: one figure, no range
+    # The trees column: where trees were asked for (--trees) or chosen (auto).
+    trees = any(r.tree or r.tree_fraction for r in suite.runs)
     names = ["run", "tok/s"] + (["min–max"] if spread else []) + ["speedup", "τ"]
-    names += ["eff."] if eff else []
+    names += (["trees"] if trees else []) + (["eff."] if eff else [])
     for name in names + ["prefill", "TTFT", "peak"]:
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
     for r in suite.runs:
@@ -177,6 +193,7 @@ def _table(suite: SuiteSummary) -> Table:
             *([f"{_tps(t.min)}–{_tps(t.max)}"] if spread else []),
             _speedup(r.speedup.median) if r.width is not None else Text("1.00×", "dim"),
             f"{r.tau:.2f}",
+            *([_tree_share(r)] if trees else []),
             *ideal,
             _tps(r.prompt_tps.median),
             f"{r.time_to_first_token.median * 1000:.0f} ms",
@@ -200,6 +217,15 @@ OVER_NOTE = (
 )
 
 
+def _chains_note(result: BenchResult) -> Text | None:
+    """Why tree runs verified chains (a recurrent target, say): the engine's own words."""
+    notes = {_label(r.run): r.tree_note for r in result.overall.runs if r.tree and r.tree_note}
+    if not notes:
+        return None
+    runs, note = ", ".join(notes), next(iter(notes.values()))
+    return Text(f"{runs}: chains ran, not trees: {note}", style="yellow")
+
+
 def _over_note(result: BenchResult) -> Text | None:
     runs = [r for x in [*result.suites, result.overall] for r in x.runs]
     if not any(r.efficiency is not None and r.efficiency > 1.005 for r in runs):
@@ -214,7 +240,9 @@ def _tables(result: BenchResult) -> list[Table]:
 
 def _acceptance_chart(result: BenchResult) -> Text | None:
     """Bars of acceptance per block position, at the widest verify width, all prompts."""
-    runs = [r for r in result.overall.runs if r.acceptance_rates]
+    # Chains' positions: a tree run's are those of its few chain cycles.
+    runs = [r for r in result.overall.runs if r.acceptance_rates and not r.tree]
+    runs = runs or [r for r in result.overall.runs if r.acceptance_rates]
     if not runs:
         return None
     widest = max(runs, key=lambda r: len(r.acceptance_rates))
@@ -250,14 +278,17 @@ def _auto_comparison(result: BenchResult) -> Text | None:
     out = Text("W=auto against each fixed choice ", style="bold")
     out.append("(tok/s ratio paired by prompt and repeat, 95% interval)\n", style="dim")
     for c in result.comparisons:
-        other = "W=1 (no draft)" if c.other == "W=1" else c.other
+        other = _label(c.other)
         said = verdict(c.low, c.high)
         out.append(f"  vs {other:<16}")
         out.append(f"{c.ratio:5.2f}×", style=style[said])
         out.append(f"  [{c.low:.2f}–{c.high:.2f}]  ", style="dim")
         out.append(said, style=style[said])
         out.append(f"  ({count(c.pairs, 'pair')})\n", style="dim")
-    by = {v: [c.other for c in result.comparisons if verdict(c.low, c.high) == v] for v in style}
+    by = {
+        v: [_label(c.other) for c in result.comparisons if verdict(c.low, c.high) == v]
+        for v in style
+    }
     if by["slower"]:
         said, line = "slower", f"W=auto is slower than {', '.join(by['slower'])}"
     elif by["within the noise"]:
@@ -299,7 +330,8 @@ def _verdict(result: BenchResult) -> Text | Panel:
         prompt = " ".join(m.prompt.split())
         prompt = prompt if len(prompt) <= 70 else prompt[:69] + "…"
         lines.append(
-            f"• {m.suite} #{m.prompt_index + 1} · W={m.width} · repeat {m.repeat + 1} · "
+            f"• {m.suite} #{m.prompt_index + 1} · {_label(m.run or f'W={m.width}')} · "
+            f"repeat {m.repeat + 1} · "
             f"first difference at generated token {m.position}: expected {m.expected} "
             f"{m.expected_text!r}, got {m.got} {m.got_text!r} "
             f"({m.expected_tokens} vs {m.got_tokens} tokens)\n",
@@ -320,16 +352,23 @@ def report(result: BenchResult, quick: str | None = None) -> None:
     """The whole report on stdout: header, tables, acceptance chart, losslessness verdict.
 
     tok/s is generation speed (tokens after the first over their time), median over repeats;
-    speedup is against mlx-lm in the same repeat; eff. is the speedup as a share of what tau
-    and the calibrated pass costs allow (tau * t_plain / (t_verify(W) + t_draft(L))); prefill
-    is prompt tokens/s.
+    speedup is against mlx-lm in the same repeat; trees (when any ran) is the share of verify
+    passes that verified a tree (W=N: chains of N; tree B=N: trees of N tokens); eff. is the
+    speedup as a share of what tau and the calibrated pass costs allow (tau * t_plain /
+    (t_verify(W) + t_draft(L))); prefill is prompt tokens/s.
     """
-    parts = [_header(result, quick), Text(""), *_tables(result)]
-    for extra in (_over_note(result), _auto_comparison(result), _acceptance_chart(result)):
+    tables = _tables(result)
+    parts = [_header(result, quick), Text(""), *tables]
+    extras = (_chains_note(result), _over_note(result), _auto_comparison(result))
+    for extra in (*extras, _acceptance_chart(result)):
         if extra is not None:
             parts.append(extra)
     parts.append(_verdict(result))
-    _out().print(Group(*parts))
+    out = _out()
+    if not out.is_terminal:  # a file or a pipe: whole tables, never cut to 80 columns
+        unbounded = out.options.update_width(10_000)
+        out.width = max(out.width, *(out.measure(t, options=unbounded).maximum for t in tables))
+    out.print(Group(*parts))
 
 
 def json_written(path: Path) -> None:

@@ -23,6 +23,16 @@ BASELINE = "mlx-lm"  # the name of the plain-decoding run in results
 AUTO = "auto"  # a verify width chosen per cycle by the engine
 
 
+def run_name(width: int | str | None, tree: bool = False) -> str:
+    """A run's name in results: BASELINE, AUTO, "W=<width>" (a chain) or "tree=<budget>"
+    (trees of that many verified tokens)."""
+    if width is None:
+        return BASELINE
+    if width == AUTO:
+        return AUTO
+    return f"tree={width}" if tree else f"W={width}"
+
+
 @dataclass
 class RunRecord:
     """One generation: one prompt, one repeat, the baseline or one verify width, and its
@@ -32,10 +42,11 @@ class RunRecord:
     suite: str
     prompt_index: int
     repeat: int
-    run: str  # BASELINE, "W=<width>" or AUTO
-    width: int | str | None  # verify width, AUTO, or None for the baseline
+    run: str  # BASELINE, "W=<width>", "tree=<budget>" or AUTO
+    width: int | str | None  # verify width (a tree's budget), AUTO, or None for the baseline
     stats: Stats
     finish_reason: str | None
+    tree: bool = False  # the engine was asked for trees of `width` tokens (tree=True)
 
     @property
     def ran(self) -> dict[str, Any] | None:
@@ -51,6 +62,7 @@ class RunRecord:
             "repeat": self.repeat,
             "run": self.run,
             "width": self.width,
+            "tree": self.tree,
             "prompt_tokens": s.prompt_tokens,
             "prompt_time": s.time_to_first_token,  # seconds from the start to the first token
             "generation_tokens": s.generation_tokens,
@@ -71,7 +83,7 @@ class Mismatch:
     suite: str
     prompt_index: int
     prompt: str
-    width: int | str
+    width: int | str  # verify width (a tree's budget) or AUTO
     repeat: int
     position: int  # first differing generated token, from 0
     expected: int | None  # the baseline's token there (None: the baseline had ended)
@@ -80,6 +92,7 @@ class Mismatch:
     got_text: str
     expected_tokens: int
     got_tokens: int
+    run: str = ""  # the run's name (`run_name`): says a tree's budget from a chain's width
 
 
 @dataclass
@@ -119,6 +132,11 @@ class RunSummary:
     # Over all its generations: the share of tokens decoded plainly (W = 1), probes made.
     plain_fraction: float | None = None
     probes: int | None = None
+    # Trees: whether the run asked for them, the share of its verify passes that verified
+    # one (None: the baseline), and why chains ran where trees were asked for.
+    tree: bool = False
+    tree_fraction: float | None = None
+    tree_note: str | None = None
 
 
 @dataclass
@@ -229,6 +247,10 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else 0.0
 
 
+def _tree_cycles(s: Stats) -> int:
+    return sum(c for c, _ in s.trees.values())
+
+
 def summarise(
     name: str,
     runs: list[str],
@@ -252,7 +274,7 @@ def summarise(
     base = [s.generation_tps for s in pooled[BASELINE]]
     out = []
     for run, groups in by_run.items():
-        width = groups[0][0].width
+        width, tree = groups[0][0].width, groups[0][0].tree
         tps = [s.generation_tps for s in pooled[run]]
         total = Stats.total(pooled[run])
         speedup = Spread.of([_ratio(t, b) for t, b in zip(tps, base)])
@@ -278,6 +300,9 @@ def summarise(
                 efficiency=_ratio(speedup.median, ideal) if ideal else None,
                 plain_fraction=total.plain_fraction if engine else None,
                 probes=total.probes if engine else None,
+                tree=tree,
+                tree_fraction=_ratio(_tree_cycles(total), total.cycles) if engine else None,
+                tree_note=total.tree_note,
             )
         )
     return SuiteSummary(name, n_prompts, out)

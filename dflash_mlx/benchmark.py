@@ -2,15 +2,16 @@
 
 Runs plain mlx-lm decoding (the baseline: `mlx_lm.generate.generate_step` with mlx-lm's own
 sampler) and DFlash through the public `dflash_mlx.generate` at each verify width (one
-`Pair` for all of them, one `GenerateOptions` per run), on the same encoded prompts, after a
-warm-up. The order of the runs rotates with every prompt and repeat, so slow drift (heat,
-other processes) spreads over all of them. At temperature 0 every DFlash run must reproduce
-the baseline's tokens; a difference is recorded with the prompt and the first differing
-position. With `contexts`, every prompt is also run padded (in front, with the other
-prompts' text) or cut to each of those token counts, one group per count. Each fixed width's
-efficiency is its measured speedup over what its calibrated pass costs and its tau allow.
-Every run's figures are its `Stats`. Returns dataclasses that serialise to JSON; never
-prints: progress goes to an optional callback.
+`Pair` for all of them, one `GenerateOptions` per run), and with `trees` at each tree budget
+(tree verification of that many tokens), on the same encoded prompts, after a warm-up. The
+order of the runs rotates with every prompt and repeat, so slow drift (heat, other
+processes) spreads over all of them. At temperature 0 every DFlash run, trees included,
+must reproduce the baseline's tokens; a difference is recorded with the prompt and the first
+differing position. With `contexts`, every prompt is also run padded (in front, with the
+other prompts' text) or cut to each of those token counts, one group per count. Each fixed
+width's efficiency is its measured speedup over what its calibrated pass costs and its tau
+allow. Every run's figures are its `Stats`. Returns dataclasses that serialise to JSON;
+never prints: progress goes to an optional callback.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .bench_results import (
     Mismatch,
     RunRecord,
     auto_comparisons,
+    run_name,
     summarise,
 )
 from .errors import BadArgument
@@ -44,6 +46,7 @@ from .options import GenerateOptions
 from .pair import Pair
 from .stats import Stats
 from .text import encode_prompt
+from .tree import BRANCH as TREE_BRANCH
 
 WARMUP_TOKENS = 32
 
@@ -87,9 +90,23 @@ def quantization(module: nn.Module) -> dict[str, Any] | None:
     return found[0] if len(found) == 1 else {"mixed": found}
 
 
-def _check(widths: list[int | str], pair: Pair, repeats: int) -> None:
+def _check(widths: list[int | str], trees: list[int], pair: Pair, repeats: int) -> None:
     draft = pair.draft
     limit = draft.config.block_size if draft is not None else 1
+    for b in trees:
+        if draft is None:
+            raise BadArgument(f"trees {b}: a tree is of drafts, and no draft was given")
+        if isinstance(b, bool) or not isinstance(b, int) or b < 3:
+            raise BadArgument(
+                f"trees {b!r}: a tree budget is an integer >= 3 (tokens verified, the anchor "
+                "included; 2 is the chain W=2)"
+            )
+        most = (limit - 1) * TREE_BRANCH + 1
+        if b > most:
+            raise BadArgument(
+                f"trees {b}: a tree over the draft's {limit - 1} drafted positions holds at "
+                f"most {most} tokens"
+            )
     for w in widths:
         if w == AUTO:
             continue
@@ -174,8 +191,8 @@ def _cost_ratios(pair: Pair, runs, depth: int) -> dict[str, float]:
     verify, drafting = curves.at(depth)
     rows = pair.draft.config.block_size  # the bench runs the draft's whole block at fixed widths
     out = {}
-    for name, width in runs:
-        if isinstance(width, int):
+    for name, width, tree in runs:
+        if isinstance(width, int) and not tree:  # a tree's pass is not a chain's
             cost = verify[width - 1] + (drafting[rows - 1] if width > 1 else 0.0)
             out[name] = verify[0] / cost
     return out
@@ -187,6 +204,7 @@ def run_benchmark(
     prompts: Sequence[BenchPrompt],
     *,
     widths: Sequence[int | str] | None = None,
+    trees: Sequence[int] | None = None,
     max_tokens: int = 128,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -207,7 +225,9 @@ def run_benchmark(
 
     `widths` are verify widths W (1 is the target alone through dflash_mlx's engine) or
     "auto" (W chosen per cycle from measured costs); default: ["auto"], the engine's own
-    default. `chat` sends text prompts through the chat
+    default. `trees` are tree budgets B: DFlash verifying a tree of B tokens each cycle
+    (`GenerateOptions.tree` True; fixed widths run chains only). `chat` sends text prompts
+    through the chat
     template (default: when the tokenizer has one); message prompts always use it. Each
     run generates up to `max_tokens` tokens; every figure is reported over `repeats`.
     `contexts`: token counts each prompt is padded or cut to (one suite per count, named
@@ -219,7 +239,8 @@ def run_benchmark(
         if not isinstance(n, int) or n < 1:
             raise BadArgument(f"context {n!r} must be an integer >= 1 (tokens)")
     widths = list(dict.fromkeys(widths)) if widths else [AUTO]
-    _check(widths, pair, repeats)
+    trees = list(dict.fromkeys(trees or ()))
+    _check(widths, trees, pair, repeats)
     model, draft = pair.model, pair.draft
     # Validated before anything runs; each run's options are these with its width and seed.
     options = GenerateOptions(
@@ -250,20 +271,25 @@ def run_benchmark(
         prompts = [p for p, _ in grouped]
         encoded = [ids for _, ids in grouped]
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
-    runs: list[tuple[str, int | str | None]] = [(BASELINE, None)] + [
-        (AUTO if w == AUTO else f"W={w}", w) for w in widths
+    # (name, verify width or tree budget, trees asked for)
+    runs: list[tuple[str, int | str | None, bool]] = [
+        (BASELINE, None, False),
+        *((run_name(w), w, False) for w in widths),
+        *((run_name(b, tree=True), b, True) for b in trees),
     ]
     total = len(runs) * (1 + repeats * len(prompts))
     done = 0
 
-    def one(width: int | str | None, ids: list[int], n: int, run_seed: int):
+    def one(width: int | str | None, tree: bool, ids: list[int], n: int, run_seed: int):
         """(tokens, Stats, finish reason) of one generation."""
         # Greedy runs pass no seed: a seeded request keeps its widths from learning
-        # wall-clock costs.
+        # wall-clock costs. A fixed width verifies chains, a budget trees; auto: chosen.
+        fixed = width not in (None, AUTO)
         run = options.replace(
             max_tokens=n,
             seed=run_seed if temperature > 0 else None,
-            verify_width=None if width in (None, AUTO) else width,
+            verify_width=width if fixed else None,
+            tree=tree if fixed else None,
         )
         if width is None:
             mx.random.seed(run_seed)
@@ -279,8 +305,8 @@ def run_benchmark(
         if progress is not None:
             progress(done, total, what)
 
-    for name, width in runs:  # warm-up: compile, allocate, fill caches; not measured
-        one(width, encoded[0], min(max_tokens, warmup_tokens), seed)
+    for name, width, tree in runs:  # warm-up: compile, allocate, fill caches; not measured
+        one(width, tree, encoded[0], min(max_tokens, warmup_tokens), seed)
         tick(f"warm-up {name}")
 
     records: list[RunRecord] = []
@@ -289,17 +315,17 @@ def run_benchmark(
         for i, (p, ids) in enumerate(zip(prompts, encoded)):
             shift = (rep * len(prompts) + i) % len(runs)
             outputs: dict[str, list[int]] = {}
-            for name, width in runs[shift:] + runs[:shift]:
+            for name, width, tree in runs[shift:] + runs[:shift]:
                 run_seed = seed + rep * len(prompts) + i
-                tokens, stats, finish = one(width, ids, max_tokens, run_seed)
+                tokens, stats, finish = one(width, tree, ids, max_tokens, run_seed)
                 outputs[name] = tokens
-                records.append(RunRecord(p.suite, p.index, rep, name, width, stats, finish))
+                records.append(RunRecord(p.suite, p.index, rep, name, width, stats, finish, tree))
                 tick(f"{p.suite} #{p.index + 1} {name}")
             if temperature == 0:
                 mismatches += _compare(p, rep, outputs, runs, tokenizer)
 
     suites = list(dict.fromkeys(p.suite for p in prompts))
-    names = [name for name, _ in runs]
+    names = [name for name, _, _ in runs]
 
     def ratios(group: list[list[int]]) -> dict[str, float] | None:
         if draft is None:
@@ -325,6 +351,7 @@ def run_benchmark(
             "min_p": min_p,
             "repeats": repeats,
             "verify_widths": widths,
+            "trees": trees,
             "seed": seed,
             "chat_template": chat,
             "warmup_tokens": min(max_tokens, warmup_tokens),
@@ -351,10 +378,11 @@ def run_benchmark(
 
 
 def _compare(p: BenchPrompt, rep: int, outputs: dict[str, list[int]], runs, tokenizer):
-    """Mismatches of each DFlash run against the baseline's tokens for one prompt."""
+    """Mismatches of each DFlash run (chains and trees) against the baseline's tokens for one
+    prompt."""
     expected = outputs[BASELINE]
     found = []
-    for name, width in runs[1:]:
+    for name, width, _ in runs[1:]:
         got = outputs[name]
         pos = _first_difference(expected, got)
         if pos is None:
@@ -373,6 +401,7 @@ def _compare(p: BenchPrompt, rep: int, outputs: dict[str, list[int]], runs, toke
                 got_text=tokenizer.decode(got[pos : pos + 8]),
                 expected_tokens=len(expected),
                 got_tokens=len(got),
+                run=name,
             )
         )
     return found

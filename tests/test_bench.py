@@ -42,6 +42,9 @@ SUMMARY_KEYS = {
     "efficiency",
     "plain_fraction",
     "probes",
+    "tree",
+    "tree_fraction",
+    "tree_note",
 }
 
 
