@@ -15,9 +15,10 @@ regenerating, stepping and evaluating written to OUT/timing.json. `reference`: a
 distillation loop written for the comparison: the same draft initialisation, the target's
 greedy replies (`mlx_lm.generate_step`, one prompt at a time, whole, up to 128 tokens) as the
 data, anchors at random reply positions, loss = weighted cross-entropy against the target's
-own greedy tokens, AdamW with warm-up and cosine. `eval`: engine τ of every kept checkpoint
-with this checkout's decode engine, greedy, at a fixed verify width (8), on the demo pair's
-held-out prompts, each run checked token for token against the target's greedy decode.
+own greedy tokens, textbook (bias-corrected) AdamW with warm-up and cosine. `eval`: engine
+τ of every kept checkpoint with this checkout's decode engine, greedy, at a fixed verify
+width (8), on the demo pair's held-out prompts, each run checked token for token against the
+target's greedy decode.
 Everything is seeded; run each with OpenBLAS preloaded on an otherwise idle core.
 """
 
@@ -201,7 +202,9 @@ def cmd_reference(args) -> None:
     warm = max(1, int(0.04 * args.steps))
     cosine = optim.cosine_decay(args.lr, args.steps - warm, args.lr * 0.1)
     sched = optim.join_schedules([optim.linear_schedule(0.0, args.lr, warm), cosine], [warm])
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    opt = optim.AdamW(
+        learning_rate=sched, weight_decay=0.01, bias_correction=not args.no_bias_correction
+    )
     w = mx.exp(-(mx.arange(1, L) - 1) / args.gamma)
 
     def loss_fn(draft, feats, labels, block, si, an, valid):
@@ -330,6 +333,9 @@ def main() -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--curve-every", type=int, default=50)
     r.add_argument("--replies", type=Path, help="a JSON file of the replies: read, or written")
+    r.add_argument(
+        "--no-bias-correction", action="store_true", help="MLX's AdamW default (the old command)"
+    )
     e = sub.add_parser("eval")
     e.add_argument("runs", type=Path, nargs="+")
     e.add_argument("--target", default=str(DEMO / "target"))

@@ -2,10 +2,10 @@
 
 The reference is written here, apart from `dflash_mlx.train`: the same draft initialisation,
 the target's greedy replies as data, anchors at random reply positions, loss = weighted
-cross-entropy against the target's own greedy tokens, AdamW with warm-up and cosine. Both
-train a fresh draft for the same steps on the same examples and seeds; the command's draft
-must not come out materially worse on held-out replies (a fixed loss: every reply position
-of the held-out examples an anchor, γ 4), nor in engine τ. Losses and τ, never wall time.
+cross-entropy against the target's own greedy tokens, textbook AdamW with warm-up and
+cosine. Both train a fresh draft on the demo pair's target for the same steps, seed and data
+order; the command's draft must not come out worse on held-out replies (a fixed loss: every
+reply position of the held-out examples an anchor, γ 4). Losses, never wall time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from dflash_mlx import Stats, generate
 from dflash_mlx.cli.train import _regenerator
 from dflash_mlx.tiny import CORPUS
 from dflash_mlx.train import (
@@ -34,27 +33,41 @@ from dflash_mlx.train import (
 
 from .test_decode import target_greedy
 
-STEPS, BATCH, ANCHORS, SEQ_LEN, REPLY = 40, 4, 8, 96, 40
+STEPS, BATCH, ANCHORS, SEQ_LEN, REPLY = 40, 4, 8, 96, 32
 
 
 @pytest.fixture(scope="module")
-def data(target, tmp_path_factory):
-    """(training examples, held-out examples): raw prompts the target continues with the
-    command's own (batched) regenerator; the replies are the target's greedy ones."""
-    model, tok = target
-    text = "".join(dict.fromkeys(CORPUS))
-    prompts = [text[i : i + 12 + i % 17] for i in range(0, len(text) - 30, 12)]
+def demo_target():
+    """The shipped demo target (a trained 4-layer code model): a random tiny target's greedy
+    replies are too easy to tell a good recipe from a bad one."""
+    from dflash_mlx import load
+    from dflash_mlx.demo import SHIPPED
+
+    return load(str(SHIPPED / "target"))
+
+
+@pytest.fixture(scope="module")
+def data(demo_target, tmp_path_factory):
+    """(training examples, held-out examples): raw prompts (pieces of the demo pair's
+    held-out prompts) continued with the command's own batched regenerator; the replies are
+    the target's greedy ones, whole."""
+    from dflash_mlx.demo import SHIPPED
+
+    model, tok = demo_target
+    lines = (SHIPPED / "heldout_prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(x)["prompt"] for x in lines if x.strip()]
+    prompts = [t[i : i + 120] for t in texts for i in (0, len(t) // 2) if t[i : i + 120].strip()]
     path = tmp_path_factory.mktemp("ref") / "prompts.jsonl"
     path.write_text("\n".join(json.dumps({"text": p}) for p in prompts))
     regen = _regenerator(model, tok, REPLY)
     examples, skipped = read_examples(
         path, tok, seq_len=SEQ_LEN, regenerate=regen, reply_room=REPLY
     )
-    assert not skipped and len(examples) >= 20
-    for e in examples[::10]:
+    assert not skipped and len(examples) >= 24
+    for e in examples[::8]:
         want = target_greedy(model, e.tokens[: e.start], REPLY)
         assert e.tokens[e.start :] == want[: len(e.tokens) - e.start], "the target's greedy reply"
-    return examples, examples[::4]
+    return examples[4:], examples[:4]
 
 
 def fresh(model):
@@ -63,14 +76,15 @@ def fresh(model):
 
 
 def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
-    """The plain recipe, a few dozen lines (not `dflash_mlx.train`'s code)."""
+    """The plain recipe, a few dozen lines (not `dflash_mlx.train`'s code): textbook AdamW
+    (bias-corrected, as the recipe's learning rate assumes)."""
     draft, L = pair.draft, pair.draft.config.block_size
     warm = max(1, int(0.04 * steps))
     sched = optim.join_schedules(
         [optim.linear_schedule(0.0, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 10)],
         [warm],
     )
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01, bias_correction=True)
     w = mx.exp(-mx.arange(L - 1) / gamma)
 
     def loss_fn(draft, feats, labels, block, si, an, valid):
@@ -79,8 +93,8 @@ def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
         return (ce * w * valid).sum() / (w * valid).sum()
 
     grad = nn.value_and_grad(draft, loss_fn)
-    rng = np.random.default_rng(seed + 100)
-    for _ in range(steps):
+    for step in range(steps):
+        rng = np.random.default_rng((seed, step))  # the command's data order, for less noise
         seqs = [examples[i] for i in rng.choice(len(examples), BATCH, replace=False)]
         toks, si, an = reply_anchors(seqs, rng, ANCHORS)
         labels, block, valid, feats = block_labels(pair, toks, si, an, seqs)
@@ -125,37 +139,24 @@ def held_out_loss(pair, held, gamma=4.0) -> float:
     return ((ce * w).sum() / w.sum()).item()
 
 
-def engine_tau(pair, tok, held) -> float:
-    runs = [generate(pair, tok, e.tokens[: e.start], max_tokens=32, verify_width=8) for e in held]
-    for e, r in zip(held, runs):
-        assert r.tokens == target_greedy(pair.model, e.tokens[: e.start], 32)[: len(r.tokens)]
-    return Stats.total([r.stats for r in runs]).tau
-
-
-def test_the_defaults_train_as_well_as_the_reference_loop(target, data, tmp_path):
-    """Three seeds each (one seed's batches decide too much at this size): the command's
-    mean held-out loss within 10% of the reference loop's, its engine τ within 10%."""
-    model, tok = target
+def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp_path):
+    """Same steps, same seed, the same data order: the command's held-out loss within 2% of
+    the reference loop's. With the same recipe the two agree to 1e-5; MLX's AdamW without
+    bias correction (the command before issue 28) came out 3.7% worse here."""
+    model, tok = demo_target
     train_set, held = data
     start = held_out_loss(fresh(model)[0], held)
-    mine, theirs, t_mine, t_ref = [], [], [], []
-    for seed in range(3):
-        command, cfg = fresh(model)
-        settings = TrainSettings(
-            steps=STEPS, batch=BATCH, anchors_per_seq=ANCHORS, seq_len=SEQ_LEN, seed=seed,
-            eval_every=10**6, save_every=10**6,
-        )  # fmt: skip
-        train(command, tok, cfg, train_set, settings, tmp_path / f"d{seed}")
-        reference, _ = fresh(model)
-        reference_loop(reference, train_set, STEPS, seed=seed)
-        mine.append(held_out_loss(command, held))
-        theirs.append(held_out_loss(reference, held))
-        t_mine.append(engine_tau(command, tok, held[:4]))
-        t_ref.append(engine_tau(reference, tok, held[:4]))
-    mine, theirs, t_mine, t_ref = map(np.mean, (mine, theirs, t_mine, t_ref))
+    command, cfg = fresh(model)
+    settings = TrainSettings(
+        steps=STEPS, batch=BATCH, anchors_per_seq=ANCHORS, seq_len=SEQ_LEN,
+        eval_every=10**6, save_every=10**6,
+    )  # fmt: skip
+    train(command, tok, cfg, train_set, settings, tmp_path / "d")
+    reference, _ = fresh(model)
+    reference_loop(reference, train_set, STEPS)
+    mine, theirs = held_out_loss(command, held), held_out_loss(reference, held)
     assert theirs < 0.8 * start, ("the reference loop learns", start, theirs)
-    assert mine <= 1.1 * theirs, f"held-out loss: command {mine:.3f}, reference {theirs:.3f}"
-    assert t_mine >= 0.9 * t_ref, f"engine τ: command {t_mine:.2f}, reference {t_ref:.2f}"
+    assert mine <= 1.02 * theirs, f"held-out loss: command {mine:.3f}, reference {theirs:.3f}"
 
 
 def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
