@@ -273,6 +273,8 @@ def cmd_eval(args) -> None:
     for run in args.runs:
         rows = []
         for ck in sorted((run / "curve").glob("step-*")):
+            if args.only and int(ck.name.split("-")[1]) not in args.only:
+                continue
             pair = Pair(model, load_draft(str(ck)))
             results = [generate(pair, tok, p, options) for p in prompts]
             same = all(r.tokens == w[: len(r.tokens)] and r.tokens for r, w in zip(results, want))
@@ -286,7 +288,7 @@ def cmd_eval(args) -> None:
                 flush=True,
             )
         table[str(run)] = rows
-        (run / "curve_tau.json").write_text(json.dumps(rows, indent=1))
+        (run / f"curve_tau_{args.prompts.stem}.json").write_text(json.dumps(rows, indent=1))
     print(json.dumps(table))
 
 
@@ -342,6 +344,9 @@ def main() -> None:
     e.add_argument("--prompts", type=Path, default=DEMO / "heldout_prompts.jsonl")
     e.add_argument("--width", type=int, default=8)
     e.add_argument("--tokens", type=int, default=128)
+    e.add_argument(
+        "--only", type=lambda v: [int(x) for x in v.split(",")], help="steps, e.g. 100,250"
+    )
     args = ap.parse_args(argv)
     if args.cmd == "command":
         cmd_command(args, rest)
