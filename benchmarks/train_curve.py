@@ -113,6 +113,72 @@ finally:
 """
 
 
+# Times `--steps` training steps of the tree in argv[1] on fixed examples (prompts + replies
+# from files), with that tree's own `init_draft` and `train` (old API or new).
+STEPS_CHILD = r"""
+import importlib.util, json, os, sys, tempfile, time
+root, data, replies, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+MAP = {"dflash_mlx": "dflash_mlx", "dflash_mlx.cli": "cli", "dflash_mlx.quantize": "quantize"}
+class Finder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in MAP:
+            d = os.path.join(root, MAP[name])
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+sys.meta_path.insert(0, Finder)
+import mlx.core as mx
+import dflash_mlx
+import dflash_mlx.train as T
+from dflash_mlx.cli.train import default_mask_token
+model, tok = dflash_mlx.load(sys.argv[5])
+model.set_dtype(mx.float32)
+texts = [json.loads(x)["text"] for x in open(data).read().splitlines() if x.strip()]
+examples = []
+for t, r in zip(texts, json.load(open(replies))):
+    ids = tok.encode(t)[-128:]
+    examples.append(T.Example(ids + r, len(ids)))
+cfg = T.draft_config_for(model, layers=2, block_size=8, target_layer_ids=[1, 3],
+                         mask_token_id=default_mask_token(tok))
+made = T.init_draft(model, cfg, seed=0)
+st = T.TrainSettings(steps=steps, batch=16, seq_len=256, anchors_per_seq=32,
+                     eval_every=10**6, save_every=10**6)
+times, last = [], [0.0]
+def progress(entry):
+    now = time.perf_counter()
+    times.append(now - last[0])
+    last[0] = now
+out = tempfile.mkdtemp()
+last[0] = time.perf_counter()
+if hasattr(made, "draft"):  # a Pair: the current API
+    T.train(made, tok, cfg, examples, st, __import__("pathlib").Path(out), progress=progress)
+else:
+    T.train(model, made, tok, cfg, examples, st, __import__("pathlib").Path(out),
+            progress=progress)
+print(json.dumps(times[2:]))
+"""
+
+
+def cmd_steptime(args) -> None:
+    """Seconds a training step of each tree, the trees alternating for `--rounds` rounds on
+    the same examples (16 x 32 anchors, block 8, 2 layers reading 1 and 3)."""
+    env = dict(os.environ)
+    env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+    got = {root: [] for root in args.roots}
+    for _ in range(args.rounds):
+        for root in args.roots:
+            argv = [str(Path(root).resolve()), str(args.data), str(args.replies)]
+            argv += [str(args.steps), args.target]
+            r = subprocess.run(
+                [sys.executable, "-c", STEPS_CHILD, *argv],
+                env=env, capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            got[root] += json.loads(r.stdout.strip().splitlines()[-1])
+    for root, times in got.items():
+        times = sorted(times)
+        print(f"{root}: median {times[len(times) // 2]:.2f} s a step, min {times[0]:.2f} s")
+
+
 def cmd_data(args) -> None:
     """~100-token raw prompts: 10 seeded windows from each of 48 held-in stdlib files."""
     sys.path.insert(0, str(HERE / "scripts"))
@@ -215,7 +281,7 @@ def cmd_reference(args) -> None:
 
     grad = nn.value_and_grad(draft, loss_fn)
     times, losses = [], []
-    for step in range(args.steps):
+    for step in range(min(args.steps, args.stop_after or args.steps)):
         t0 = time.perf_counter()
         rng = np.random.default_rng((args.seed, step))
         seqs = [data[i] for i in rng.choice(len(data), size=args.batch, replace=False)]
@@ -243,7 +309,11 @@ def cmd_reference(args) -> None:
         mx.eval(loss, draft.parameters(), opt.state)
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-        if (step + 1) % args.curve_every == 0 or step + 1 == args.steps:
+        if (
+            (step + 1) % args.curve_every == 0
+            or step + 1 == args.steps
+            or step + 1 == args.stop_after
+        ):
             save_draft_checkpoint(draft, config, args.out / "curve" / f"step-{step + 1:05d}")
             print(
                 f"reference step {step + 1}: loss {np.mean(losses[-args.curve_every :]):.3f}",
@@ -334,10 +404,18 @@ def main() -> None:
     r.add_argument("--target-layer-ids", default="1,3")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--curve-every", type=int, default=50)
+    r.add_argument("--stop-after", type=int, help="stop early (the schedule still --steps)")
     r.add_argument("--replies", type=Path, help="a JSON file of the replies: read, or written")
     r.add_argument(
         "--no-bias-correction", action="store_true", help="MLX's AdamW default (the old command)"
     )
+    t = sub.add_parser("steptime", help="seconds a training step, tree against tree")
+    t.add_argument("roots", nargs="+")
+    t.add_argument("--data", type=Path, required=True)
+    t.add_argument("--replies", type=Path, required=True, help="written by `reference`")
+    t.add_argument("--target", default=str(DEMO / "target"))
+    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--rounds", type=int, default=2)
     e = sub.add_parser("eval")
     e.add_argument("runs", type=Path, nargs="+")
     e.add_argument("--target", default=str(DEMO / "target"))
@@ -351,7 +429,8 @@ def main() -> None:
     if args.cmd == "command":
         cmd_command(args, rest)
     else:
-        {"data": cmd_data, "reference": cmd_reference, "eval": cmd_eval}[args.cmd](args)
+        commands = {"data": cmd_data, "reference": cmd_reference, "eval": cmd_eval}
+        {**commands, "steptime": cmd_steptime}[args.cmd](args)
 
 
 if __name__ == "__main__":
