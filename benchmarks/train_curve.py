@@ -153,7 +153,7 @@ last[0] = time.perf_counter()
 if hasattr(made, "draft"):  # a Pair: the current API
     T.train(made, tok, cfg, examples, st, __import__("pathlib").Path(out), progress=progress)
 else:
-    T.train(model, made, tok, cfg, examples, st, __import__("pathlib").Path(out),
+    T.train(model, tok, made, cfg, examples, st, __import__("pathlib").Path(out),
             progress=progress)
 print(json.dumps(times[2:]))
 """
