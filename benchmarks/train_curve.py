@@ -15,7 +15,8 @@ regenerating, stepping and evaluating written to OUT/timing.json. `reference`: a
 distillation loop written for the comparison: the same draft initialisation, the target's
 greedy replies (`mlx_lm.generate_step`, one prompt at a time, whole, up to 128 tokens) as the
 data, anchors at random reply positions, loss = weighted cross-entropy against the target's
-own greedy tokens, textbook (bias-corrected) AdamW with warm-up and cosine. `eval`: engine
+own greedy tokens, AdamW (MLX's, or with `--bias-correction` the textbook one) with warm-up
+and cosine. `eval`: engine
 τ of every kept checkpoint with this checkout's decode engine, greedy, at a fixed verify
 width (8), on the demo pair's held-out prompts, each run checked token for token against the
 target's greedy decode.
@@ -268,9 +269,7 @@ def cmd_reference(args) -> None:
     warm = max(1, int(0.04 * args.steps))
     cosine = optim.cosine_decay(args.lr, args.steps - warm, args.lr * 0.1)
     sched = optim.join_schedules([optim.linear_schedule(0.0, args.lr, warm), cosine], [warm])
-    opt = optim.AdamW(
-        learning_rate=sched, weight_decay=0.01, bias_correction=not args.no_bias_correction
-    )
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01, bias_correction=args.bias_correction)
     w = mx.exp(-(mx.arange(1, L) - 1) / args.gamma)
 
     def loss_fn(draft, feats, labels, block, si, an, valid):
@@ -407,7 +406,7 @@ def main() -> None:
     r.add_argument("--stop-after", type=int, help="stop early (the schedule still --steps)")
     r.add_argument("--replies", type=Path, help="a JSON file of the replies: read, or written")
     r.add_argument(
-        "--no-bias-correction", action="store_true", help="MLX's AdamW default (the old command)"
+        "--bias-correction", action="store_true", help="textbook AdamW (MLX's default: off)"
     )
     t = sub.add_parser("steptime", help="seconds a training step, tree against tree")
     t.add_argument("roots", nargs="+")
