@@ -140,8 +140,8 @@ def held_out_loss(pair, held, gamma=4.0) -> float:
 
 def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp_path):
     """Same steps, same seed, the same data order: the command's held-out loss within 2% of
-    the reference loop's (they agree to 1e-5 when the command runs the recipe; anchors drawn
-    in the prompt too came out 3% worse, a bias-corrected AdamW under the command 3.7%)."""
+    the reference loop's (they agree to 1e-5 when the command runs the recipe; with anchors
+    drawn in the prompt too it came out 3% worse)."""
     model, tok = demo_target
     train_set, held = data
     start = held_out_loss(fresh(model)[0], held)
