@@ -24,8 +24,6 @@ from dflash_mlx.train import (
     TrainSettings,
     block_targets,
     draft_config_for,
-    grouped_blocks,
-    grouped_logits,
     init_draft,
     read_examples,
     train,
@@ -161,6 +159,8 @@ def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp
 def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
     """The training step's faster layout (a sequence's blocks share its context) computes the
     logits `DFlashDraft.training_logits` does, sliding and causal layers included."""
+    from dflash_mlx.train import grouped_blocks, grouped_logits
+
     model, tok = target
     for extra in (
         {},
