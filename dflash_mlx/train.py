@@ -211,6 +211,8 @@ def _example(obj, tokenizer, regenerate: bool) -> Example:
     if isinstance(obj.get("text"), str):
         ids = tokenizer.encode(obj["text"])
         if regenerate:  # the text is a raw prompt the target continues
+            if not ids:
+                raise ValueError("empty text: nothing for the target to continue")
             return Example(ids, -1)
         return Example(ids, 0)
     if isinstance(obj.get("messages"), list) and obj["messages"]:

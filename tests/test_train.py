@@ -237,3 +237,20 @@ def test_held_out_prompts_come_from_across_the_data_and_leave_training():
     assert all(len(h) == 10 for h in held), "a held-out prompt is what precedes its reply"
     assert not firsts & {e.tokens[0] for e in kept}
     assert min(firsts) < 100 < max(firsts), "spread over the data, not its last lines"
+
+
+def test_an_empty_text_to_regenerate_from_is_skipped_and_reported(target, tmp_path):
+    """mlx-lm's batched decoding fails on an empty prompt: the line is reported instead."""
+    model, tok = target
+    seen = []
+
+    def regenerate(prompts):
+        seen.extend(prompts)
+        assert all(prompts), "an empty prompt reached the target"
+        return [target_greedy(model, ids, 8) for ids in prompts]
+
+    path = tmp_path / "texts.jsonl"
+    path.write_text(json.dumps({"text": ""}) + "\n" + json.dumps({"text": "def f("}))
+    examples, skipped = read_examples(path, tok, seq_len=64, regenerate=regenerate)
+    assert len(examples) == 1 and len(seen) == 1
+    assert skipped == [f"{path}:1: skipped (empty text: nothing for the target to continue)"]
