@@ -145,8 +145,8 @@ class Grammar:
         self.vocab = vocab
         self.eos = frozenset(eos)  # what ends the reply once the grammar is complete
         self.words = (vocab + 31) // 32
-        # Whether the draft's proposals are drawn within the grammar (row by row, a host
-        # step each), or drawn freely and checked (DFlash 2's selector always is).
+        # Whether the draft's proposals are drawn within the grammar (on the host, from one
+        # read of the draft's block), or drawn freely and checked (DFlash 2's always are).
         self.mask_drafts = mask_drafts
 
     def mask(self) -> np.ndarray:
