@@ -5,10 +5,11 @@
 `speculative_decode` is that loop and each step is one small function below, all of them
 working on the request's own state (`prefill.Request`: target cache, `DraftState`, committed
 tokens); the models hold none of it, and the `Pair` holds what belongs to the pairing. The
-prefill (and resuming from a `PromptCache`) is `prefill.py`'s. Bookkeeping sits beside the
-cycle, not inside it: `_Clock` charges each cycle its wall time for the width chooser,
-`_follow_capture` moves a dormant draft's context, `resume` and `Request.saved` exchange
-state with a `PromptCache`.
+prefill (and resuming from a `PromptCache`) is `prefill.py`'s; the draft's proposals under
+penalties or a grammar are `walks.py`'s, a tree cycle's steps `tree.py`'s. Bookkeeping sits
+beside the cycle, not inside it (`bookkeeping.py`): `Clock` charges each cycle its wall time
+for the width chooser, `follow_capture` moves a dormant draft's context; `resume` and
+`Request.saved` exchange state with a `PromptCache`.
 Yields one `Cycle` per verify pass with the tokens it commits. Knows nothing about text,
 stop strings or statistics: `generate.py` does that.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
+from .bookkeeping import Clock, clear_cache_every, cut_at_eos, follow_capture, snapshot
 from .controls import Controls, Grammar, TokenLogprob, read_logprobs
 from .options import GenerateOptions
 from .pair import Pair
@@ -38,19 +40,8 @@ from .sampling import (
     rejection_accept,
     sample,
 )
-from .tree import (
-    BRANCH,
-    ShapeChooser,
-    Tree,
-    accept_greedy,
-    accept_sampled,
-    attention_mask,
-    build,
-)
-
-# MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
-# buffers of a long decode (growing caches, verify passes of every width) are returned.
-CLEAR_CACHE_EVERY = 256
+from .tree import ShapeChooser, read_tree, tree_mode, verify_tree
+from .walks import masks_along, walk, walk_grammar
 
 
 @dataclass
@@ -138,7 +129,7 @@ def speculative_decode(
         keep_snapshots=prompt_cache is not None and pair.target.recurrent,
         controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
     )
-    req.trees = _trees(req, options, chooser, learn_costs)
+    req.trees = tree_mode(req, options, chooser, learn_costs)
     if chooser is not None:
         chooser.begin_request()
     try:
@@ -152,7 +143,7 @@ def speculative_decode(
             draft_block=draft_block,
             eos_ids=eos_ids,
             chooser=chooser,
-            clock=_Clock(chooser if learn_costs else None),
+            clock=Clock(chooser if learn_costs else None),
             learn_costs=learn_costs,
         )
     except GeneratorExit:  # closed between two cycles: every committed position is known
@@ -172,7 +163,7 @@ def _cycles(
     draft_block: int,
     eos_ids: frozenset[int],
     chooser: WidthChooser | None,
-    clock: _Clock,
+    clock: Clock,
     learn_costs: bool = True,
 ) -> Iterator[Cycle]:
     """The cycles after prefill. The next cycle is always launched before the current one
@@ -196,7 +187,7 @@ def _cycles(
         )
         with mx.stream(generation_stream):
             if req.draft is not None:
-                _follow_capture(req, capture, n_prompt + a)
+                follow_capture(req, capture, n_prompt + a)
                 if w > 1 and any(behind):
                     # Catching up on the positions decoded plainly (and a dormant prefill's
                     # window) is paid once, when speculation resumes: run it apart, so it
@@ -209,7 +200,10 @@ def _cycles(
                         chooser.observe_context(*behind, time.perf_counter() - tic)
                     tic = time.perf_counter()
             if w >= 3 and (req.trees is True or (req.trees and req.trees.tree_next())):
-                return _launch_tree(req, anchor, a, w, rows, capture, tic, chained)
+                out, feats, shape = verify_tree(req, anchor, w, rows, capture)
+                built = time.perf_counter() - tic
+                size = shape[0].size
+                return _Step(None, out, feats, ({}, {}), size, built, chained, None, shape, [])
             if w > rows > 1:  # a tree's budget asked for where chains run
                 w = rows
             drafts, q, masks = make_drafts(req, anchor, a, w, rows)
@@ -251,7 +245,7 @@ def _cycles(
             # A plain step accepts nothing, so it commits with no host decision and the
             # next step is chained on the device token before waiting, as mlx-lm does.
             commit(req, step, 0)
-            _snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
+            snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
             if len(req.generated) + 1 < max_tokens:
                 nxt = launch(step.out[:1], len(req.generated), chained=True)
         n, new = result(req, step)  # the host sync
@@ -264,14 +258,14 @@ def _cycles(
                 # A tree's accepted path teaches the width chooser as a chain of its width
                 # would (about as long at equal width): it keeps probing and waking on it.
                 chooser.update(step.width, n)
-        new, cut = _cut_at_eos(new, eos_ids)
+        new, cut = cut_at_eos(new, eos_ids)
         if grammar is not None:
             grammar.consume(new)
-        _clear_cache_every(len(req.generated), len(new))
+        clear_cache_every(len(req.generated), len(new))
         req.generated.extend(new)
         if not (plain and chain) and not cut:
             # Everything but the last emitted token was fed (after an EOS cut, more was).
-            _snapshot(req, n_prompt + len(req.generated) - 1)
+            snapshot(req, n_prompt + len(req.generated) - 1)
         done = new[-1] in eos_ids or len(req.generated) >= max_tokens
         if not done and nxt is None:
             last = mx.array(new[-1:], dtype=mx.int32)
@@ -334,93 +328,15 @@ def make_drafts(
     keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
     selector = "candidate_selector" in req.draft  # DFlash 2: proposals drawn all at once
     if grammar is not None and grammar.mask_drafts and not selector:
-        drafts, q, masks = _walk_grammar(req, anchor, rows, w - 1, keys)
+        drafts, q, masks = walk_grammar(req, anchor, rows, w - 1, keys)
     elif controls is not None and controls.follows_history and not selector:
-        drafts, q, masks = _walk(req, anchor, rows, w - 1, keys)
+        drafts, q, masks = walk(req, anchor, rows, w - 1, keys)
     else:
         process = controls.draft if controls is not None else None
         drafts, q = propose(req.draft, req.state, anchor, rows, w - 1, req.params, keys, process)
-        masks = _masks_along(req, drafts)
+        masks = masks_along(req, drafts)
     req.lazy_rows = 0  # computed with this draft pass
     return drafts.astype(mx.int32), q, masks
-
-
-def _walk(
-    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
-) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
-    """The draft's proposals row by row on the device, each from its processed distribution
-    given the proposals before it (`Controls.walk`): the penalties see the block's own
-    proposals. Returns the proposals, their `q` when sampling, and under a grammar that does
-    not mask drafts its masks along them."""
-    qs = []
-
-    def pick(row: mx.array, i: int) -> mx.array:
-        if req.params.greedy:
-            return mx.argmax(row, axis=-1)[0].astype(mx.int32)
-        qs.append(probabilities(row, req.params)[0])
-        return sample(qs[-1], keys[i]).astype(mx.int32)
-
-    logits = req.draft.block_logits(anchor, length, rows, req.state)
-    drafts = mx.stack(req.controls.walk(logits, pick))
-    return drafts, mx.stack(qs) if qs else None, _masks_along(req, drafts)
-
-
-def _walk_grammar(
-    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
-) -> tuple[mx.array, mx.array | None, np.ndarray]:
-    """The draft's proposals within the grammar, row by row on the host: the draft's block
-    (processed with the committed history) is read back once, and each row is drawn from the
-    tokens the grammar allows after the proposals before it: greedily, or from
-    `softmax(row / temperature)` over them with the row's own key (that is its `q`). The
-    matcher advances with each proposal and is rolled back after; a proposed EOS ends the
-    block. Returns the proposals, `q` when sampling, and the masks of every verified row."""
-    grammar, greedy = req.controls.grammar, req.params.greedy
-    logits = req.controls.draft(req.draft.block_logits(anchor, length, rows, req.state))
-    if not greedy:
-        logits = logits * (1.0 / req.params.temperature)
-    host = np.array(logits, dtype=np.float64)  # the one host sync of the walk
-    seeds = None if greedy else np.array(keys).astype(np.uint64)
-    masks, drafts, qs = [grammar.mask()], [], []
-    for i in range(rows):
-        row = np.where(grammar.allowed(masks[-1]), host[i], -np.inf)
-        if greedy:
-            tok = int(np.argmax(row))
-        else:
-            q = np.exp(row - row.max())
-            qs.append(q / q.sum())
-            rng = np.random.default_rng(int(seeds[i, 0] << np.uint64(32) | seeds[i, 1]))
-            tok = int(min(np.searchsorted(np.cumsum(qs[-1]), rng.random()), row.size - 1))
-        drafts.append(tok)
-        if tok in grammar.eos:
-            break
-        grammar.consume([tok])
-        masks.append(grammar.mask())
-    grammar.rollback(len(masks) - 1)
-    if len(masks) == len(drafts):  # nothing follows a proposed EOS: its row is unread
-        masks.append(np.full_like(masks[0], -1))
-    q = mx.array(np.stack(qs), dtype=mx.float32) if qs else None
-    return mx.array(drafts, dtype=mx.int32), q, np.stack(masks)
-
-
-def _masks_along(req: Request, drafts: mx.array) -> Callable[[], np.ndarray] | None:
-    """Under a grammar that does not mask the draft's proposals: what computes its masks at
-    each verified row after the free `drafts` (called once the verify pass is launched).
-    Rows past the first proposal it refuses are never accepted (left unmasked)."""
-    grammar = req.controls.grammar if req.controls is not None else None
-    return None if grammar is None else lambda: _masks_after(grammar, drafts.tolist())
-
-
-def _masks_after(grammar: Grammar, drafts: list[int]) -> np.ndarray:
-    masks, taken = [grammar.mask()], 0
-    for tok in drafts:
-        if not grammar.allows(masks[-1], tok) or tok in grammar.eos:
-            break
-        grammar.consume([tok])
-        taken += 1
-        masks.append(grammar.mask())
-    grammar.rollback(taken)
-    masks += [np.full_like(masks[0], -1)] * (len(drafts) + 1 - len(masks))
-    return np.stack(masks)
 
 
 def verify(
@@ -468,7 +384,9 @@ def accept(
 def result(req: Request, step: _Step) -> tuple[int, list[int]]:
     """The host sync of a cycle: drafts accepted, and the tokens it emits."""
     if step.tree is not None:
-        return _tree_result(req, step)
+        path, new = read_tree(req, step.tree, step.out)
+        step.path.extend(path)
+        return len(path) - 1, new
     if step.width == 1:
         return 0, step.out.tolist()
     n, out = step.n.item(), step.out.tolist()
@@ -499,147 +417,3 @@ def _emitted(req: Request, step: _Step, n: int) -> mx.array:
     if step.width == 1 or req.params.greedy:
         return step.out[: n + 1]
     return mx.concatenate([step.out[:n], step.out[-1:]])
-
-
-# -- bookkeeping beside the cycle ------------------------------------------------------------
-
-
-def _cut_at_eos(new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
-    """The tokens up to the first EOS, and whether committed tokens followed it."""
-    for j, t in enumerate(new):
-        if t in eos_ids:
-            return new[: j + 1], j + 1 < len(new)
-    return new, False
-
-
-def _snapshot(req: Request, fed: int) -> None:
-    """Recurrent targets with a prompt cache: their state after `fed` tokens, to resume at."""
-    if req.keep_snapshots:
-        req.latest_snapshot = (fed, req.target.snapshot(req.cache))
-
-
-def _clear_cache_every(generated: int, new: int) -> None:
-    """Return MLX's cached buffers every `CLEAR_CACHE_EVERY` generated tokens."""
-    if (generated + new) // CLEAR_CACHE_EVERY > generated // CLEAR_CACHE_EVERY:
-        mx.clear_cache()
-
-
-def _follow_capture(req: Request, capture: bool, position: int) -> None:
-    """Dormancy: while plain steps capture no features the draft's context stays behind
-    (the prompt, say); when capture resumes, at the anchor's `position`, the skipped
-    stretch becomes a gap (`DraftState.skip_to`: RoPE keeps the true distances)."""
-    if not capture:
-        if not req.stale:
-            req.feed_draft()
-        req.stale = True
-    elif req.stale:
-        req.state.skip_to(position)
-        req.stale = False
-
-
-class _Clock:
-    """What each cycle cost, host sync to host sync, with each launch counted for the cycle
-    it built (a chained launch falls in the interval before its own), for the chooser."""
-
-    def __init__(self, chooser: WidthChooser | None):
-        self.chooser = chooser
-        self.synced = 0.0
-
-    def sync(self) -> None:
-        self.synced = time.perf_counter()
-
-    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> float | None:
-        """Charge `step` its seconds (returned; None when not measured). A tree's are not
-        a chain's of its width: the width chooser learns chains only."""
-        now, spent = time.perf_counter(), None
-        if self.chooser is not None and prev_w:
-            spent = now - self.synced + (step.built if step.chained else 0.0)
-            spent -= nxt.built if nxt is not None else 0.0
-            if step.tree is None:
-                self.chooser.observe(step.width, spent)
-        self.synced = now
-        return spent
-
-
-# -- trees (SPEC 7) --------------------------------------------------------------------------
-
-
-def _trees(
-    req: Request, options: GenerateOptions, chooser: WidthChooser | None, learn_costs: bool
-) -> bool | ShapeChooser:
-    """Whether this request's speculative cycles verify trees: `options.tree` True (always;
-    where a tree cannot be verified, chains, and `req.tree_note` says why), False (never), or
-    None: a `ShapeChooser` picks per cycle from measured speed, where the width is chosen
-    too and costs are learnt (a seeded request verifies chains: its shapes must not follow
-    wall time)."""
-    if options.tree is False or req.draft is None:
-        return False
-    if options.tree is None and (chooser is None or not learn_costs):
-        return False
-    why = req.target.tree_support(req.cache)
-    if why is None and req.controls is not None:
-        why = "penalties, a bias, a grammar or logprobs (their histories follow chains)"
-    if options.tree:
-        req.tree_note = why
-    if why is not None:
-        return False
-    if options.tree:
-        return True
-    return chooser.shapes
-
-
-def _launch_tree(
-    req: Request,
-    anchor: mx.array,
-    a: int,
-    budget: int,
-    rows: int,
-    capture: bool,
-    tic: float,
-    chained: bool,
-) -> _Step:
-    """Draft, build the tree of `budget` tokens (anchor included) from the draft's ranked
-    tokens at each block position (`tree.build`), and verify it in one target pass."""
-    req.feed_draft()
-    logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
-    req.lazy_rows = 0
-    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    k = min(BRANCH, lp.shape[-1])
-    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-    vals = mx.take_along_axis(lp, top, axis=-1)
-    order = mx.argsort(-vals, axis=-1)  # best first
-    top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-    tokens, parents, depths, seen = build(anchor, vals, top, budget)
-    logits, feats = req.target.forward_tree(
-        tokens[None],
-        req.cache,
-        attention_mask(seen, req.cache[0].offset),
-        depths,
-        req.ids if capture else None,
-    )
-    if req.params.greedy:
-        out = mx.argmax(logits[0], axis=-1)
-    else:
-        out = probabilities(logits[0], req.params)
-    mx.async_eval(out, tokens, parents, depths)
-    built = time.perf_counter() - tic
-    shape = (tokens, parents, depths)  # read with the result
-    return _Step(None, out, feats, ({}, {}), tokens.size, built, chained, None, shape, [])
-
-
-def _tree_result(req: Request, step: _Step) -> tuple[int, list[int]]:
-    """The host sync of a tree cycle: walk the verified tree (`tree.accept_*`)."""
-    tree, host = Tree(*(np.array(x) for x in step.tree)), np.array(step.out)
-    if req.params.greedy:
-        path, final = accept_greedy(tree, host)
-    else:
-        a = len(req.generated) - 1  # the anchor's generated index
-        uniforms = np.stack(
-            [
-                req.keys.uniforms(PositionKeys.ACCEPT, a + 1 + int(d), BRANCH + 1)
-                for d in tree.depths
-            ]
-        )
-        path, final = accept_sampled(tree, host, uniforms)
-    step.path.extend(path)
-    return len(path) - 1, [int(t) for t in tree.tokens[path[1:]]] + [final]

@@ -25,9 +25,17 @@ target's autoregressive law.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+
+from .sampling import PositionKeys, probabilities
+
+if TYPE_CHECKING:
+    from .adaptive import WidthChooser
+    from .options import GenerateOptions
+    from .prefill import Request
 
 # Children considered per node: the draft's ranked tokens at the next position.
 BRANCH = 8
@@ -191,3 +199,79 @@ class ShapeChooser:
             return
         rate, old = tokens / seconds, self.rate[tree]
         self.rate[tree] = rate if old is None else self.KEEP * old + (1 - self.KEEP) * rate
+
+
+# -- the tree cycle's steps (`decode` calls them) ------------------------------------------
+
+
+def tree_mode(
+    req: Request, options: GenerateOptions, chooser: WidthChooser | None, learn_costs: bool
+) -> bool | ShapeChooser:
+    """Whether this request's speculative cycles verify trees: `options.tree` True (always;
+    where a tree cannot be verified, chains, and `req.tree_note` says why), False (never), or
+    None: a `ShapeChooser` picks per cycle from measured speed, where the width is chosen
+    too and costs are learnt (a seeded request verifies chains: its shapes must not follow
+    wall time)."""
+    if options.tree is False or req.draft is None:
+        return False
+    if options.tree is None and (chooser is None or not learn_costs):
+        return False
+    why = req.target.tree_support(req.cache)
+    if why is None and req.controls is not None:
+        why = "penalties, a bias, a grammar or logprobs (their histories follow chains)"
+    if options.tree:
+        req.tree_note = why
+    if why is not None:
+        return False
+    if options.tree:
+        return True
+    return chooser.shapes
+
+
+def verify_tree(
+    req: Request, anchor: mx.array, budget: int, rows: int, capture: bool
+) -> tuple[mx.array, mx.array | None, tuple[mx.array, mx.array, mx.array]]:
+    """Draft, build the tree of `budget` tokens (anchor included) from the draft's ranked
+    tokens at each block position (`build`), and verify it in one target pass, all started
+    on the device: the target's argmax (greedy) or distribution at each node, the features
+    the draft reads, and the tree's `(tokens, parents, depths)`."""
+    req.feed_draft()
+    logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
+    req.lazy_rows = 0
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    k = min(BRANCH, lp.shape[-1])
+    top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    vals = mx.take_along_axis(lp, top, axis=-1)
+    order = mx.argsort(-vals, axis=-1)  # best first
+    top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
+    tokens, parents, depths, seen = build(anchor, vals, top, budget)
+    logits, feats = req.target.forward_tree(
+        tokens[None],
+        req.cache,
+        attention_mask(seen, req.cache[0].offset),
+        depths,
+        req.ids if capture else None,
+    )
+    if req.params.greedy:
+        out = mx.argmax(logits[0], axis=-1)
+    else:
+        out = probabilities(logits[0], req.params)
+    mx.async_eval(out, tokens, parents, depths)
+    return out, feats, (tokens, parents, depths)
+
+
+def read_tree(
+    req: Request, shape: tuple[mx.array, mx.array, mx.array], out: mx.array
+) -> tuple[list[int], list[int]]:
+    """The host sync of a tree cycle: the accepted path (node ids, root first) and the
+    tokens it emits, walking the verified tree (`accept_greedy`, `accept_sampled`)."""
+    tree, host = Tree(*(np.array(x) for x in shape)), np.array(out)
+    if req.params.greedy:
+        path, final = accept_greedy(tree, host)
+    else:
+        a = len(req.generated) - 1  # the anchor's generated index (it is committed by now)
+        draws = [
+            req.keys.uniforms(PositionKeys.ACCEPT, a + 1 + int(d), BRANCH + 1) for d in tree.depths
+        ]
+        path, final = accept_sampled(tree, host, np.stack(draws))
+    return path, [int(t) for t in tree.tokens[path[1:]]] + [final]

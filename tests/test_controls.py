@@ -144,6 +144,17 @@ def diverges(run, want: list[int]) -> bool:
         return True
 
 
+def process_rows_without_the_blocks_drafts(monkeypatch) -> None:
+    """A broken engine: every verified row processed with the committed history alone."""
+    target_rows = controls.Controls.target
+
+    def committed_history_only(self, logits, drafts, masks=None):
+        rows = [target_rows(self, logits[i : i + 1], drafts[:0], masks) for i in range(len(logits))]
+        return mx.concatenate(rows)
+
+    monkeypatch.setattr(controls.Controls, "target", committed_history_only)
+
+
 def test_the_check_catches_penalties_counted_over_the_prompt(target, draft, monkeypatch):
     model, tok = target
     ids = tok.encode(PROMPT_TEXT)
@@ -164,13 +175,7 @@ def test_the_check_catches_rows_processed_without_the_blocks_drafts(target, draf
     ids = tok.encode(PROMPT_TEXT)
     o = GenerateOptions(max_tokens=N, verify_width=8, **PROCESSING["presence+frequency"])
     want, _ = reference(model, tok, ids, o, N)
-    target_rows = controls.Controls.target
-
-    def committed_history_only(self, logits, drafts, masks=None):
-        rows = [target_rows(self, logits[i : i + 1], drafts[:0], masks) for i in range(len(logits))]
-        return mx.concatenate(rows)
-
-    monkeypatch.setattr(controls.Controls, "target", committed_history_only)
+    process_rows_without_the_blocks_drafts(monkeypatch)
     assert diverges(lambda: generate(Pair(model, scripted(draft, ids, want)), tok, ids, o), want)
 
 
@@ -263,13 +268,7 @@ def test_processed_sampling_through_dflash_has_the_exact_processed_law(table_pai
 @pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_the_law_test_catches_rows_processed_without_the_blocks_drafts(table_pair, monkeypatch):
     model, draft = table_pair
-    target_rows = controls.Controls.target
-
-    def committed_history_only(self, logits, drafts, masks=None):
-        rows = [target_rows(self, logits[i : i + 1], drafts[:0], masks) for i in range(len(logits))]
-        return mx.concatenate(rows)
-
-    monkeypatch.setattr(controls.Controls, "target", committed_history_only)
+    process_rows_without_the_blocks_drafts(monkeypatch)
     counts, _ = processed_joint_counts(model, draft, 3000)
     assert rejects(counts, exact_processed_joint(model, 3))
 

@@ -276,10 +276,13 @@ def simulated_device(monkeypatch, cost) -> list[tuple[int, float]]:
     Returns the cycles charged, `(W, seconds)`."""
     import types
 
+    import dflash_mlx.bookkeeping as bookkeeping
     import dflash_mlx.decode as decode
 
     now, charged = [0.0], []
-    monkeypatch.setattr(decode, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    fake = types.SimpleNamespace(perf_counter=lambda: now[0])
+    for module in (decode, bookkeeping):  # the cycle's launches and the clock that charges them
+        monkeypatch.setattr(module, "time", fake)
     sync = decode.result
 
     def result(req, step):
@@ -420,12 +423,15 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     that only moves in target passes (1 + W units for W tokens) makes costs exact."""
     import types
 
+    import dflash_mlx.bookkeeping as bookkeeping
     import dflash_mlx.decode as decode
     from dflash_mlx import Pair
 
     model, tok = target
     clock = [0.0]
-    monkeypatch.setattr(decode, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
+    for module in (decode, bookkeeping):  # the cycle's launches and the clock that charges them
+        monkeypatch.setattr(module, "time", fake)
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 80)
     # Stretches of right and of wrong drafts: chained probes, runs of speculative cycles,

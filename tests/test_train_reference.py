@@ -159,7 +159,7 @@ def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp
 def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
     """The training step's faster layout (a sequence's blocks share its context) computes the
     logits `DFlashDraft.training_logits` does, sliding and causal layers included."""
-    from dflash_mlx.train import grouped_blocks, grouped_logits
+    from dflash_mlx.train_blocks import grouped_blocks, grouped_logits
 
     model, tok = target
     for extra in (

@@ -328,7 +328,7 @@ def test_sampled_trees_follow_the_targets_exact_law(table_pair, monkeypatch):
         used.append(any(int(c) != int(tree.children(tree.parents[c])[0]) for c in path[1:]))
         return path, tok
 
-    monkeypatch.setattr(decode, "accept_sampled", spy)
+    monkeypatch.setattr(tree_module, "accept_sampled", spy)
     counts, _ = tree_joint_counts(model, draft, 3000)
     assert sum(used) > 100, "siblings must be accepted"
     assert not tree_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
@@ -337,7 +337,7 @@ def test_sampled_trees_follow_the_targets_exact_law(table_pair, monkeypatch):
 @pytest.mark.slow  # thousands of sampled requests for a chi-square test
 def test_the_law_test_catches_a_sibling_accepted_without_the_residual_rule(table_pair, monkeypatch):
     model, draft = table_pair
-    monkeypatch.setattr(decode, "accept_sampled", sibling_without_residual)
+    monkeypatch.setattr(tree_module, "accept_sampled", sibling_without_residual)
     counts, _ = tree_joint_counts(model, draft, 3000)
     assert tree_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
 
