@@ -55,6 +55,7 @@ class Cycle:
     logprobs: list[TokenLogprob] | None = None  # with `options.logprobs`: one per token
     tree: bool = False  # a tree of `width` tokens was verified (SPEC 7), not a chain
     tree_note: str | None = None  # (first only) trees were asked for, chains run: why
+    batch: int = 0  # rows in the verify pass that ran this cycle (0: decoded alone)
 
 
 class _Step(NamedTuple):
@@ -402,6 +403,12 @@ def commit(req: Request, step: _Step, n: int) -> None:
         elif step.width > 1:
             before, calls = step.saved
             req.target.rewind(req.cache, n + 1, step.width, before, calls)
+        commit_draft(req, step, n)
+
+
+def commit_draft(req: Request, step: _Step, n: int) -> None:
+    """`commit` but for the target's cache (a batch rewinds its rows at once)."""
+    with mx.stream(generation_stream):
         if req.draft is not None:
             if step.feats is not None:
                 rows = step.feats[:, mx.array(step.path)] if step.tree is not None else None

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
 from .controls import TokenLogprob, compile_grammar
-from .decode import speculative_decode
+from .decode import Cycle, speculative_decode
 from .draft import DFlashDraft
 from .errors import BadArgument
 from .options import GenerateOptions
@@ -134,17 +134,8 @@ def stream_generate(
     seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
     eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
 
-    detok = tokenizer.detokenizer
-    matcher = StopMatcher(opts.stop)
     mx.reset_peak_memory()
-    tic = gen_start = time.perf_counter()
-    stats = Stats(
-        prompt_tokens=len(ids),
-        verify_width=None if chooser is not None else width,
-        draft="active" if speculate else None,
-    )
-    probes = chooser.probes if chooser is not None else 0
-    finish = None
+    reply = Reply(tokenizer, opts, len(ids), eos, chooser, speculate, width)
     cycle_iter = speculative_decode(
         pair,
         ids,
@@ -164,60 +155,9 @@ def stream_generate(
     memory.enter_context(_wired_limit())
     try:
         for cyc in cycle_iter:
-            now = time.perf_counter()
-            if cyc.width == 0:
-                stats.time_to_first_token = now - tic
-                stats.cached_tokens = cyc.reused
-                stats.tree_note = cyc.tree_note
-                gen_start = now
-            else:
-                stats.add(cyc.width, cyc.accepted, cyc.tree)
-                if chooser is not None:
-                    stats.probes = chooser.probes - probes
-                    stats.draft = "active" if chooser.capture else "dormant"
-            tokens = list(cyc.tokens)
-            hit_eos = tokens[-1] in eos
-            if hit_eos:
-                finish = "stop"
-            text_tokens = tokens[:-1] if hit_eos else tokens
-            text, stopped = "", None
-            if matcher.stop:
-                # Token by token, so that a reply ends at the token completing a stop string:
-                # what the same cycle committed after it is neither shown nor counted.
-                for i, t in enumerate(text_tokens):
-                    detok.add_token(t)
-                    segment, stopped = matcher.feed(detok.last_segment)
-                    text += segment
-                    if stopped:
-                        tokens = tokens[: i + 1]
-                        break
-            else:
-                for t in text_tokens:
-                    detok.add_token(t)
-            stats.generation_tokens += len(tokens)
-            stats.decode_seconds = now - gen_start
-            if not stopped:
-                if finish is not None or stats.generation_tokens >= opts.max_tokens:
-                    detok.finalize()
-                    finish = finish or "length"
-                segment, stopped = matcher.feed(detok.last_segment)
-                text += segment
-            if stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += matcher.flush()
-            stats.peak_memory = mx.get_peak_memory() / 1e9
-            yield GenerationResponse(
-                text=text,
-                tokens=tokens,
-                accepted=cyc.accepted,
-                width=cyc.width,
-                stats=stats.copy(),
-                finish_reason=finish,
-                stop=stopped,
-                logprobs=cyc.logprobs[: len(tokens)] if cyc.logprobs is not None else None,
-            )
-            if finish is not None:
+            response = reply.feed(cyc)
+            yield response
+            if response.finish_reason is not None:
                 return
     except Exception as e:
         # Our own code failed after a cycle (detokenizer, stop matcher): the request ends
@@ -229,6 +169,94 @@ def stream_generate(
         # closes here, on this thread, and commits what was committed.
         cycle_iter.close()
         memory.close()
+
+
+class Reply:
+    """One request's text, stop strings, finish reason and `Stats`, cycle by cycle: what
+    turns the decode engine's `Cycle`s into `GenerationResponse`s (`stream_generate`, and
+    each row of a batch, `batch.BatchDecoder`)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        opts: GenerateOptions,
+        prompt_tokens: int,
+        eos: frozenset[int],
+        chooser: Any = None,
+        speculate: bool = True,
+        width: int | None = None,
+    ):
+        self.opts = opts
+        self.eos = eos
+        self.chooser = chooser
+        self.detok = tokenizer.detokenizer  # a copy of its own
+        self.matcher = StopMatcher(opts.stop)
+        self.tic = self.gen_start = time.perf_counter()
+        self.stats = Stats(
+            prompt_tokens=prompt_tokens,
+            verify_width=None if chooser is not None else width,
+            draft="active" if speculate else None,
+        )
+        self.probes = chooser.probes if chooser is not None else 0
+        self.finish: str | None = None
+
+    def feed(self, cyc: Cycle) -> GenerationResponse:
+        """The response for the next committed cycle (its `finish_reason` set when the
+        request ends with it)."""
+        stats, opts, detok, matcher, eos = self.stats, self.opts, self.detok, self.matcher, self.eos
+        now = time.perf_counter()
+        if cyc.width == 0:
+            stats.time_to_first_token = now - self.tic
+            stats.cached_tokens = cyc.reused
+            stats.tree_note = cyc.tree_note
+            self.gen_start = now
+        else:
+            stats.add(cyc.width, cyc.accepted, cyc.tree, cyc.batch)
+            if self.chooser is not None:
+                stats.probes = self.chooser.probes - self.probes
+                stats.draft = "active" if self.chooser.capture else "dormant"
+        tokens = list(cyc.tokens)
+        hit_eos = tokens[-1] in eos
+        if hit_eos:
+            self.finish = "stop"
+        text_tokens = tokens[:-1] if hit_eos else tokens
+        text, stopped = "", None
+        if matcher.stop:
+            # Token by token, so that a reply ends at the token completing a stop string:
+            # what the same cycle committed after it is neither shown nor counted.
+            for i, t in enumerate(text_tokens):
+                detok.add_token(t)
+                segment, stopped = matcher.feed(detok.last_segment)
+                text += segment
+                if stopped:
+                    tokens = tokens[: i + 1]
+                    break
+        else:
+            for t in text_tokens:
+                detok.add_token(t)
+        stats.generation_tokens += len(tokens)
+        stats.decode_seconds = now - self.gen_start
+        if not stopped:
+            if self.finish is not None or stats.generation_tokens >= opts.max_tokens:
+                detok.finalize()
+                self.finish = self.finish or "length"
+            segment, stopped = matcher.feed(detok.last_segment)
+            text += segment
+        if stopped:
+            self.finish = "stop"
+        elif self.finish is not None:
+            text += matcher.flush()
+        stats.peak_memory = mx.get_peak_memory() / 1e9
+        return GenerationResponse(
+            text=text,
+            tokens=tokens,
+            accepted=cyc.accepted,
+            width=cyc.width,
+            stats=stats.copy(),
+            finish_reason=self.finish,
+            stop=stopped,
+            logprobs=cyc.logprobs[: len(tokens)] if cyc.logprobs is not None else None,
+        )
 
 
 def _arguments(target: Any, args: tuple, kwargs: dict):

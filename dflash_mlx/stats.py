@@ -47,14 +47,19 @@ class Stats:
     # and, when trees were asked for but chains ran, why.
     trees: dict[int, list[int]] = field(default_factory=dict)
     tree_note: str | None = None
+    # Batched decoding (SPEC 8): per batch size (rows in the verify pass), the cycles of
+    # this request that ran in a batch of that size (a request decoded alone: empty).
+    batches: dict[int, int] = field(default_factory=dict)
 
     # -- filling ------------------------------------------------------------------------
 
-    def add(self, width: int, accepted: int, tree: bool = False) -> None:
+    def add(self, width: int, accepted: int, tree: bool = False, batch: int = 0) -> None:
         """One verify pass of `width` tokens that accepted `accepted` drafts (a tree of
         `width` tokens: also counted in `trees`, and not per block position, which are a
-        chain's)."""
+        chain's), in a batch of `batch` rows (0: decoded alone, not counted)."""
         self.cycles += 1
+        if batch:
+            self.batches[batch] = self.batches.get(batch, 0) + 1
         self.committed += accepted + 1
         for table in (self.widths, self.trees) if tree else (self.widths,):
             ran = table.setdefault(width, [0, 0])
@@ -77,6 +82,7 @@ class Stats:
         out.accepted_per_position = list(self.accepted_per_position)
         out.widths = {w: list(v) for w, v in self.widths.items()}
         out.trees = {w: list(v) for w, v in self.trees.items()}
+        out.batches = dict(self.batches)
         return out
 
     def merge(self, other: Stats) -> Stats:
@@ -104,6 +110,8 @@ class Stats:
                 ran[0] += c
                 ran[1] += t
         out.tree_note = other.tree_note or self.tree_note
+        for b, c in other.batches.items():
+            out.batches[b] = out.batches.get(b, 0) + c
         for i, (a, d) in enumerate(zip(other.accepted_per_position, other.drafted_per_position)):
             if i >= len(out.drafted_per_position):
                 out.accepted_per_position.append(0)
@@ -189,12 +197,15 @@ class Stats:
                 str(b): {"cycles": c, "tokens": t} for b, (c, t) in sorted(self.trees.items())
             },
             "tree_note": self.tree_note,
+            "batches": {str(b): c for b, c in sorted(self.batches.items())},
         }
 
     def to_dict(self) -> dict[str, Any]:
         """Every field and derived figure, JSON-ready."""
         out = {
-            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("widths", "trees")
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("widths", "trees", "batches")
         }
         out.update(
             tau=self.tau,
@@ -277,6 +288,8 @@ def what_ran(s: Stats) -> list[str]:
         out.append(chains_note(s.tree_note))
     if s.probes:
         out.append(count(s.probes, "probe"))
+    if s.batches:  # the largest batch this request's cycles ran in
+        out.append(f"batched ≤{max(s.batches)}")
     if s.draft == "dormant":
         out.append("draft dormant")
     return out

@@ -1,0 +1,488 @@
+"""Continuous batching with DFlash on (SPEC 8): requests join and leave between cycles.
+
+`BatchDecoder` runs the decode cycle of `decode.py` for several requests at once: each row
+is a `prefill.Request` of its own (draft state, sampling keys, controls, committed tokens),
+drafts and accepts with the same step functions a request alone does (`make_drafts`,
+`accept`, `commit_draft`), and the rows' blocks are verified in **one** target pass over a
+batch cache (`batch_cache`: each row its own positions, length and rewind). Rows of
+different widths are padded at their end; padding is rewound with the rejected drafts.
+
+A request arriving while others decode is prefilled alone, in chunks, with one cycle of
+the running rows between chunks (a long prompt never stalls them for more than a chunk),
+then joins. One row decodes on its own caches, as a request alone does; the batch cache is
+made when a second joins and undone when one is left.
+
+Widths: a request that fixes its width keeps it; the others share a width chosen per
+cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs
+(`batch_curves`: the calibrated target cost at all rows' tokens, a draft pass per row;
+then the wall time of the batched cycles it ran), so under load widths narrow, or go plain,
+where extra verified rows stop coming free. Alone, a row uses the pair's own chooser.
+Trees are single-request: batched rows verify chains (`stats.tree_note` says so).
+Knows nothing about HTTP: `server/engine.py` and `batch_generate` drive it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .adaptive import WidthChooser
+from .batch_cache import add_row, batchable, join, keep_rows, rewind_rows, take_row
+from .bookkeeping import clear_cache_every, cut_at_eos, follow_capture
+from .controls import Controls, compile_grammar, read_logprobs
+from .costs import CostCurves
+from .decode import Cycle, _Step, accept, commit, commit_draft, first_token, make_drafts, result
+from .errors import BadArgument
+from .generate import GenerationResponse, GenerationResult, Reply
+from .options import GenerateOptions
+from .pair import Pair
+from .prefill import Request, prefill_prompt, resume
+from .prompt_cache import PromptCache
+from .sampling import PositionKeys
+from .text import encode_prompt
+
+BATCH_NOTE = "batched (a batch verifies chains)"
+
+
+@dataclass(eq=False)
+class Row:
+    """One request of a batch, from `submit` to its last response."""
+
+    prompt: list[int]
+    options: GenerateOptions
+    handle: Any = None  # the caller's own (the server's job)
+    prompt_cache: PromptCache | None = None
+    progress: Callable[[int, int], None] | None = None
+    reply: Reply | None = None
+    req: Request | None = None
+    fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
+    rows: int = 1  # the draft block L of an automatic row
+    grammar: Any = None
+    eos: frozenset[int] = frozenset()
+    anchor: mx.array | None = None  # the last committed token, on the device
+    chooser: WidthChooser | None = None  # an automatic row's width chooser when alone
+    lease: int = 0
+    done: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None  # what ended the row, if something failed
+
+    @property
+    def generated(self) -> int:
+        return len(self.req.generated) if self.req is not None else 0
+
+
+def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
+    """What a cycle of `rows` requests at width W costs, priced before it is measured: the
+    target on `rows * W` tokens (the calibrated curve, extended along its last segment) and
+    one draft pass per row."""
+
+    def verify(curve: list[float]) -> list[float]:
+        def at(tokens: int) -> float:
+            if tokens <= len(curve):
+                return curve[tokens - 1]
+            slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
+            return curve[-1] + max(slope, 0.0) * (tokens - len(curve))
+
+        return [at(rows * w) for w in range(1, len(curve) + 1)]
+
+    def draft(curve: list[float]) -> list[float]:
+        return [rows * t for t in curve]
+
+    return CostCurves(
+        verify(curves.verify),
+        draft(curves.draft),
+        curves.depths,
+        tuple((verify(v), draft(d)) for v, d in curves.deeper),
+        curves.context,
+        curves.lazy,
+    )
+
+
+class BatchDecoder:
+    """Decodes up to `max_batch` requests together; more wait, in arrival order."""
+
+    def __init__(self, pair: Pair, tokenizer: Any, *, max_batch: int = 8):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch {max_batch!r} must be an integer >= 1")
+        self.pair = pair
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.waiting: deque[Row] = deque()
+        self.active: list[Row] = []
+        self.cache: list | None = None  # the batch's target cache (None: one row or none)
+        self.choosers: dict[int, WidthChooser] = {}  # per batch size >= 2
+        self._outbox: list[tuple[Row, GenerationResponse | BaseException]] = []
+        self.sizes: dict[int, int] = {}  # batch size -> cycles run at it
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Any,
+        options: GenerateOptions | None = None,
+        *,
+        handle: Any = None,
+        prompt_cache: PromptCache | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Row:
+        """Queue a request (text, ids or messages); its settings are checked now."""
+        opts = options or GenerateOptions()
+        ids = encode_prompt(self.tokenizer, prompt)
+        self.pair.check_context(len(ids))
+        row = Row(ids, opts, handle, prompt_cache, progress)
+        row.grammar = compile_grammar(opts, self.tokenizer, self.pair.target.logits_width)
+        self.pair.plan(opts)  # refuses widths the pair cannot run
+        row.eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Stop a request between cycles (waiting ones never start)."""
+        row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def step(self) -> list[tuple[Row, GenerationResponse | BaseException]]:
+        """Admit the next waiting request (when there is room), run one cycle of every
+        active one, and return what each row produced meanwhile, in order: responses, or
+        the exception that ended a row (the others go on)."""
+        self._drop_cancelled()
+        if self.waiting and len(self.active) < self.max_batch:
+            self._admit(self.waiting.popleft())
+        if self.active:
+            self._cycle()
+        out, self._outbox = self._outbox, []
+        return out
+
+    def close(self) -> None:
+        """End every row (as cancelled), committing their prompt caches."""
+        for row in list(self.active) + list(self.waiting):
+            row.cancelled = True
+        self.waiting.clear()
+        self._drop_cancelled()
+
+    # -- membership -----------------------------------------------------------------------
+
+    def _admit(self, row: Row) -> None:
+        if row.cancelled:
+            return
+        try:
+            self._prefill(row)
+        except Exception as e:  # noqa: BLE001 - the row ends with its error, the rest go on
+            self._fail(row, e, joined=False)
+            return
+        if row.done:
+            self._finish(row, joined=False)
+            return
+        self._join(row)
+
+    def _prefill(self, row: Row) -> None:
+        pair, opts = self.pair, row.options
+        width, rows, chooser = pair.plan(opts)
+        row.fixed = None if chooser is not None else (width, rows)
+        row.rows, row.chooser = rows, chooser
+        speculate = pair.draft is not None and (width > 1 or chooser is not None)
+        draft = pair.draft if speculate else None
+        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
+        if row.prompt_cache is not None:
+            row.lease, saved = row.prompt_cache.take(pair.model, draft)
+        else:
+            saved = None
+        mx.reset_peak_memory()
+        row.reply = Reply(self.tokenizer, opts, len(row.prompt), row.eos, chooser, speculate, width)
+        with mx.stream(generation_stream):
+            cache, state, start = resume(pair, draft, row.prompt, saved, opts.draft_window)
+        why = batchable(cache)
+        if why is not None:
+            raise NotImplementedError(f"this target cannot decode in a batch: {why}")
+        req = row.req = Request(
+            pair,
+            draft,
+            opts.sampling,
+            PositionKeys(seed),
+            list(row.prompt),
+            cache,
+            state,
+            start,
+            draft.config.target_layer_ids if draft is not None else None,
+            keep_snapshots=row.prompt_cache is not None and pair.target.recurrent,
+            controls=Controls.of(opts, pair.target.logits_width, row.prompt, row.grammar),
+        )
+        if opts.tree and draft is not None:
+            req.tree_note = BATCH_NOTE
+        if chooser is not None:
+            chooser.begin_request()
+
+        def between_chunks(done: int, total: int) -> None:
+            if row.progress is not None:
+                row.progress(done, total)
+            if done < total and self.active and not row.cancelled:
+                self._cycle()  # the running rows go on between the chunks of this prompt
+
+        progress = between_chunks
+        if row.prompt_cache is not None:
+            progress = row.prompt_cache.watch(between_chunks)
+        with mx.stream(generation_stream):
+            logits = prefill_prompt(req, opts.prefill_step, progress)
+            anchor, lp = first_token(req, logits)
+            if req.controls is not None:
+                req.controls.commit(anchor)
+        tok = anchor.item()
+        if row.grammar is not None:
+            row.grammar.consume([tok])
+        req.generated.append(tok)
+        row.anchor = anchor
+        cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
+        self._respond(row, cyc)
+
+    def _join(self, row: Row) -> None:
+        if self.active:
+            with mx.stream(generation_stream):
+                if self.cache is None:  # one row so far: its own caches become the batch's
+                    self.cache = join([self.active[0].req.cache, row.req.cache])
+                else:
+                    self.cache = add_row(self.cache, row.req.cache)
+                mx.eval([c.state for c in self.cache])
+        self.active.append(row)
+
+    def _leave(self, rows: list[Row]) -> None:
+        """Take `rows` out of the batch; their own caches are handed back to them."""
+        gone = {id(r) for r in rows}
+        if self.cache is not None:
+            for b, r in enumerate(self.active):
+                if id(r) in gone:
+                    r.req.cache = take_row(self.cache, b)
+        stay = [b for b, r in enumerate(self.active) if id(r) not in gone]
+        if self.cache is not None:
+            if len(stay) > 1:
+                keep_rows(self.cache, stay)
+            elif stay:
+                self.active[stay[0]].req.cache = take_row(self.cache, stay[0])
+        self.active = [self.active[b] for b in stay]
+        if len(self.active) <= 1:
+            self.cache = None
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+            row.done = True
+        ending = [r for r in self.active if r.cancelled]
+        if ending:
+            self._leave(ending)
+            for row in ending:
+                self._commit_prompt_cache(row)
+                row.done = True
+
+    def _finish(self, row: Row, joined: bool = True) -> None:
+        if joined:
+            self._leave([row])
+        self._commit_prompt_cache(row)
+        row.done = True
+
+    def _fail(self, row: Row, error: BaseException, joined: bool = True) -> None:
+        """End `row` with `error` (its prompt cache is left as it was: never half-written)."""
+        if joined and row in self.active:
+            self._leave([row])
+        row.done, row.error = True, error
+        self._outbox.append((row, error))
+
+    def _commit_prompt_cache(self, row: Row) -> None:
+        req = row.req
+        if row.prompt_cache is None or req is None or not req.generated:
+            return
+        if req.keep_snapshots:
+            fed = len(req.prompt) + len(req.generated) - 1
+            req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+        row.prompt_cache.commit(row.lease, req.saved())
+
+    def _respond(self, row: Row, cyc: Cycle) -> None:
+        response = row.reply.feed(cyc)
+        self._outbox.append((row, response))
+        if response.finish_reason is not None:
+            row.done = True
+
+    # -- the cycle ------------------------------------------------------------------------
+
+    def _chooser(self, size: int, auto: list[Row]) -> WidthChooser | None:
+        """The width chooser for a cycle of `size` rows (alone: the row's own)."""
+        base = auto[0].chooser
+        if size == 1:
+            return base
+        chooser = self.choosers.get(size)
+        if chooser is None or chooser.base is not base.costs:
+            chooser = WidthChooser(
+                batch_curves(base.costs, size), base.block, draft_block=base.draft_block
+            )
+            chooser.base = base.costs
+            self.choosers[size] = chooser
+        return chooser
+
+    def _cycle(self) -> None:
+        rows = [r for r in self.active if not r.done]
+        size = len(rows)
+        if not size:
+            return
+        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+        chooser = self._chooser(size, auto) if auto else None
+        plan: list[tuple[int, int]] = []
+        if chooser is not None:
+            budget = max(r.options.max_tokens - r.generated for r in auto)
+            depth = max(len(r.prompt) + r.generated for r in auto)
+            w_auto, l_auto = chooser.choose(limit=budget, depth=depth)
+        tic = time.perf_counter()
+        for r in rows:
+            left = r.options.max_tokens - r.generated
+            if r.req.draft is None:
+                w, rows_l = 1, 1
+            elif r.fixed is not None:
+                w, rows_l = r.fixed
+            else:
+                w, rows_l = w_auto, l_auto
+            w = max(1, min(w, left, rows_l if rows_l > 1 else 1))
+            plan.append((w, rows_l))
+        captures = [
+            r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
+            for r in rows
+        ]
+        drafted = []
+        with mx.stream(generation_stream):
+            for b, (r, (w, rows_l)) in enumerate(zip(rows, plan)):
+                req = r.req
+                try:
+                    if req.draft is not None:
+                        position = len(req.prompt) + r.generated - 1
+                        follow_capture(req, captures[b], position)
+                    drafted.append(make_drafts(req, r.anchor, r.generated - 1, w, rows_l))
+                except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
+                    r.error = e
+                    drafted.append((mx.zeros((0,), dtype=mx.int32), None, None))
+                    plan[b] = (1, 1)
+            width = max(w for w, _ in plan)
+            tokens = []
+            for r, (drafts, _, _) in zip(rows, drafted):
+                seq = mx.concatenate([r.anchor, drafts])
+                pad = width - seq.size
+                tokens.append(mx.pad(seq, [(0, pad)]) if pad else seq)
+            cache = self.cache if size > 1 else rows[0].req.cache
+            ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
+            before = self.pair.target.snapshot(cache)
+            logits, feats = self.pair.target.forward(mx.stack(tokens), cache, ids)
+            calls = self.pair.target.recorded_calls()
+            steps = []
+            for b, (r, (drafts, q, masks)) in enumerate(zip(rows, drafted)):
+                w = drafts.size + 1
+                f = feats[b : b + 1] if feats is not None and captures[b] else None
+                try:
+                    if r.error is not None:
+                        raise r.error
+                    if callable(masks):
+                        masks = masks()
+                    n, out, lp = accept(r.req, drafts, q, logits[b, :w], r.generated - 1, masks)
+                except Exception as e:  # noqa: BLE001 - this row ends, the others go on
+                    r.error = e
+                    n, out, lp = mx.array(0), logits[b, :1].argmax(-1), None
+                steps.append(_Step(n, out, f, (before, calls), w, 0.0, False, lp))
+            mx.async_eval([s.n for s in steps] + [s.out for s in steps])
+        results = [(0, [0]) if r.error else result(r.req, s) for r, s in zip(rows, steps)]
+        with mx.stream(generation_stream):
+            if size > 1:
+                keeps = [n + 1 for n, _ in results]
+                rewind_rows(self.pair.target, cache, keeps, width, before, calls)
+                for r, s, (n, _) in zip(rows, steps, results):
+                    if r.error is None:
+                        commit_draft(r.req, s, n)
+            elif rows[0].error is None:
+                commit(rows[0].req, steps[0], results[0][0])
+        spent = time.perf_counter() - tic
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        if chooser is not None:
+            if all(r.fixed is None for r in rows):
+                chooser.observe(width, spent)
+            for r, (w, _), (n, _) in zip(rows, plan, results):
+                if r.fixed is None and w > 1 and r.error is None:
+                    chooser.update(w, n)
+        finished = []
+        for r, s, (n, new) in zip(rows, steps, results):
+            if r.error is None:
+                try:
+                    self._commit_row(r, s, n, new, size)
+                except Exception as e:  # noqa: BLE001 - this row ends with its error
+                    r.error = e
+            if r.error is not None:
+                r.done = True
+                self._outbox.append((r, r.error))
+            if r.done:
+                finished.append(r)
+        if finished:
+            self._leave(finished)
+            for r in finished:
+                if r.error is None:
+                    self._commit_prompt_cache(r)
+
+    def _commit_row(self, r: Row, s: _Step, n: int, new: list[int], size: int) -> None:
+        req = r.req
+        new, _ = cut_at_eos(new, r.eos)
+        if r.grammar is not None:
+            r.grammar.consume(new)
+        clear_cache_every(len(req.generated), len(new))
+        req.generated.extend(new)
+        r.anchor = mx.array(new[-1:], dtype=mx.int32)
+        lp = read_logprobs(s.logprobs, range(len(new)), new)
+        self._respond(r, Cycle(new, n, s.width, logprobs=lp, batch=size if size > 1 else 0))
+        if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
+            r.done = True
+
+
+
+def batch_generate(
+    pair: Pair,
+    tokenizer: Any,
+    prompts: list[Any],
+    options: GenerateOptions | list[GenerateOptions] | None = None,
+    *,
+    max_batch: int = 8,
+) -> list[GenerationResult]:
+    """Generate a reply to each of `prompts` (texts, token ids or chat messages), decoded
+    together `max_batch` at a time with the draft on; one `GenerationResult` per prompt, in
+    order. `options` is one `GenerateOptions` for all, or one per prompt. Each reply is what
+    `generate` gives for its prompt alone: token for token at temperature 0 (and with a
+    seed at a fixed verify width), in distribution otherwise. A prompt that fails raises
+    its error after the others finished."""
+    many = options if isinstance(options, list) else [options] * len(prompts)
+    if len(many) != len(prompts):
+        raise BadArgument(f"{len(many)} options for {len(prompts)} prompts: give one, or one each")
+    decoder = BatchDecoder(pair, tokenizer, max_batch=max_batch)
+    rows = [decoder.submit(p, o, handle=i) for i, (p, o) in enumerate(zip(prompts, many))]
+    got: dict[int, list[GenerationResponse]] = {i: [] for i in range(len(rows))}
+    errors: dict[int, BaseException] = {}
+    while decoder.busy:
+        for row, item in decoder.step():
+            if isinstance(item, BaseException):
+                errors[row.handle] = item
+            else:
+                got[row.handle].append(item)
+    if errors:
+        raise errors[min(errors)]
+    return [_result(got[i]) for i in range(len(rows))]
+
+
+def _result(responses: list[GenerationResponse]) -> GenerationResult:
+    last = responses[-1]
+    logprobs = [lp for r in responses for lp in (r.logprobs or ())]
+    return GenerationResult(
+        text="".join(r.text for r in responses),
+        tokens=[t for r in responses for t in r.tokens],
+        finish_reason=last.finish_reason,
+        stats=last.stats,
+        stop=last.stop,
+        logprobs=logprobs if last.logprobs is not None else None,
+    )
