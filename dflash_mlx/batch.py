@@ -33,6 +33,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from . import batch_draft
 from .adaptive import WidthChooser
 from .batch_cache import add_row, batchable, join, keep_rows, rewind_rows, take_row
 from .bookkeeping import clear_cache_every, cut_at_eos, follow_capture
@@ -353,18 +354,37 @@ class BatchDecoder:
             r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
             for r in rows
         ]
-        drafted = []
+        drafted: list = [None] * size
         with mx.stream(generation_stream):
+            for b, r in enumerate(rows):
+                if r.req.draft is not None:
+                    position = len(r.req.prompt) + r.generated - 1
+                    follow_capture(r.req, captures[b], position)
+            # Rows that can share one draft pass (same block, no logits processors) do.
+            groups: dict[int, list[int]] = {}
             for b, (r, (w, rows_l)) in enumerate(zip(rows, plan)):
-                req = r.req
+                if w > 1 and batch_draft.batchable(r.req):
+                    groups.setdefault(rows_l, []).append(b)
+            for rows_l, members in groups.items():
+                if len(members) < 2:
+                    continue
+                got = batch_draft.propose_rows(
+                    [rows[b].req for b in members],
+                    [rows[b].anchor for b in members],
+                    [rows[b].generated - 1 for b in members],
+                    [plan[b][0] for b in members],
+                    rows_l,
+                )
+                for b, (drafts, q) in zip(members, got):
+                    drafted[b] = (drafts, q, None)
+            for b, (r, (w, rows_l)) in enumerate(zip(rows, plan)):
+                if drafted[b] is not None:
+                    continue
                 try:
-                    if req.draft is not None:
-                        position = len(req.prompt) + r.generated - 1
-                        follow_capture(req, captures[b], position)
-                    drafted.append(make_drafts(req, r.anchor, r.generated - 1, w, rows_l))
+                    drafted[b] = make_drafts(r.req, r.anchor, r.generated - 1, w, rows_l)
                 except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
                     r.error = e
-                    drafted.append((mx.zeros((0,), dtype=mx.int32), None, None))
+                    drafted[b] = (mx.zeros((0,), dtype=mx.int32), None, None)
                     plan[b] = (1, 1)
             width = max(w for w, _ in plan)
             tokens = []
