@@ -153,11 +153,12 @@ class BatchDecoder:
         return bool(self.waiting or self.active)
 
     def step(self) -> list[tuple[Row, GenerationResponse | BaseException]]:
-        """Admit the next waiting request (when there is room), run one cycle of every
+        """Admit the waiting requests there is room for (in arrival order; each prefilled
+        with a cycle of the running rows between its chunks), run one cycle of every
         active one, and return what each row produced meanwhile, in order: responses, or
         the exception that ended a row (the others go on)."""
         self._drop_cancelled()
-        if self.waiting and len(self.active) < self.max_batch:
+        while self.waiting and len(self.active) < self.max_batch:
             self._admit(self.waiting.popleft())
         if self.active:
             self._cycle()
@@ -220,7 +221,9 @@ class BatchDecoder:
         )
         if opts.tree and draft is not None:
             req.tree_note = BATCH_NOTE
-        if chooser is not None:
+        if chooser is not None and not self.active:
+            # Alone, a request starts as it does in `stream_generate`; joining others, the
+            # acceptance every row has taught stays (the batch's width rides on it).
             chooser.begin_request()
 
         def between_chunks(done: int, total: int) -> None:
@@ -314,17 +317,22 @@ class BatchDecoder:
     # -- the cycle ------------------------------------------------------------------------
 
     def _chooser(self, size: int, auto: list[Row]) -> WidthChooser | None:
-        """The width chooser for a cycle of `size` rows (alone: the row's own)."""
+        """The width chooser for a cycle of `size` rows (alone: the row's own). A batch's
+        prices its own costs but reads the acceptance the pair's chooser has learnt (it
+        belongs to the draft and the texts, not to the batch size)."""
         base = auto[0].chooser
         if size == 1:
             return base
         chooser = self.choosers.get(size)
-        if chooser is None or chooser.base is not base.costs:
+        if chooser is None or chooser.base is not base:
             chooser = WidthChooser(
                 batch_curves(base.costs, size), base.block, draft_block=base.draft_block
             )
-            chooser.base = base.costs
+            chooser.base = base
             self.choosers[size] = chooser
+        chooser.trials, chooser.hits = list(base.trials), list(base.hits)
+        chooser.carried = False
+        chooser._acc_version += 1
         return chooser
 
     def _cycle(self) -> None:
@@ -429,7 +437,9 @@ class BatchDecoder:
                 chooser.observe(width, spent)
             for r, (w, _), (n, _) in zip(rows, plan, results):
                 if r.fixed is None and w > 1 and r.error is None:
-                    chooser.update(w, n)
+                    chooser.update(w, n)  # its probes' bookkeeping
+                    if chooser is not r.chooser:
+                        r.chooser.update(w, n)  # the acceptance every batch size reads
         finished = []
         for r, s, (n, new) in zip(rows, steps, results):
             if r.error is None:

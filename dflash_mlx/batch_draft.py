@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .draft import BlockContext, narrowest
+from .draft import BlockContext, DFlashDraft, narrowest
 from .prefill import Request
 from .sampling import PositionKeys, probabilities, sample_rows
 
@@ -33,12 +33,16 @@ class RowsContext(BlockContext):
 
 
 def batchable(req: Request) -> bool:
-    """Whether this request's drafts can come from a batched draft pass."""
+    """Whether this request's drafts can come from a batched draft pass (a draft class
+    that computes its blocks its own way drafts alone)."""
+    draft = req.draft
     return (
-        req.draft is not None
+        draft is not None
         and req.controls is None
-        and "candidate_selector" not in req.draft
-        and not req.draft.config.is_dflash2
+        and not draft.config.is_dflash2
+        and "candidate_selector" not in draft
+        and type(draft).block_logits is DFlashDraft.block_logits
+        and type(draft).hidden is DFlashDraft.hidden
     )
 
 

@@ -1,0 +1,318 @@
+"""Batched decoding (SPEC 8): every row's output is its solo run's, whatever joins or leaves.
+
+The reference is always a request decoded alone: mlx-lm's own greedy decoding of the target,
+or `generate` with the same seed at the same fixed width. Drafts that are partly right make
+each row accept a different number of tokens every cycle, so the rows' rewinds differ; each
+check is also run against a broken engine (a rewind applied to every row, one shared
+offset, recurrent rows replayed together) to show it can fail.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx import GenerateOptions, Pair, generate, load
+from dflash_mlx import batch as batch_mod
+from dflash_mlx import batch_cache, batch_draft
+from dflash_mlx.batch import BatchDecoder, batch_curves, batch_generate
+from dflash_mlx.costs import CostCurves
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.sampling import PositionKeys, propose
+
+from .test_decode import target_greedy
+
+PROMPTS = [
+    "def add(a, b):",
+    "class Point:\n    def __init__(self, x, y):",
+    "import os\nimport sys\n\n\ndef main():\n    x = [1, 2, 3]\n    for i in x:",
+    "for i in range(10):\n    print(",
+]
+LENGTHS = [24, 40, 11, 33]  # rows leave at different cycles
+
+
+class LookupDraft(DFlashDraft):
+    """Proposes the reference continuation of whichever row it drafts for (found by its
+    anchor at the draft context's end), wrong from a block index that changes with the
+    position: rows accept different numbers of drafts in every cycle. A draft that drafts alone
+    (`batch_draft.batchable` is false for it), so the batched *verify* is what is tested."""
+
+    def __init__(self, base: DFlashDraft, scripts: list[list[int]]):
+        super().__init__(base.config)
+        self.update(base.parameters())
+        self.scripts = scripts
+
+    def block_logits(self, anchor, length, rows, state):
+        pos, a = state.context_end, anchor.item()
+        script = next((s for s in self.scripts if pos < len(s) and s[pos] == a), [])
+        # 0 .. L-1 right before the first wrong one: a function of the row's position, so
+        # that a row drafts the same batched or alone (seeds replay).
+        right = (pos * 5) % length
+        vocab = self.config.vocab_size
+        want = []
+        for i in range(1, length):
+            t = script[pos + i] if pos + i < len(script) else 0
+            want.append(t if i <= right else (t + 1) % vocab)
+        rows = length - 1 if rows is None else rows
+        return (mx.eye(vocab)[mx.array(want)] * 30.0)[:rows]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen35"])
+def case(request, models_dir, draft):
+    """A dense or hybrid target, its reference continuations and a lookup draft."""
+    model, tok = load(str(models_dir / request.param))
+    ids = [tok.encode(p) for p in PROMPTS]
+    refs = [target_greedy(model, i, n) for i, n in zip(ids, LENGTHS)]
+    lookup = LookupDraft(draft, [i + r for i, r in zip(ids, refs)])
+    return request.param, model, tok, ids, refs, lookup
+
+
+def options(i: int, width: int | None, **kw) -> GenerateOptions:
+    return GenerateOptions(max_tokens=LENGTHS[i], verify_width=width, **kw)
+
+
+def run_mid_stream(pair, tok, ids, width, max_batch=8, joins=(0, 0, 1, 2)):
+    """Rows submitted at the steps `joins` say (mid-stream), stepped to the end; each
+    row's tokens and the batch sizes its cycles saw."""
+    dec = BatchDecoder(pair, tok, max_batch=max_batch)
+    tokens = {i: [] for i in range(len(ids))}
+    stats = {}
+    step = 0
+    pending = sorted(range(len(ids)), key=lambda i: joins[i])
+    while pending or dec.busy:
+        while pending and joins[pending[0]] <= step:
+            i = pending.pop(0)
+            dec.submit(ids[i], options(i, width), handle=i)
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            stats[row.handle] = item.stats
+        step += 1
+    return tokens, stats, dec
+
+
+@pytest.mark.parametrize("width", [None, 2, 5])
+def test_rows_joining_and_leaving_mid_stream_equal_their_solo_greedy(case, width):
+    name, model, tok, ids, refs, lookup = case
+    tokens, stats, dec = run_mid_stream(Pair(model, lookup), tok, ids, width)
+    for i, ref in enumerate(refs):
+        assert tokens[i] == ref, f"{name} W={width}: row {i} diverged from its solo decode"
+    assert max(dec.sizes) >= 3, f"rows must have joined running ones: {dec.sizes}"
+    if width is not None:
+        taus = [s.tau for s in stats.values()]
+        assert max(taus) > 1.5, f"drafts must be accepted for the test to mean much: {taus}"
+        assert sum(s.batches.get(3, 0) for s in stats.values()) > 0
+
+
+def test_more_requests_than_the_batch_holds_queue_and_join_as_rows_leave(case):
+    name, model, tok, ids, refs, lookup = case
+    got = batch_generate(
+        Pair(model, lookup), tok, ids, [options(i, 4) for i in range(4)], max_batch=2
+    )
+    assert [r.tokens for r in got] == refs
+    sizes = set().union(*(r.stats.batches for r in got))
+    assert sizes == {2}, f"never more than 2 rows in a pass, and 2 at times: {sizes}"
+    assert any(r.stats.what_ran()["batches"] for r in got)
+
+
+def broken_trim_every_row_alike(self, drops):
+    """A rewind applied to every row: all rows drop what the row that kept least drops."""
+    most = max(drops)
+    self.lengths = [n - most for n in self.lengths]
+    self.offset = mx.array(self.lengths)
+
+
+def broken_shared_offset(self, drops):
+    """One offset for every row: each row rewinds its own length, but all are positioned
+    (RoPE) and masked at row 0's."""
+    good_trim(self, drops)
+    self.offset = mx.full((len(self.lengths),), self.lengths[0])
+
+
+good_trim = batch_cache.RowsKVCache.trim_rows
+
+
+def broken_replay_together(target, cache, keeps, total, snapshot, calls):
+    """Recurrent rows all replayed over the longest row's prefix."""
+    return good_rewind(target, cache, [max(keeps)] * len(keeps), total, snapshot, calls)
+
+
+good_rewind = batch_cache.rewind_rows
+
+
+@pytest.mark.parametrize(
+    "where,what,broken",
+    [
+        (batch_cache.RowsKVCache, "trim_rows", broken_trim_every_row_alike),
+        (batch_cache.RowsKVCache, "trim_rows", broken_shared_offset),
+        (batch_mod, "rewind_rows", broken_replay_together),
+    ],
+)
+def test_the_identity_check_catches_a_broken_batch(case, monkeypatch, where, what, broken):
+    name, model, tok, ids, refs, lookup = case
+    if what == "rewind_rows" and name == "qwen3":
+        pytest.skip("a dense target has no recurrent rows to replay")
+    monkeypatch.setattr(where, what, broken)
+    tokens, _, _ = run_mid_stream(Pair(model, lookup), tok, ids, 5)
+    assert any(tokens[i] != ref for i, ref in enumerate(refs)), f"{what} broken, not caught"
+
+
+def test_seeded_sampled_rows_replay_their_solo_runs_at_a_fixed_width(case):
+    name, model, tok, ids, refs, lookup = case
+    pair = Pair(model, lookup)
+    opts = [options(i, 4, temperature=0.9, seed=100 + i) for i in range(4)]
+    solo = [generate(pair, tok, i, o).tokens for i, o in zip(ids, opts)]
+    got = batch_generate(pair, tok, ids, opts)
+    assert [r.tokens for r in got] == solo
+    other = batch_generate(pair, tok, ids, [o.replace(seed=o.seed + 7) for o in opts])
+    assert [r.tokens for r in other] != solo, "another seed must sample differently"
+
+
+def test_a_cancelled_row_stops_and_the_others_finish_as_alone(case):
+    name, model, tok, ids, refs, lookup = case
+    dec = BatchDecoder(Pair(model, lookup), tok)
+    rows = [dec.submit(i, options(k, 3), handle=k) for k, i in enumerate(ids)]
+    tokens = {k: [] for k in range(4)}
+    after_cancel = []
+    steps = 0
+    while dec.busy:
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            if rows[1].cancelled:
+                after_cancel.append(row.handle)
+        steps += 1
+        if steps == 6:
+            dec.cancel(rows[1])
+    assert 0 < len(tokens[1]) < len(refs[1]), "cancelled mid-stream"
+    assert tokens[1] == refs[1][: len(tokens[1])]
+    assert 1 not in after_cancel[1:], "a cancelled row responds no more"
+    for k in (0, 2, 3):
+        assert tokens[k] == refs[k]
+
+
+def test_a_failing_row_ends_with_its_error_and_the_others_go_on(case, monkeypatch):
+    name, model, tok, ids, refs, lookup = case
+    real = batch_mod.make_drafts
+    boom = RuntimeError("row 2's draft failed")
+
+    def failing(req, *args, **kw):
+        if req.prompt == ids[2] and len(req.generated) > 4:
+            raise boom
+        return real(req, *args, **kw)
+
+    monkeypatch.setattr(batch_mod, "make_drafts", failing)
+    dec = BatchDecoder(Pair(model, lookup), tok)
+    for k, i in enumerate(ids):
+        dec.submit(i, options(k, 4), handle=k)
+    tokens, errors = {k: [] for k in range(4)}, {}
+    while dec.busy:
+        for row, item in dec.step():
+            if isinstance(item, BaseException):
+                errors[row.handle] = item
+            else:
+                tokens[row.handle] += item.tokens
+    assert errors == {2: boom}
+    for k in (0, 1, 3):
+        assert tokens[k] == refs[k]
+    with pytest.raises(RuntimeError, match="row 2"):
+        batch_generate(Pair(model, lookup), tok, ids, [options(k, 4) for k in range(4)])
+
+
+def test_rows_resume_from_their_prompt_caches(case):
+    from dflash_mlx import PromptCache
+
+    name, model, tok, ids, refs, lookup = case
+    pair = Pair(model, lookup)
+    caches = [PromptCache() for _ in ids]
+    first = [
+        generate(pair, tok, i, options(k, 4), prompt_cache=c)
+        for k, (i, c) in enumerate(zip(ids, caches))
+    ]
+    follow = [i + r.tokens + tok.encode(" x") for i, r in zip(ids, first)]
+    dec = BatchDecoder(pair, tok)
+    for k, (p, c) in enumerate(zip(follow, caches)):
+        dec.submit(p, GenerateOptions(max_tokens=12, verify_width=4), handle=k, prompt_cache=c)
+    tokens, reused = {k: [] for k in range(4)}, {}
+    while dec.busy:
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            reused[row.handle] = item.stats.cached_tokens
+    for k, p in enumerate(follow):
+        assert tokens[k] == target_greedy(model, p, 12)
+        assert reused[k] > 0, "the conversation's prefix must come from its cache"
+
+
+def test_a_batch_of_one_runs_as_a_request_alone(target, draft):
+    model, tok = target
+    pair = Pair(model, draft)
+    ids = tok.encode(PROMPTS[0])
+    solo = generate(pair, tok, ids, options(0, 4))
+    (one,) = batch_generate(pair, tok, [ids], [options(0, 4)])
+    assert one.tokens == solo.tokens
+    assert one.stats.widths == solo.stats.widths
+    assert one.stats.batches == {}, "a row alone is not counted as batched"
+
+
+def test_batched_drafts_equal_each_rows_own(target, draft):
+    """One draft pass over rows of different contexts, gaps and windows gives each row
+    what its own pass gives."""
+    model, tok = target
+    pair = Pair(model, draft)
+    dec = BatchDecoder(pair, tok)
+    for k, p in enumerate(PROMPTS[:3]):
+        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, draft_window=16 if k else None))
+    for _ in range(8):
+        dec.step()
+    reqs = [r.req for r in dec.active]
+    assert len(reqs) == 3 and all(batch_draft.batchable(r) for r in reqs)
+    for r in reqs:
+        r.feed_draft()
+    reqs[1].state.skip_to(reqs[1].state.context_end + 5)  # a gap: RoPE distances kept
+    anchors = [mx.array([t]) for t in (5, 9, 17)]
+    starts = [len(r.generated) - 1 for r in reqs]
+    alone = []
+    for r, a in zip(reqs, anchors):
+        alone.append(np.array(draft.block_logits(a, 8, 7, r.state)))
+    got = []
+    real_logits = DFlashDraft.logits
+
+    def keep(self, h, head):
+        out = real_logits(self, h, head)
+        got.append(out)
+        return out
+
+    DFlashDraft.logits = keep
+    try:
+        batch_draft.propose_rows(reqs, anchors, starts, [8, 8, 8], 8)
+    finally:
+        DFlashDraft.logits = real_logits
+    batched = np.array(got[0].astype(mx.float32))
+    for b in range(3):
+        np.testing.assert_allclose(batched[b], alone[b], atol=2e-3, rtol=2e-3)
+    assert not np.allclose(alone[0], alone[1], atol=1e-2), "rows must differ for this to mean much"
+    params = reqs[0].params
+    one = propose(draft, reqs[0].state, anchors[0], 8, 3, params, PositionKeys(0)(0, 1, 3))
+    assert one[0].tolist() == np.argmax(alone[0][:3], axis=-1).tolist()
+
+
+def test_batch_curves_price_the_whole_pass():
+    curves = CostCurves([1.0, 1.5, 2.0, 2.5], [0.0, 0.5, 0.6, 0.7])
+    four = batch_curves(curves, 4)
+    assert four.verify[0] == 2.5  # four rows of one token: the curve at 4 tokens
+    assert four.verify[1] == 2.5 + 0.5 * 4  # 8 tokens: along the last segment
+    assert four.draft == [0.0, 2.0, 2.4, 2.8]  # a draft pass per row
+
+
+def test_bad_batch_arguments_are_the_callers_errors(target, draft):
+    from dflash_mlx import BadArgument
+
+    model, tok = target
+    with pytest.raises(ValueError, match="max_batch 0"):
+        BatchDecoder(Pair(model, draft), tok, max_batch=0)
+    with pytest.raises(BadArgument, match="2 options for 3 prompts"):
+        batch_generate(Pair(model, draft), tok, ["a", "b", "c"], [GenerateOptions()] * 2)
+    with pytest.raises(BadArgument, match="verify_width"):
+        BatchDecoder(Pair(model, draft), tok).submit("a", GenerateOptions(verify_width=99))
