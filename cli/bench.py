@@ -1,4 +1,5 @@
-"""`dflash-mlx bench`: options -> `dflash_mlx.benchmark.run_benchmark` -> `bench_ui`.
+"""`dflash-mlx bench`: options -> `dflash_mlx.benchmark.run_benchmark` -> `bench_ui`;
+with `--concurrency`, `dflash_mlx.bench_concurrency.run_concurrency` -> `bench_concurrency_ui`.
 
 The library (and so mlx) is imported inside `run`, so the command line starts instantly.
 """
@@ -16,6 +17,7 @@ from . import bench_ui, options, ui
 from .errors import user_errors
 
 EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
+# (or, with --concurrency, a batched request from its serial run)
 
 
 def command(
@@ -82,11 +84,30 @@ def command(
             show_default=False,
         ),
     ] = None,
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            metavar="N[,N...]",
+            help="Comma-separated numbers of requests arriving at once, e.g. 1,2,4,8: each N "
+            "prompts decoded one after another (serial) and together in one batch (batched), "
+            "side by side, instead of the comparison with mlx-lm.",
+            show_default=False,
+        ),
+    ] = None,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(
+            help="With --concurrency: rows the batched decoder takes at once (default: N, "
+            "every request).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
     At temperature 0 every DFlash run must reproduce the target's tokens; exits with code 1
-    when one differs.
+    when one differs. With --concurrency: serial against batched decoding, where every
+    batched request must reproduce its serial tokens.
     """
     with user_errors(), options.flag_names():
         code = run(
@@ -109,6 +130,8 @@ def command(
             calibrate=calibrate,
             context=context,
             draft_window=draft_window,
+            concurrency=concurrency,
+            max_batch=max_batch,
         )
     if code:
         raise typer.Exit(code)
@@ -147,6 +170,36 @@ def parse_trees(text: str | None) -> list[int] | None:
             )
         budgets.append(int(part))
     return list(dict.fromkeys(budgets))
+
+
+def parse_concurrency(text: str | None) -> list[int] | None:
+    """`--concurrency`: "1,2,4" -> [1, 2, 4] (requests at once); None -> no concurrency bench."""
+    if text is None:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise BadArgument(
+                f"--concurrency {text!r}: {part!r} is not a number of requests (use integers "
+                ">= 1, e.g. 1,2,4,8)"
+            )
+        out.append(int(part))
+    return list(dict.fromkeys(out))
+
+
+def _concurrency_clashes(levels, max_batch, trees, context, calibrate) -> None:
+    """What --concurrency (and --max-batch) cannot be combined with, before anything loads."""
+    if levels is None:
+        if max_batch is not None:
+            raise BadArgument("--max-batch needs --concurrency (e.g. --concurrency 1,2,4,8)")
+        return
+    if max_batch is not None and max_batch < 1:
+        raise BadArgument(f"--max-batch {max_batch}: use an integer >= 1 (rows at once)")
+    for flag, given in (("--trees", trees), ("--context", context), ("--calibrate", calibrate)):
+        if given:
+            why = "a batch verifies chains" if flag == "--trees" else "a bench of its own"
+            raise BadArgument(f"{flag} does not go with --concurrency ({why})")
 
 
 def parse_contexts(text: str | None) -> list[int] | None:
@@ -188,11 +241,15 @@ def run(
     min_p: float = 0.0,
     full: bool = False,
     trees: str | None = None,
+    concurrency: str | None = None,
+    max_batch: int | None = None,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
     budgets = parse_trees(trees)
     contexts = parse_contexts(context)
+    levels = parse_concurrency(concurrency)
+    _concurrency_clashes(levels, max_batch, trees, context, calibrate)
     if prompts is not None and suite is not None:
         raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
@@ -211,6 +268,8 @@ def run(
     quick = None
     if prompts is not None:
         bench_prompts = read_prompts(prompts)
+    elif levels is not None:  # every prompt of the suites, taken in turn
+        bench_prompts = load_suite(suite or "all")
     else:
         bench_prompts = load_suite(suite or "all", None if full else QUICK)
         every = len(load_suite(suite or "all"))
@@ -246,6 +305,23 @@ def run(
         bench_ui.calibration(curves, pair.calibration.path)
         return 0
 
+    if levels is not None:
+        return _concurrency(
+            pair,
+            tokenizer,
+            bench_prompts,
+            levels,
+            widths=widths,
+            max_batch=max_batch,
+            max_tokens=max_tokens,
+            repeats=repeats,
+            seed=seed,
+            json_out=json_out,
+            draft_window=draft_window,
+            model_id="demo target" if demo else model,
+            draft_id="demo draft" if demo else draft,
+            **sampling,
+        )
     progress = bench_ui.BenchProgress()
     try:
         result = run_benchmark(
@@ -272,6 +348,25 @@ def run(
     if json_out is not None:
         result.write_json(json_out)
     bench_ui.report(result, quick)
+    if json_out is not None:
+        bench_ui.json_written(json_out)
+    return EXIT_NOT_LOSSLESS if result.lossless is False else 0
+
+
+def _concurrency(pair, tokenizer, prompts, levels, *, json_out: Path | None, **settings) -> int:
+    """`--concurrency`: serial against batched, rendered; 1 when a batched request differed."""
+    from dflash_mlx.bench_concurrency import run_concurrency
+
+    from . import bench_concurrency_ui
+
+    progress = bench_ui.BenchProgress()
+    try:
+        result = run_concurrency(pair, tokenizer, prompts, levels, progress=progress, **settings)
+    finally:
+        progress.close()
+    if json_out is not None:
+        result.write_json(json_out)
+    bench_concurrency_ui.report(result)
     if json_out is not None:
         bench_ui.json_written(json_out)
     return EXIT_NOT_LOSSLESS if result.lossless is False else 0
