@@ -102,6 +102,14 @@ def command(
             show_default=False,
         ),
     ] = None,
+    late_arrival: Annotated[
+        bool,
+        typer.Option(
+            "--late-arrival",
+            help="With --concurrency: also, at each N > 1, one request arriving while the "
+            "other N - 1 decode: its time to first token.",
+        ),
+    ] = False,
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
@@ -132,6 +140,7 @@ def command(
             draft_window=draft_window,
             concurrency=concurrency,
             max_batch=max_batch,
+            late_arrival=late_arrival,
         )
     if code:
         raise typer.Exit(code)
@@ -188,11 +197,12 @@ def parse_concurrency(text: str | None) -> list[int] | None:
     return list(dict.fromkeys(out))
 
 
-def _concurrency_clashes(levels, max_batch, trees, context, calibrate) -> None:
-    """What --concurrency (and --max-batch) cannot be combined with, before anything loads."""
+def _concurrency_clashes(levels, max_batch, late, trees, context, calibrate) -> None:
+    """What --concurrency (and its options) cannot be combined with, before anything loads."""
     if levels is None:
-        if max_batch is not None:
-            raise BadArgument("--max-batch needs --concurrency (e.g. --concurrency 1,2,4,8)")
+        for flag, given in (("--max-batch", max_batch is not None), ("--late-arrival", late)):
+            if given:
+                raise BadArgument(f"{flag} needs --concurrency (e.g. --concurrency 1,2,4,8)")
         return
     if max_batch is not None and max_batch < 1:
         raise BadArgument(f"--max-batch {max_batch}: use an integer >= 1 (rows at once)")
@@ -243,13 +253,14 @@ def run(
     trees: str | None = None,
     concurrency: str | None = None,
     max_batch: int | None = None,
+    late_arrival: bool = False,
 ) -> int:
     """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
     widths = parse_widths(verify_widths)  # before anything loads
     budgets = parse_trees(trees)
     contexts = parse_contexts(context)
     levels = parse_concurrency(concurrency)
-    _concurrency_clashes(levels, max_batch, trees, context, calibrate)
+    _concurrency_clashes(levels, max_batch, late_arrival, trees, context, calibrate)
     if prompts is not None and suite is not None:
         raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
@@ -313,6 +324,7 @@ def run(
             levels,
             widths=widths,
             max_batch=max_batch,
+            late=late_arrival,
             max_tokens=max_tokens,
             repeats=repeats,
             seed=seed,

@@ -28,6 +28,10 @@ COLUMNS = (
     "after the requests before it) · batch: rows per decoder cycle, mean (largest) · "
     "vs serial: batched tok/s over serial's, same N, same repeat"
 )
+LATE = (
+    "late: N - 1 requests at once, the last one when each of them has a quarter of its "
+    "tokens (joining a running batch); late TTFT: that one's, from its own arrival"
+)
 
 
 def _header(result: ConcurrencyResult) -> Text:
@@ -83,12 +87,16 @@ def table(result: ConcurrencyResult, run: str) -> Table:
         collapse_padding=True,
     )
     spread = len(rows[0].aggregate_tps.values) > 1
+    late = any(r.late_ttft is not None for r in rows)
     names = ["N", "mode", "tok/s"] + (["min–max"] if spread else [])
-    names += ["per req", "TTFT mean", "TTFT max", "τ", "batch", "vs serial"]
+    names += ["per req", "TTFT mean", "TTFT max"] + (["late TTFT"] if late else [])
+    names += ["τ", "batch", "vs serial"]
     for name in names:
         out.add_column(name, justify="left" if name == "mode" else "right", no_wrap=True)
-    for r in rows:
+    for i, r in enumerate(rows):
         t = r.aggregate_tps
+        last = i + 1 == len(rows) or rows[i + 1].concurrency != r.concurrency
+        shown = "–" if r.late_ttft is None else _ms(r.late_ttft.median)
         out.add_row(
             str(r.concurrency),
             r.mode,
@@ -97,16 +105,17 @@ def table(result: ConcurrencyResult, run: str) -> Table:
             _tps(r.per_request_tps.median),
             _ms(r.ttft_mean.median),
             _ms(r.ttft_max.median),
+            *([shown] if late else []),
             f"{r.tau:.2f}",
             _batch(r),
             _ratio(r),
-            end_section=r.mode == "batched",
+            end_section=last,
         )
     return out
 
 
 def _verdict(result: ConcurrencyResult) -> Text | Panel:
-    batched = sum(len(r.requests) for r in result.runs if r.mode == "batched")
+    batched = sum(len(r.requests) for r in result.runs if r.mode != "serial")
     if result.lossless is None:
         return Text(
             "temperature > 0: outputs are sampled, so tokens are not compared "
@@ -128,7 +137,8 @@ def _verdict(result: ConcurrencyResult) -> Text | Panel:
         prompt = " ".join(m.prompt.split())
         prompt = prompt if len(prompt) <= 70 else prompt[:69] + "…"
         lines.append(
-            f"• {_label(m.run)} · N={m.concurrency} · request {m.slot + 1} "
+            f"• {_label(m.run)} · N={m.concurrency}{' (late)' if m.mode == 'late' else ''} · "
+            f"request {m.slot + 1} "
             f"({m.suite} #{m.prompt_index + 1}) · repeat {m.repeat + 1} · first difference "
             f"at generated token {m.position}: expected {m.expected} {m.expected_text!r}, "
             f"got {m.got} {m.got_text!r} ({m.expected_tokens} vs {m.got_tokens} tokens)\n",
@@ -144,7 +154,10 @@ def report(result: ConcurrencyResult) -> None:
     """The whole report on stdout: header, a table per width, the columns, the verdict."""
     runs = list(dict.fromkeys(r.run for r in result.rows))
     tables = [table(result, run) for run in runs]
-    parts = [_header(result), Text(""), *tables, Text(COLUMNS, style="dim"), _verdict(result)]
+    parts = [_header(result), Text(""), *tables, Text(COLUMNS, style="dim")]
+    if result.settings.get("late"):
+        parts.append(Text(LATE, style="dim"))
+    parts.append(_verdict(result))
     out = _out()
     if not out.is_terminal:  # a file or a pipe: whole tables, never cut to 80 columns
         unbounded = out.options.update_width(10_000)

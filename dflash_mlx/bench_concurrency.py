@@ -27,6 +27,7 @@ import dflash_mlx
 from . import batch
 from .bench_concurrency_results import (
     BATCHED,
+    LATE,
     MODES,
     SERIAL,
     ConcurrencyMismatch,
@@ -77,15 +78,23 @@ def _serial(pair: Pair, tokenizer, encoded, options) -> tuple[float, list[tuple]
     return time.perf_counter() - t0, out
 
 
-def _batched(decoder, encoded, options) -> tuple[float, list[tuple], dict[int, int]]:
-    """The requests submitted at once to `decoder`: (seconds, per request (tokens, first,
-    last, finish reason, stats), batch size -> cycles run)."""
+def _batched(decoder, encoded, options, late: int | None = None):
+    """The requests submitted at once to `decoder` (with `late`, the last one only once each
+    of the others has `late` tokens, or has ended): (seconds, per request (tokens, first,
+    last, finish reason, stats), batch size -> cycles run, when the last one arrived).
+    A request's times run from its own arrival."""
     before = dict(decoder.sizes)
+    n = len(encoded)
+    waiting = 1 if late is not None else 0
+    arrival = [0.0] * n
     t0 = time.perf_counter()
-    for i, (ids, opts) in enumerate(zip(encoded, options)):
-        decoder.submit(ids, opts, handle=i)
+    for i in range(n - waiting):
+        decoder.submit(encoded[i], options[i], handle=i)
     got: list[list] = [[[], None, None, None, None] for _ in encoded]
-    while decoder.busy:
+    while decoder.busy or waiting:
+        if waiting and all(len(g[0]) >= late or g[3] for g in got[:-1]):
+            arrival[-1], waiting = time.perf_counter() - t0, 0
+            decoder.submit(encoded[-1], options[-1], handle=n - 1)
         items = decoder.step()
         now = time.perf_counter() - t0
         for row, item in items:
@@ -94,11 +103,12 @@ def _batched(decoder, encoded, options) -> tuple[float, list[tuple], dict[int, i
                 raise item
             slot = got[row.handle]
             slot[0] += item.tokens
-            slot[1] = now if slot[1] is None else slot[1]
-            slot[2], slot[3], slot[4] = now, item.finish_reason, item.stats
+            since = now - arrival[row.handle]
+            slot[1] = since if slot[1] is None else slot[1]
+            slot[2], slot[3], slot[4] = since, item.finish_reason, item.stats
     seconds = time.perf_counter() - t0
     sizes = {k: v - before.get(k, 0) for k, v in decoder.sizes.items() if v > before.get(k, 0)}
-    return seconds, [tuple(s) for s in got], sizes
+    return seconds, [tuple(s) for s in got], sizes, arrival[-1] if late is not None else None
 
 
 def parse_concurrency(values: Sequence[int]) -> list[int]:
@@ -133,13 +143,16 @@ def run_concurrency(
     draft_id: str | None = None,
     progress: Progress | None = None,
     draft_window: int | None = None,
+    late: bool = False,
 ) -> ConcurrencyResult:
     """Serial against batched decoding of the same N prompts for each N of `concurrency`.
 
     `widths`: verify widths W or "auto" (default: ["auto"]), one table each; the batched
     decoder takes `max_batch` rows at a time (default: N, every request at once). Each
     request generates up to `max_tokens` tokens; figures are given over `repeats`. At
-    temperature > 0 request k of a run is seeded `seed + k` in both modes.
+    temperature > 0 request k of a run is seeded `seed + k` in both modes. `late`: a third
+    mode at each N > 1, LATE: N - 1 requests submitted at once and the last one when each
+    of them has generated a quarter of `max_tokens` (a request joining a running batch).
     """
     if not prompts:
         raise BadArgument("no prompts to benchmark")
@@ -168,7 +181,11 @@ def run_concurrency(
         )
         for p in chosen
     ]
-    total = len(widths) * (1 + len(ns) + repeats * len(ns) * len(MODES))
+
+    def modes_at(n: int) -> tuple[str, ...]:
+        return (*MODES, LATE) if late and n > 1 else MODES
+
+    total = len(widths) * (1 + len(ns) + repeats * sum(len(modes_at(n)) for n in ns))
     done = 0
 
     def tick(what: str) -> None:
@@ -196,8 +213,9 @@ def run_concurrency(
             pair.calibrate()
         opts = each(width, n, tokens)
         if mode == SERIAL:
-            return *_serial(pair, tokenizer, encoded[:n], opts), {}
-        return _batched(decoder, encoded[:n], opts)
+            return *_serial(pair, tokenizer, encoded[:n], opts), {}, None
+        after = max(1, tokens // 4) if mode == LATE else None
+        return _batched(decoder, encoded[:n], opts, after)
 
     runs: list[ModeRun] = []
     mismatches: list[ConcurrencyMismatch] = []
@@ -218,15 +236,17 @@ def run_concurrency(
             for rep in range(repeats):
                 for i, n in enumerate(ns):
                     measured: dict[str, ModeRun] = {}
-                    for mode in MODES if (rep + i) % 2 == 0 else MODES[::-1]:
-                        seconds, got, sizes = measure(mode, width, n, max_tokens, decoders[n])
+                    modes = modes_at(n)
+                    shift = (rep + i) % len(modes)
+                    for mode in modes[shift:] + modes[:shift]:
+                        seconds, got, sizes, at = measure(mode, width, n, max_tokens, decoders[n])
                         records = [
                             RequestRecord(k, p.suite, p.index, *g)
                             for k, (p, g) in enumerate(zip(chosen, got))
                         ]
-                        measured[mode] = ModeRun(name, n, mode, rep, seconds, records, sizes)
+                        measured[mode] = ModeRun(name, n, mode, rep, seconds, records, sizes, at)
                         tick(f"{name} ×{n} {mode} (repeat {rep + 1})")
-                    runs += [measured[m] for m in MODES]
+                    runs += [measured[m] for m in modes]
                     if temperature == 0:
                         mismatches += _compare(measured, chosen, tokenizer)
     finally:
@@ -256,6 +276,7 @@ def run_concurrency(
             "chat_template": chat,
             "warmup_tokens": warm,
             "draft_window": draft_window,
+            "late": late,
         },
         prompts=[{**p.to_dict(), "prompt_tokens": len(ids)} for p, ids in zip(chosen, encoded)],
         rows=summarise(runs, max_batch),
@@ -265,29 +286,32 @@ def run_concurrency(
 
 
 def _compare(measured: dict[str, ModeRun], prompts, tokenizer) -> list[ConcurrencyMismatch]:
-    """Each batched request against the same request decoded serially."""
+    """Each batched request (joining late or not) against the same request decoded serially."""
     found = []
-    serial, batched = measured[SERIAL], measured[BATCHED]
-    for s, b, p in zip(serial.requests, batched.requests, prompts):
-        pos = _first_difference(s.tokens, b.tokens)
-        if pos is None:
-            continue
-        found.append(
-            ConcurrencyMismatch(
-                run=batched.run,
-                concurrency=batched.concurrency,
-                repeat=batched.repeat,
-                slot=b.slot,
-                suite=p.suite,
-                prompt_index=p.index,
-                prompt=p.summary,
-                position=pos,
-                expected=s.tokens[pos] if pos < len(s.tokens) else None,
-                got=b.tokens[pos] if pos < len(b.tokens) else None,
-                expected_text=tokenizer.decode(s.tokens[pos : pos + 8]),
-                got_text=tokenizer.decode(b.tokens[pos : pos + 8]),
-                expected_tokens=len(s.tokens),
-                got_tokens=len(b.tokens),
+    serial = measured[SERIAL]
+    for mode in (m for m in measured if m != SERIAL):
+        run = measured[mode]
+        for s, b, p in zip(serial.requests, run.requests, prompts):
+            pos = _first_difference(s.tokens, b.tokens)
+            if pos is None:
+                continue
+            found.append(
+                ConcurrencyMismatch(
+                    run=run.run,
+                    concurrency=run.concurrency,
+                    repeat=run.repeat,
+                    slot=b.slot,
+                    suite=p.suite,
+                    prompt_index=p.index,
+                    prompt=p.summary,
+                    position=pos,
+                    expected=s.tokens[pos] if pos < len(s.tokens) else None,
+                    got=b.tokens[pos] if pos < len(b.tokens) else None,
+                    expected_text=tokenizer.decode(s.tokens[pos : pos + 8]),
+                    got_text=tokenizer.decode(b.tokens[pos : pos + 8]),
+                    expected_tokens=len(s.tokens),
+                    got_tokens=len(b.tokens),
+                    mode=mode,
+                )
             )
-        )
     return found

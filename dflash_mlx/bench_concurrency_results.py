@@ -17,13 +17,14 @@ from typing import Any
 from .bench_results import Spread
 from .stats import Stats
 
-SERIAL, BATCHED = "serial", "batched"
-MODES = (SERIAL, BATCHED)
+SERIAL, BATCHED, LATE = "serial", "batched", "late"
+MODES = (SERIAL, BATCHED)  # every N; LATE (one request joining a running batch) on request
 
 
 @dataclass
 class RequestRecord:
-    """One request of one measured run: its tokens and its times from the arrival of all N."""
+    """One request of one measured run: its tokens and its times from its arrival (with all
+    N, or, the late one of a LATE run, when it came)."""
 
     slot: int  # its place among the N requests (their prompts, in order)
     suite: str
@@ -55,15 +56,16 @@ class RequestRecord:
 
 @dataclass
 class ModeRun:
-    """One mode (serial or batched) at one concurrency N in one repeat."""
+    """One mode (serial, batched or late) at one concurrency N in one repeat."""
 
     run: str  # the width's name (`bench_results.run_name`): AUTO or "W=<width>"
     concurrency: int
-    mode: str  # SERIAL or BATCHED
+    mode: str  # SERIAL, BATCHED or LATE
     repeat: int
-    seconds: float  # from the arrival of the N requests to the last token of any
+    seconds: float  # from the arrival of the (first) requests to the last token of any
     requests: list[RequestRecord]
     batches: dict[int, int]  # batch size -> decoder cycles at it (serial: {})
+    arrived: float | None = None  # LATE: seconds after the others that the last one came
 
     @property
     def tokens(self) -> int:
@@ -88,13 +90,15 @@ class ModeRun:
             "aggregate_tps": self.aggregate_tps,
             "per_request_tps": self.per_request_tps,
             "batches": {str(k): v for k, v in sorted(self.batches.items())},
+            "arrived": self.arrived,
             "requests": [r.to_dict() for r in self.requests],
         }
 
 
 @dataclass
 class ConcurrencyRow:
-    """One mode at one N over the repeats: each figure's median and range."""
+    """One mode at one N over the repeats: each figure's median and range. TTFT and
+    per-request tok/s run from each request's own arrival."""
 
     run: str
     concurrency: int
@@ -108,6 +112,7 @@ class ConcurrencyRow:
     tokens: int  # over every repeat
     batches: dict[int, int]  # batch size -> decoder cycles, every repeat
     vs_serial: Spread | None  # aggregate tok/s over serial's, paired by repeat (batched only)
+    late_ttft: Spread | None = None  # LATE: the late request's TTFT from its own arrival
 
     @property
     def mean_batch(self) -> float | None:
@@ -134,6 +139,7 @@ class ConcurrencyMismatch:
     got_text: str
     expected_tokens: int
     got_tokens: int
+    mode: str = BATCHED  # BATCHED, or LATE: the request joined a running batch
 
 
 @dataclass
@@ -181,10 +187,11 @@ def summarise(runs: list[ModeRun], max_batch: int | None = None) -> list[Concurr
     rows = []
     for name, n in keys:
         group = {
-            m: [r for r in runs if (r.run, r.concurrency, r.mode) == (name, n, m)] for m in MODES
+            m: [r for r in runs if (r.run, r.concurrency, r.mode) == (name, n, m)]
+            for m in (*MODES, LATE)
         }
         serial = {r.repeat: r.aggregate_tps for r in group[SERIAL]}
-        for mode in MODES:
+        for mode in (*MODES, LATE):
             mine = group[mode]
             if not mine:
                 continue
@@ -200,7 +207,7 @@ def summarise(runs: list[ModeRun], max_batch: int | None = None) -> list[Concurr
                     run=name,
                     concurrency=n,
                     mode=mode,
-                    max_batch=(max_batch or n) if mode == BATCHED else None,
+                    max_batch=(max_batch or n) if mode != SERIAL else None,
                     aggregate_tps=Spread.of([r.aggregate_tps for r in mine]),
                     per_request_tps=Spread.of([r.per_request_tps for r in mine]),
                     ttft_mean=Spread.of(
@@ -211,6 +218,9 @@ def summarise(runs: list[ModeRun], max_batch: int | None = None) -> list[Concurr
                     tokens=sum(r.tokens for r in mine),
                     batches=dict(sorted(sizes.items(), reverse=True)),
                     vs_serial=Spread.of(ratios) if mode == BATCHED and ratios else None,
+                    late_ttft=(
+                        Spread.of([r.requests[-1].first for r in mine]) if mode == LATE else None
+                    ),
                 )
             )
     return rows

@@ -16,7 +16,7 @@ from dflash_mlx.cli.main import app
 
 from .test_bench import PROMPTS
 
-ROW = re.compile(r"^ *(\d+) +(serial|batched) +([\d.]+) ", re.M)
+ROW = re.compile(r"^ *(\d+) +(serial|batched|late) +([\d.]+) ", re.M)
 ROW_KEYS = {
     "run",
     "concurrency",
@@ -31,6 +31,7 @@ ROW_KEYS = {
     "batches",
     "vs_serial",
     "mean_batch",
+    "late_ttft",
 }
 
 
@@ -58,18 +59,19 @@ def test_a_row_per_concurrency_and_mode_with_its_figures_and_the_json(
     out = tmp_path / "c.json"
     result = bench(
         models_dir, prompt_file, "--concurrency", "1,3", "--verify-widths", "2,auto",
-        "--json", str(out),
+        "--late-arrival", "--json", str(out),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     text = result.stdout
     for shown in ["W=2: serial vs batched", "W=auto: serial vs batched", "per req"]:
         assert shown in text, f"report lacks {shown!r}"
-    for shown in ["TTFT mean", "TTFT max", "τ", "batch", "vs serial", "✓ identical"]:
+    for shown in ["TTFT mean", "TTFT max", "late TTFT", "τ", "batch", "vs serial", "✓ identical"]:
         assert shown in text, f"report lacks {shown!r}"
     rows = [(int(n), mode) for n, mode, _ in ROW.findall(text)]
-    pairs = [(1, "serial"), (1, "batched"), (3, "serial"), (3, "batched")]
-    assert rows == pairs * 2, text  # one table per width, a row per N and mode
-    assert "all 8 batched requests reproduced their serial tokens" in text
+    # One table per width, a row per N and mode; a late arrival where N > 1.
+    pairs = [(1, "serial"), (1, "batched"), (3, "serial"), (3, "batched"), (3, "late")]
+    assert rows == pairs * 2, text
+    assert "all 14 batched requests reproduced their serial tokens" in text
 
     data = json.loads(out.read_text())
     assert data["lossless"] is True and data["mismatches"] == []
@@ -83,22 +85,27 @@ def test_a_row_per_concurrency_and_mode_with_its_figures_and_the_json(
     for row in data["rows"]:
         assert set(row) == ROW_KEYS
         assert row["tokens"] == 5 * row["concurrency"]  # one repeat, 5 tokens a request
-        batched = row["mode"] == "batched"
-        assert (row["vs_serial"] is not None) == batched
+        batched = row["mode"] != "serial"
+        assert (row["vs_serial"] is not None) == (row["mode"] == "batched")
+        assert (row["late_ttft"] is not None) == (row["mode"] == "late")
         assert (row["max_batch"] == row["concurrency"]) if batched else row["max_batch"] is None
         if batched:
             assert max(int(b) for b in row["batches"]) <= row["concurrency"]
         else:
             assert row["batches"] == {} and row["mean_batch"] is None
         assert row["ttft_max"]["median"] >= row["ttft_mean"]["median"] > 0
-    assert len(data["runs"]) == 8
+    assert len(data["runs"]) == 10
     for r in data["runs"]:
         assert len(r["requests"]) == r["concurrency"]
+        assert (r["arrived"] is not None) == (r["mode"] == "late")
         assert {q["tokens"] for q in r["requests"]} == {5}
         for q in r["requests"]:
             assert 0 < q["ttft"] <= q["seconds"]
-    # The batched rows of 3 ran in a batch of 3 at some cycle.
+    # The batched rows of 3 ran in a batch of 3 at some cycle; the late one joined two.
     assert "3" in data["rows"][3]["batches"]
+    late = data["runs"][4]
+    assert late["mode"] == "late" and late["arrived"] > 0
+    assert data["rows"][4]["late_ttft"]["median"] == late["requests"][-1]["ttft"]
 
 
 def test_a_batched_request_that_differs_from_its_serial_run_fails_loudly(
@@ -152,6 +159,7 @@ def test_plain_pairs_and_a_smaller_max_batch(models_dir, prompt_file, tmp_path):
         (["--concurrency", "1,,2"], "--concurrency '1,,2': '' is not a number of requests"),
         (["--concurrency", "2", "--max-batch", "0"], "--max-batch 0: use an integer >= 1"),
         (["--max-batch", "2"], "--max-batch needs --concurrency"),
+        (["--late-arrival"], "--late-arrival needs --concurrency"),
         (["--concurrency", "2", "--trees", "8"], "--trees does not go with --concurrency"),
         (["--concurrency", "2", "--context", "64"], "--context does not go with --concurrency"),
     ],
@@ -167,7 +175,7 @@ def test_help_lists_the_options():
     result = run("bench", "--help")
     assert result.exit_code == 0
     said = " ".join(result.output.split())
-    assert "--concurrency" in said and "--max-batch" in said
+    assert "--concurrency" in said and "--max-batch" in said and "--late-arrival" in said
 
 
 def test_the_suites_are_taken_in_turn_and_reused_when_too_few():
