@@ -226,11 +226,16 @@ class BatchDecoder:
             # acceptance every row has taught stays (the batch's width rides on it).
             chooser.begin_request()
 
+        last = [start]
+
         def between_chunks(done: int, total: int) -> None:
             if row.progress is not None:
                 row.progress(done, total)
-            if done < total and self.active and not row.cancelled:
-                self._cycle()  # the running rows go on between the chunks of this prompt
+            if done < total and done - last[0] >= opts.prefill_step and self.active:
+                # The running rows go on between the chunks of a long prompt.
+                last[0] = done
+                if not row.cancelled:
+                    self._cycle()
 
         progress = between_chunks
         if row.prompt_cache is not None:

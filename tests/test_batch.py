@@ -245,6 +245,35 @@ def test_rows_resume_from_their_prompt_caches(case):
         assert reused[k] > 0, "the conversation's prefix must come from its cache"
 
 
+def test_a_long_prompt_is_prefilled_between_the_running_rows_cycles(case):
+    """A prompt of many chunks arriving mid-stream: the running rows decode between its
+    chunks (never stalled for more than one), and everyone's output is still its own."""
+    name, model, tok, ids, refs, lookup = case
+    long = tok.encode("\n".join(PROMPTS * 3))
+    dec = BatchDecoder(Pair(model, lookup), tok)
+    dec.submit(ids[1], options(1, 3), handle=1)
+    order = []
+    tokens = {1: [], "long": []}
+    for _ in range(2):
+        for row, item in dec.step():
+            tokens[row.handle] += item.tokens
+    dec.submit(long, GenerateOptions(max_tokens=8, verify_width=3, prefill_step=16), handle="long")
+    while dec.busy:
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            order.append(row.handle)
+    chunks = (len(long) - 1) // 16
+    assert chunks >= 4
+    before = order.index("long")
+    # One cycle after each chunk but the last, or until the running row finished.
+    want = min(chunks - 1, order.count(1))
+    assert before >= want, f"{before} cycles of the running row during {chunks} chunks"
+    assert before > 4
+    assert tokens[1] == refs[1]
+    assert tokens["long"] == target_greedy(model, long, 8)
+
+
 def test_a_batch_of_one_runs_as_a_request_alone(target, draft):
     model, tok = target
     pair = Pair(model, draft)
@@ -316,3 +345,91 @@ def test_bad_batch_arguments_are_the_callers_errors(target, draft):
         batch_generate(Pair(model, draft), tok, ["a", "b", "c"], [GenerateOptions()] * 2)
     with pytest.raises(BadArgument, match="verify_width"):
         BatchDecoder(Pair(model, draft), tok).submit("a", GenerateOptions(verify_width=99))
+
+
+# -- sampling batched: the target's distribution, row by row -----------------------------
+
+
+class _IdsOnly:
+    """A tokenizer for a model without one: prompts are token ids, text is not looked at."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    class _Detok:
+        last_segment = ""
+
+        def reset(self):
+            pass
+
+        def add_token(self, t):
+            pass
+
+        def finalize(self):
+            pass
+
+    @property
+    def detokenizer(self):
+        return self._Detok()
+
+
+def batched_joint_counts(model, draft, draws: int) -> tuple[dict, list[int]]:
+    """`test_sampling.joint_counts`, each draw a row of batches of 8 (rows of other seeds
+    beside it, joining as others leave)."""
+    from .test_sampling import JOINT, JOINT_PARAMS, PROMPT, as_options
+
+    dec = BatchDecoder(Pair(model, draft), _IdsOnly(), max_batch=8)
+    base = as_options(JOINT_PARAMS, JOINT).replace(verify_width=4, draft_block=4)
+    for seed in range(draws):
+        dec.submit(list(PROMPT), base.replace(seed=seed), handle=seed)
+    tokens = {s: [] for s in range(draws)}
+    first = {}
+    while dec.busy:
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            if item.width and row.handle not in first:
+                first[row.handle] = item.accepted
+    counts, by_accepted = {}, [0, 0, 0, 0]
+    for s in range(draws):
+        key = tuple(tokens[s][:JOINT])
+        counts[key] = counts.get(key, 0) + 1
+        by_accepted[first[s]] += 1
+    assert max(dec.sizes) == 8
+    return counts, by_accepted
+
+
+@pytest.fixture(scope="module")
+def table_pair():
+    from .test_sampling import TableDraft, build_tiny_vocab_pair, greedy_table
+
+    model, draft = build_tiny_vocab_pair(12)
+    return model, TableDraft(draft, greedy_table(model))
+
+
+@pytest.mark.slow  # thousands of sampled rows for a chi-square test
+def test_batched_sampling_keeps_the_targets_joint_distribution(table_pair):
+    from .test_sampling import exact_joint, joint_rejects
+
+    model, draft = table_pair
+    counts, by_accepted = batched_joint_counts(model, draft, 3000)
+    assert min(by_accepted) > 100, f"every acceptance length must occur: {by_accepted}"
+    assert not joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
+
+
+@pytest.mark.slow  # thousands of sampled rows for a chi-square test
+def test_the_batched_chi_square_catches_rows_sharing_their_draws(table_pair, monkeypatch):
+    """A broken batch: every row draws with the first row's keys (its seed), so rows of one
+    batch are not independent draws."""
+    from .test_sampling import exact_joint, joint_rejects
+
+    model, draft = table_pair
+    real = BatchDecoder._admit
+
+    def shared_keys(self, row):
+        real(self, row)
+        if row.req is not None and self.active:
+            row.req.keys = self.active[0].req.keys
+
+    monkeypatch.setattr(BatchDecoder, "_admit", shared_keys)
+    counts, _ = batched_joint_counts(model, draft, 2000)
+    assert joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
