@@ -14,9 +14,10 @@ made when a second joins and undone when one is left.
 
 Widths: a request that fixes its width keeps it; the others share a width chosen per
 cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs
-(`batch_curves`: the calibrated target cost at all rows' tokens, a draft pass per row;
-then the wall time of the batched cycles it ran), so under load widths narrow, or go plain,
-where extra verified rows stop coming free. Alone, a row uses the pair's own chooser.
+(`batch_cycle.batch_curves`: the calibrated target cost at all rows' tokens, a draft pass
+per row; then the wall time of the batched cycles it ran), so under load widths narrow, or
+go plain, where extra verified rows stop coming free. Alone, a row uses the pair's own
+chooser. The cycle's steps are `batch_cycle.py`'s.
 Trees are single-request: batched rows verify chains (`stats.tree_note` says so).
 Knows nothing about HTTP: `server/engine.py` and `batch_generate` drive it.
 """
@@ -27,19 +28,18 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from . import batch_draft
+from . import batch_cycle as bc
 from .adaptive import WidthChooser
-from .batch_cache import add_row, batchable, join, keep_rows, rewind_rows, take_row
-from .bookkeeping import clear_cache_every, cut_at_eos, follow_capture
+from .batch_cache import add_row, batchable, join, keep_rows, take_row
+from .batch_cycle import Row, batch_curves
+from .bookkeeping import clear_cache_every, cut_at_eos
 from .controls import Controls, compile_grammar, read_logprobs
-from .costs import CostCurves
-from .decode import Cycle, _Step, accept, commit, commit_draft, first_token, make_drafts, result
+from .decode import Cycle, _Step, first_token
 from .errors import BadArgument
 from .generate import GenerationResponse, GenerationResult, Reply
 from .options import GenerateOptions
@@ -49,61 +49,9 @@ from .prompt_cache import PromptCache
 from .sampling import PositionKeys
 from .text import encode_prompt
 
+__all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
+
 BATCH_NOTE = "batched (a batch verifies chains)"
-
-
-@dataclass(eq=False)
-class Row:
-    """One request of a batch, from `submit` to its last response."""
-
-    prompt: list[int]
-    options: GenerateOptions
-    handle: Any = None  # the caller's own (the server's job)
-    prompt_cache: PromptCache | None = None
-    progress: Callable[[int, int], None] | None = None
-    reply: Reply | None = None
-    req: Request | None = None
-    fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
-    rows: int = 1  # the draft block L of an automatic row
-    grammar: Any = None
-    eos: frozenset[int] = frozenset()
-    anchor: mx.array | None = None  # the last committed token, on the device
-    chooser: WidthChooser | None = None  # an automatic row's width chooser when alone
-    lease: int = 0
-    done: bool = False
-    cancelled: bool = False
-    error: BaseException | None = None  # what ended the row, if something failed
-
-    @property
-    def generated(self) -> int:
-        return len(self.req.generated) if self.req is not None else 0
-
-
-def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
-    """What a cycle of `rows` requests at width W costs, priced before it is measured: the
-    target on `rows * W` tokens (the calibrated curve, extended along its last segment) and
-    one draft pass per row."""
-
-    def verify(curve: list[float]) -> list[float]:
-        def at(tokens: int) -> float:
-            if tokens <= len(curve):
-                return curve[tokens - 1]
-            slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
-            return curve[-1] + max(slope, 0.0) * (tokens - len(curve))
-
-        return [at(rows * w) for w in range(1, len(curve) + 1)]
-
-    def draft(curve: list[float]) -> list[float]:
-        return [rows * t for t in curve]
-
-    return CostCurves(
-        verify(curves.verify),
-        draft(curves.draft),
-        curves.depths,
-        tuple((verify(v), draft(d)) for v, d in curves.deeper),
-        curves.context,
-        curves.lazy,
-    )
 
 
 class BatchDecoder:
@@ -321,130 +269,25 @@ class BatchDecoder:
 
     # -- the cycle ------------------------------------------------------------------------
 
-    def _chooser(self, size: int, auto: list[Row]) -> WidthChooser | None:
-        """The width chooser for a cycle of `size` rows (alone: the row's own). A batch's
-        prices its own costs but reads the acceptance the pair's chooser has learnt (it
-        belongs to the draft and the texts, not to the batch size)."""
-        base = auto[0].chooser
-        if size == 1:
-            return base
-        chooser = self.choosers.get(size)
-        if chooser is None or chooser.base is not base:
-            chooser = WidthChooser(
-                batch_curves(base.costs, size), base.block, draft_block=base.draft_block
-            )
-            chooser.base = base
-            self.choosers[size] = chooser
-        chooser.trials, chooser.hits = list(base.trials), list(base.hits)
-        chooser.carried = False
-        chooser._acc_version += 1
-        return chooser
-
     def _cycle(self) -> None:
+        """One cycle of every active row (`batch_cycle`), then each row's response."""
         rows = [r for r in self.active if not r.done]
         size = len(rows)
         if not size:
             return
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-        chooser = self._chooser(size, auto) if auto else None
-        plan: list[tuple[int, int]] = []
-        if chooser is not None:
-            budget = max(r.options.max_tokens - r.generated for r in auto)
-            depth = max(len(r.prompt) + r.generated for r in auto)
-            w_auto, l_auto = chooser.choose(limit=budget, depth=depth)
+        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
+        widths, captures = bc.plan(rows, chooser)
         tic = time.perf_counter()
-        for r in rows:
-            left = r.options.max_tokens - r.generated
-            if r.req.draft is None:
-                w, rows_l = 1, 1
-            elif r.fixed is not None:
-                w, rows_l = r.fixed
-            else:
-                w, rows_l = w_auto, l_auto
-            w = max(1, min(w, left, rows_l if rows_l > 1 else 1))
-            plan.append((w, rows_l))
-        captures = [
-            r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
-            for r in rows
-        ]
-        drafted: list = [None] * size
+        cache = self.cache if size > 1 else rows[0].req.cache
+        target = self.pair.target
         with mx.stream(generation_stream):
-            for b, r in enumerate(rows):
-                if r.req.draft is not None:
-                    position = len(r.req.prompt) + r.generated - 1
-                    follow_capture(r.req, captures[b], position)
-            # Rows that can share one draft pass (same block, no logits processors) do.
-            groups: dict[int, list[int]] = {}
-            for b, (r, (w, rows_l)) in enumerate(zip(rows, plan)):
-                if w > 1 and batch_draft.batchable(r.req):
-                    groups.setdefault(rows_l, []).append(b)
-            for rows_l, members in groups.items():
-                if len(members) < 2:
-                    continue
-                got = batch_draft.propose_rows(
-                    [rows[b].req for b in members],
-                    [rows[b].anchor for b in members],
-                    [rows[b].generated - 1 for b in members],
-                    [plan[b][0] for b in members],
-                    rows_l,
-                )
-                for b, (drafts, q) in zip(members, got):
-                    drafted[b] = (drafts, q, None)
-            for b, (r, (w, rows_l)) in enumerate(zip(rows, plan)):
-                if drafted[b] is not None:
-                    continue
-                try:
-                    drafted[b] = make_drafts(r.req, r.anchor, r.generated - 1, w, rows_l)
-                except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
-                    r.error = e
-                    drafted[b] = (mx.zeros((0,), dtype=mx.int32), None, None)
-                    plan[b] = (1, 1)
-            width = max(w for w, _ in plan)
-            tokens = []
-            for r, (drafts, _, _) in zip(rows, drafted):
-                seq = mx.concatenate([r.anchor, drafts])
-                pad = width - seq.size
-                tokens.append(mx.pad(seq, [(0, pad)]) if pad else seq)
-            cache = self.cache if size > 1 else rows[0].req.cache
-            ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
-            before = self.pair.target.snapshot(cache)
-            logits, feats = self.pair.target.forward(mx.stack(tokens), cache, ids)
-            calls = self.pair.target.recorded_calls()
-            steps = []
-            for b, (r, (drafts, q, masks)) in enumerate(zip(rows, drafted)):
-                w = drafts.size + 1
-                f = feats[b : b + 1] if feats is not None and captures[b] else None
-                try:
-                    if r.error is not None:
-                        raise r.error
-                    if callable(masks):
-                        masks = masks()
-                    n, out, lp = accept(r.req, drafts, q, logits[b, :w], r.generated - 1, masks)
-                except Exception as e:  # noqa: BLE001 - this row ends, the others go on
-                    r.error = e
-                    n, out, lp = mx.array(0), logits[b, :1].argmax(-1), None
-                steps.append(_Step(n, out, f, (before, calls), w, 0.0, False, lp))
-            mx.async_eval([s.n for s in steps] + [s.out for s in steps])
-        results = [(0, [0]) if r.error else result(r.req, s) for r, s in zip(rows, steps)]
-        with mx.stream(generation_stream):
-            if size > 1:
-                keeps = [n + 1 for n, _ in results]
-                rewind_rows(self.pair.target, cache, keeps, width, before, calls)
-                for r, s, (n, _) in zip(rows, steps, results):
-                    if r.error is None:
-                        commit_draft(r.req, s, n)
-            elif rows[0].error is None:
-                commit(rows[0].req, steps[0], results[0][0])
-        spent = time.perf_counter() - tic
+            drafted = bc.draft(rows, widths, captures)
+            logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
+            steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
+        bc.rewind(target, rows, steps, results, cache, width)
+        bc.learn(chooser, rows, widths, results, width, time.perf_counter() - tic)
         self.sizes[size] = self.sizes.get(size, 0) + 1
-        if chooser is not None:
-            if all(r.fixed is None for r in rows):
-                chooser.observe(width, spent)
-            for r, (w, _), (n, _) in zip(rows, plan, results):
-                if r.fixed is None and w > 1 and r.error is None:
-                    chooser.update(w, n)  # its probes' bookkeeping
-                    if chooser is not r.chooser:
-                        r.chooser.update(w, n)  # the acceptance every batch size reads
         finished = []
         for r, s, (n, new) in zip(rows, steps, results):
             if r.error is None:
@@ -475,7 +318,6 @@ class BatchDecoder:
         self._respond(r, Cycle(new, n, s.width, logprobs=lp, batch=size if size > 1 else 0))
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True
-
 
 
 def batch_generate(

@@ -13,9 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import GenerateOptions, Pair, generate, load
-from dflash_mlx import batch as batch_mod
-from dflash_mlx import batch_cache, batch_draft
+from dflash_mlx import GenerateOptions, Pair, batch_cache, batch_draft, generate, load
+from dflash_mlx import batch_cycle as batch_mod
 from dflash_mlx.batch import BatchDecoder, batch_curves, batch_generate
 from dflash_mlx.costs import CostCurves
 from dflash_mlx.draft import DFlashDraft
@@ -292,7 +291,8 @@ def test_batched_drafts_equal_each_rows_own(target, draft):
     pair = Pair(model, draft)
     dec = BatchDecoder(pair, tok)
     for k, p in enumerate(PROMPTS[:3]):
-        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, draft_window=16 if k else None))
+        window = 16 if k else None
+        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, draft_window=window))
     for _ in range(8):
         dec.step()
     reqs = [r.req for r in dec.active]

@@ -1,0 +1,258 @@
+"""One cycle of a batch (SPEC 8): choose -> draft -> one verify pass -> accept -> rewind.
+
+The steps of `decode.py`'s cycle, for every active row of a `batch.BatchDecoder` at once:
+`plan` picks each row's width (fixed rows keep theirs; the others share the width a
+`WidthChooser` for the batch's size picks, priced by `batch_curves`), `draft` proposes (one
+draft pass for the rows that can share it, `batch_draft`; the single-request step for the
+others), `verify` runs the target once over every row's block (rows padded at their end),
+`accept` decides per row (greedy rows without processors together, one host read), and
+`commit` rewinds each row to what it accepted. A row whose own steps fail ends with its
+error (`Row.error`) and rides along the pass empty; the others go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from . import batch_draft
+from .adaptive import WidthChooser
+from .batch_cache import rewind_rows
+from .bookkeeping import follow_capture
+from .costs import CostCurves
+from .decode import _Step, accept, commit, commit_draft, make_drafts, result
+from .generate import Reply
+from .options import GenerateOptions
+from .prefill import Request
+from .prompt_cache import PromptCache
+
+
+@dataclass(eq=False)
+class Row:
+    """One request of a batch, from `submit` to its last response."""
+
+    prompt: list[int]
+    options: GenerateOptions
+    handle: Any = None  # the caller's own (the server's job)
+    prompt_cache: PromptCache | None = None
+    progress: Any = None  # progress(done, total) of its prefill
+    reply: Reply | None = None
+    req: Request | None = None
+    fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
+    rows: int = 1  # the draft block L of an automatic row
+    grammar: Any = None
+    eos: frozenset[int] = frozenset()
+    anchor: mx.array | None = None  # the last committed token, on the device
+    chooser: WidthChooser | None = None  # an automatic row's width chooser when alone
+    lease: int = 0
+    done: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None  # what ended the row, if something failed
+
+    @property
+    def generated(self) -> int:
+        return len(self.req.generated) if self.req is not None else 0
+
+
+def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
+    """What a cycle of `rows` requests at width W costs, priced before it is measured: the
+    target on `rows * W` tokens (the calibrated curve, extended along its last segment) and
+    one draft pass per row."""
+
+    def verify(curve: list[float]) -> list[float]:
+        def at(tokens: int) -> float:
+            if tokens <= len(curve):
+                return curve[tokens - 1]
+            slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
+            return curve[-1] + max(slope, 0.0) * (tokens - len(curve))
+
+        return [at(rows * w) for w in range(1, len(curve) + 1)]
+
+    def draft(curve: list[float]) -> list[float]:
+        return [rows * t for t in curve]
+
+    return CostCurves(
+        verify(curves.verify),
+        draft(curves.draft),
+        curves.depths,
+        tuple((verify(v), draft(d)) for v, d in curves.deeper),
+        curves.context,
+        curves.lazy,
+    )
+
+
+def batch_chooser(known: dict[int, WidthChooser], size: int, base: WidthChooser) -> WidthChooser:
+    """The width chooser for cycles of `size` rows (alone: `base`, the pair's own). A batch's
+    prices its own costs but reads the acceptance `base` has learnt (it belongs to the
+    draft and the texts, not to the batch size)."""
+    if size == 1:
+        return base
+    chooser = known.get(size)
+    if chooser is None or chooser.base is not base:
+        chooser = WidthChooser(
+            batch_curves(base.costs, size), base.block, draft_block=base.draft_block
+        )
+        chooser.base = base
+        known[size] = chooser
+    chooser.trials, chooser.hits = list(base.trials), list(base.hits)
+    chooser.carried = False
+    chooser._acc_version += 1
+    return chooser
+
+
+def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool]]:
+    """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft."""
+    auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+    if chooser is not None:
+        budget = max(r.options.max_tokens - r.generated for r in auto)
+        depth = max(len(r.prompt) + r.generated for r in auto)
+        w_auto, l_auto = chooser.choose(limit=budget, depth=depth)
+    out = []
+    for r in rows:
+        if r.req.draft is None:
+            w, length = 1, 1
+        elif r.fixed is not None:
+            w, length = r.fixed
+        else:
+            w, length = w_auto, l_auto
+        left = r.options.max_tokens - r.generated
+        out.append((max(1, min(w, left, length if length > 1 else 1)), length))
+    captures = [
+        r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
+        for r in rows
+    ]
+    return out, captures
+
+
+def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
+    """Each row's `(drafts, q, masks)`; rows of one draft block without processors share
+    one draft pass."""
+    out: list = [None] * len(rows)
+    for b, r in enumerate(rows):
+        if r.req.draft is not None:
+            follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
+    groups: dict[int, list[int]] = {}
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        if w > 1 and batch_draft.batchable(r.req):
+            groups.setdefault(length, []).append(b)
+    for length, members in groups.items():
+        if len(members) < 2:
+            continue
+        got = batch_draft.propose_rows(
+            [rows[b].req for b in members],
+            [rows[b].anchor for b in members],
+            [rows[b].generated - 1 for b in members],
+            [widths[b][0] for b in members],
+            length,
+        )
+        for b, (drafts, q) in zip(members, got):
+            out[b] = (drafts, q, None)
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        if out[b] is not None:
+            continue
+        try:
+            out[b] = make_drafts(r.req, r.anchor, r.generated - 1, w, length)
+        except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
+            r.error = e
+            out[b] = (mx.zeros((0,), dtype=mx.int32), None, None)
+            widths[b] = (1, 1)
+    return out
+
+
+def verify(target, rows: list[Row], drafted: list, cache: list, captures: list[bool]):
+    """One target pass over every row's `[anchor, drafts]`, padded to the widest:
+    `(logits, feats, width, (snapshot, calls))`."""
+    width = max(d.size + 1 for d, _, _ in drafted)
+    tokens = []
+    for r, (drafts, _, _) in zip(rows, drafted):
+        seq = mx.concatenate([r.anchor, drafts])
+        tokens.append(mx.pad(seq, [(0, width - seq.size)]) if width > seq.size else seq)
+    ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
+    before = target.snapshot(cache)
+    logits, feats = target.forward(mx.stack(tokens), cache, ids)
+    return logits, feats, width, (before, target.recorded_calls())
+
+
+def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures) -> tuple:
+    """Each row's `_Step` and `(accepted, emitted tokens)`, read from the device once.
+    Greedy rows without logits processors are accepted together (one argmax); the others
+    as a request alone is (`decode.accept`)."""
+    together = [
+        b
+        for b, r in enumerate(rows)
+        if r.error is None and r.req.params.greedy and r.req.controls is None
+    ]
+    steps = []
+    for b, (r, (drafts, q, masks)) in enumerate(zip(rows, drafted)):
+        w = drafts.size + 1
+        f = feats[b : b + 1] if feats is not None and captures[b] else None
+        if b in together:
+            steps.append(_Step(None, None, f, saved, w, 0.0, False))
+            continue
+        try:
+            if r.error is not None:
+                raise r.error
+            if callable(masks):
+                masks = masks()
+            n, out, lp = accept(r.req, drafts, q, logits[b, :w], r.generated - 1, masks)
+        except Exception as e:  # noqa: BLE001 - this row ends, the others go on
+            r.error = e
+            n, out, lp = mx.array(0), logits[b, :1].argmax(-1), None
+        steps.append(_Step(n, out, f, saved, w, 0.0, False, lp))
+    shown = [a for s in steps if s.n is not None for a in (s.n, s.out, *(s.logprobs or ()))]
+    top = proposed = None
+    if together:
+        top = mx.argmax(logits, axis=-1)
+        if width > 1:
+            proposed = mx.stack(
+                [mx.pad(drafted[b][0], [(0, width - 1 - drafted[b][0].size)]) for b in together]
+            )
+    mx.async_eval(*shown, *(a for a in (top, proposed) if a is not None))
+    top = top.tolist() if top is not None else None
+    proposed = proposed.tolist() if proposed is not None else None
+    results = []
+    for b, (r, s) in enumerate(zip(rows, steps)):
+        if r.error is not None:
+            results.append((0, [0]))
+        elif s.n is None:  # accepted with the others: the longest matching prefix
+            got, n = top[b], 0
+            if proposed is not None:
+                mine = proposed[together.index(b)]
+                while n < s.width - 1 and mine[n] == got[n]:
+                    n += 1
+            results.append((n, got[: n + 1]))
+        else:
+            results.append(result(r.req, s))
+    return steps, results
+
+
+def rewind(target, rows: list[Row], steps: list, results: list, cache: list, width: int):
+    """Each row keeps what it accepted: the batch's caches per row (one row alone: its own,
+    as a request alone rewinds); the drafts get their features."""
+    with mx.stream(generation_stream):
+        if len(rows) > 1:
+            keeps = [n + 1 for n, _ in results]
+            before, calls = steps[0].saved
+            rewind_rows(target, cache, keeps, width, before, calls)
+            for r, s, (n, _) in zip(rows, steps, results):
+                if r.error is None:
+                    commit_draft(r.req, s, n)
+        elif rows[0].error is None:
+            commit(rows[0].req, steps[0], results[0][0])
+
+
+def learn(chooser, rows: list[Row], widths: list, results: list, width: int, spent: float):
+    """The chooser learns the pass's cost (when it chose every row's width) and each
+    automatic row's acceptance (also into the pair's chooser, which every size reads)."""
+    if chooser is None:
+        return
+    if all(r.fixed is None for r in rows):
+        chooser.observe(width, spent)
+    for r, (w, _), (n, _) in zip(rows, widths, results):
+        if r.fixed is None and w > 1 and r.error is None:
+            chooser.update(w, n)  # its probes' bookkeeping
+            if chooser is not r.chooser:
+                r.chooser.update(w, n)
