@@ -2,7 +2,8 @@
 
 Public API: `load`, `load_draft`, `load_pair` and `Pair` (a target and its draft, bound once),
 `GenerateOptions` (every generation setting, validated once), `stream_generate`, `generate`,
-their `GenerationResponse` / `GenerationResult` and the one `Stats` value, `PromptCache`.
+their `GenerationResponse` / `GenerationResult` and the one `Stats` value, `PromptCache`;
+`batch_generate` and `BatchDecoder` for many requests decoded together.
 
 The names load on first use (PEP 562), so that `dflash_mlx.cli` (the `dflash-mlx` command,
 installed inside this package) answers `--help` and `--version` without importing MLX.
@@ -16,6 +17,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .batch import BatchDecoder, batch_generate
     from .controls import TokenLogprob, check_grammar
     from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
     from .generate import GenerationResponse, GenerationResult, generate, stream_generate
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from .stats import Stats
 
 _API = {
+    "BatchDecoder": ".batch",
+    "batch_generate": ".batch",
     "BadArgument": ".errors",
     "BadCheckpoint": ".errors",
     "ContextTooLong": ".errors",
@@ -50,6 +54,7 @@ _API = {
 
 __all__ = [
     "BadArgument",
+    "BatchDecoder",
     "BadCheckpoint",
     "ContextTooLong",
     "GenerateOptions",
@@ -62,6 +67,7 @@ __all__ = [
     "Stats",
     "TokenLogprob",
     "UserError",
+    "batch_generate",
     "check_grammar",
     "generate",
     "load",
