@@ -102,13 +102,16 @@ class BatchDecoder:
 
     def step(self) -> list[tuple[Row, GenerationResponse | BaseException]]:
         """Admit the waiting requests there is room for (in arrival order; each prefilled
-        with a cycle of the running rows between its chunks), run one cycle of every
-        active one, and return what each row produced meanwhile, in order: responses, or
+        with a cycle of the running rows between its chunks), or else run one cycle of
+        every active one, and return what each row produced meanwhile, in order: responses, or
         the exception that ended a row (the others go on)."""
         self._drop_cancelled()
+        admitted = False
         while self.waiting and len(self.active) < self.max_batch:
             self._admit(self.waiting.popleft())
-        if self.active:
+            admitted = True
+        # New rows' first tokens go out at once; the next step runs the cycle.
+        if self.active and not admitted:
             self._cycle()
         out, self._outbox = self._outbox, []
         return out

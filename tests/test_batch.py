@@ -273,6 +273,24 @@ def test_a_long_prompt_is_prefilled_between_the_running_rows_cycles(case):
     assert tokens["long"] == target_greedy(model, long, 8)
 
 
+def test_a_late_requests_first_token_waits_for_no_cycle_but_its_prefill(case):
+    """A request arriving while four stream: the next step prefills it and hands out its
+    first token before any further cycle of the others (time to first token: its own
+    prefill, plus what was left of the cycle running when it arrived)."""
+    name, model, tok, ids, refs, lookup = case
+    dec = BatchDecoder(Pair(model, lookup), tok)
+    for k, i in enumerate(ids):
+        dec.submit(i, GenerateOptions(max_tokens=60, verify_width=3), handle=k)
+    for _ in range(3):
+        dec.step()
+    assert len(dec.active) == 4
+    dec.submit(tok.encode("x = 1"), GenerateOptions(max_tokens=5, verify_width=3), handle="late")
+    got = dec.step()
+    assert [(row.handle, item.width) for row, item in got] == [("late", 0)]
+    nxt = dec.step()
+    assert {row.handle for row, _ in nxt} == {0, 1, 2, 3, "late"}, "then all decode together"
+
+
 def test_a_batch_of_one_runs_as_a_request_alone(target, draft):
     model, tok = target
     pair = Pair(model, draft)
