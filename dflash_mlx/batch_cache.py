@@ -226,4 +226,3 @@ def rewind_rows(
             type(layer).__mro__[1].__call__(layer, x[:, :most], *args, **kwargs)
         finally:
             c.lengths = None
-
