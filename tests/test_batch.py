@@ -455,7 +455,8 @@ def test_the_batched_chi_square_catches_rows_sharing_their_draws(table_pair, mon
 
 def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, models_dir):
     """Rows a batched draft pass cannot serve (DFlash 2's conv rows and selector; a
-    penalty's per-row history) draft one by one inside the batch and stay their own."""
+    penalty's per-row history; a grammar) draft one by one inside the batch and stay their
+    own."""
     from dflash_mlx import load_draft
     from dflash_mlx.tiny import build_draft, draft_config
 
@@ -467,9 +468,11 @@ def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, mode
     ids = [tok.encode(p) for p in PROMPTS]
     opts = [options(k, 4) for k in range(4)]
     opts[1] = opts[1].replace(presence_penalty=0.8, frequency_penalty=0.3)
+    opts[2] = opts[2].replace(json_schema=True, max_tokens=30)
     solo = [generate(pair, tok, i, o).tokens for i, o in zip(ids, opts)]
     got = batch_generate(pair, tok, ids, opts)
     assert [r.tokens for r in got] == solo
     assert solo[0] == target_greedy(model, ids[0], LENGTHS[0])
     assert solo[1] != target_greedy(model, ids[1], LENGTHS[1]), "the penalty must matter"
+    assert solo[2] != target_greedy(model, ids[2], 30), "the grammar must matter"
     assert max(max(r.stats.batches, default=0) for r in got) >= 3
