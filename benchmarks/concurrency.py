@@ -11,6 +11,9 @@ calibration serves them all), over the demo pair unless --model/--draft say othe
   * ours, `--verify-width 4`, `--max-batch 1`     (serial at W=4)
   * ours, `--verify-width 4`                     (batched at W=4)
   * `python -m mlx_lm.server --model TARGET`     (no draft; batches by itself)
+With an optimized BLAS in the process (OpenBLAS preloaded), our `load` computes a
+half-precision target in float32 (MLX's CPU backend has no BLAS path for half precision);
+mlx_lm.server then gets a float32 copy of the target, so that both compute the same model.
 Ours run with `--no-prompt-cache-dir` (each process keeps its prompt prefixes in memory
 only: the servers would otherwise share a disk store and answer each other's prompts from
 it), and every prompt starts with a line naming its round, N and slot, so no request finds
@@ -203,7 +206,34 @@ def figures(requests: list[dict]) -> dict:
     }
 
 
-def servers_for(target: str, draft: str | None, max_batch: bool) -> list[Server]:
+def float32_copy(target: str, folder: Path) -> str | None:
+    """A copy of `target` with its half-precision weights in float32, when our `load` would
+    compute it in float32 here (else None)."""
+    import shutil
+
+    import mlx.core as mx
+
+    from dflash_mlx.loading import _optimized_blas
+
+    if not _optimized_blas():
+        return None
+    out = folder / "target-float32"
+    out.mkdir()
+    half = False
+    for f in Path(target).iterdir():
+        if f.suffix != ".safetensors":
+            if f.is_file():
+                shutil.copy(f, out / f.name)
+            continue
+        weights = mx.load(str(f))
+        for k, v in weights.items():
+            if v.dtype in (mx.float16, mx.bfloat16):
+                weights[k], half = v.astype(mx.float32), True
+        mx.save_safetensors(str(out / f.name), weights)
+    return str(out) if half else None
+
+
+def servers_for(target: str, draft: str | None, max_batch: bool, mlx_target: str) -> list[Server]:
     ours = ["dflash-mlx", "serve", "--model", target, "--no-prompt-cache-dir", "--max-queue", "64"]
     ours += ["--draft", draft] if draft else ["--no-draft"]
     out = []
@@ -217,7 +247,15 @@ def servers_for(target: str, draft: str | None, max_batch: bool) -> list[Server]
     out.append(
         Server(
             MLX_LM,
-            [sys.executable, "-m", "mlx_lm.server", "--model", target, "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "mlx_lm.server",
+                "--model",
+                mlx_target,
+                "--log-level",
+                "WARNING",
+            ],
             "auto",
             False,
             ours=False,
@@ -252,14 +290,17 @@ def main() -> int:
     pool = read_prompts(path) if path is not None else load_suite("all")
     texts = [p.summary for p in in_turn(pool, max(ns))]
 
+    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    folder = Path(tempfile.mkdtemp(prefix="concurrency-"))
+    mlx_target = None if args.no_mlx_lm else float32_copy(target, folder)
+    if mlx_target:
+        say(f"an optimized BLAS is loaded: mlx_lm.server gets a float32 copy ({mlx_target})")
     max_batch = has_max_batch()
-    servers = servers_for(target, draft, max_batch)
+    servers = servers_for(target, draft, max_batch, mlx_target or target)
     if args.no_mlx_lm:
         servers = [s for s in servers if s.ours]
-    say = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     if not max_batch:
         say("note: this serve has no --max-batch: serial rows send one request after another")
-    folder = Path(tempfile.mkdtemp(prefix="concurrency-"))
     try:
         for s in servers:
             say(f"starting {s.name}: {' '.join(s.argv)}")
