@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -209,8 +210,6 @@ def figures(requests: list[dict]) -> dict:
 def float32_copy(target: str, folder: Path) -> str | None:
     """A copy of `target` with its half-precision weights in float32, when our `load` would
     compute it in float32 here (else None)."""
-    import shutil
-
     import mlx.core as mx
 
     from dflash_mlx.loading import _optimized_blas
@@ -322,6 +321,8 @@ def main() -> int:
     finally:
         for s in servers:
             stop(s)
+    if not any(s.failed for s in servers):  # logs kept only when a server failed
+        shutil.rmtree(folder, ignore_errors=True)
     return report(servers, ns, args)
 
 
