@@ -101,17 +101,16 @@ class BatchDecoder:
         return bool(self.waiting or self.active)
 
     def step(self) -> list[tuple[Row, GenerationResponse | BaseException]]:
-        """Admit the waiting requests there is room for (in arrival order; each prefilled
+        """Admit the next waiting request when there is room (in arrival order; prefilled
         with a cycle of the running rows between its chunks), or else run one cycle of
         every active one, and return what each row produced meanwhile, in order: responses, or
         the exception that ended a row (the others go on)."""
         self._drop_cancelled()
-        admitted = False
-        while self.waiting and len(self.active) < self.max_batch:
+        if self.waiting and len(self.active) < self.max_batch:
+            # One at a time, so that each first token goes out as soon as its own prompt
+            # is prefilled; the cycle runs once no request waits for room.
             self._admit(self.waiting.popleft())
-            admitted = True
-        # New rows' first tokens go out at once; the next step runs the cycle.
-        if self.active and not admitted:
+        elif self.active:
             self._cycle()
         out, self._outbox = self._outbox, []
         return out

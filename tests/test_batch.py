@@ -281,8 +281,11 @@ def test_a_late_requests_first_token_waits_for_no_cycle_but_its_prefill(case):
     dec = BatchDecoder(Pair(model, lookup), tok)
     for k, i in enumerate(ids):
         dec.submit(i, GenerateOptions(max_tokens=60, verify_width=3), handle=k)
-    for _ in range(3):
-        dec.step()
+    first = [dec.step() for _ in range(4)]  # one admission per step, each first token out
+    assert [[(row.handle, item.width) for row, item in got] for got in first] == [
+        [(k, 0)] for k in range(4)
+    ]
+    dec.step()  # a cycle of the four
     assert len(dec.active) == 4
     dec.submit(tok.encode("x = 1"), GenerateOptions(max_tokens=5, verify_width=3), handle="late")
     got = dec.step()
