@@ -19,6 +19,8 @@ from .errors import internal
 
 DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
+DEFAULT_MAX_BATCH = 8  # requests decoded together
+DEFAULT_MAX_BATCH_TOKENS = 32768  # positions (prompt + max tokens) the running ones hold
 DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
 DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
 # The prompt store's folder flags, serve's and chat's.
@@ -58,8 +60,23 @@ def serve(
         ),
     ] = None,
     max_queue: Annotated[
-        int, typer.Option(help="Requests that may wait behind the running one; more get 503.")
+        int, typer.Option(help="Requests that may wait behind the running ones; more get 503.")
     ] = 16,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests decoded together, joining and leaving between cycles (1: one at "
+            "a time; a batch verifies chains, not trees).",
+            show_default=f"{DEFAULT_MAX_BATCH} (1 with --tree)",
+        ),
+    ] = None,
+    max_batch_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Positions the running requests may hold in all (prompt + max tokens each); "
+            "more wait in the queue (a request alone may exceed it)."
+        ),
+    ] = DEFAULT_MAX_BATCH_TOKENS,
     max_tokens: Annotated[
         int | None,
         options.option(
@@ -157,6 +174,8 @@ def serve(
             port=port,
             api_key=api_key,
             max_queue=max_queue,
+            max_batch=max_batch,
+            max_batch_tokens=max_batch_tokens,
             default_max_tokens=max_tokens_option(max_tokens, default_max_tokens),
             sampling={
                 name: value
@@ -286,12 +305,15 @@ def run(
     prompt_cache_dir: Path | None = None,
     prompt_cache_gb: float = DISK_GB,
     prompt_cache_memory_gb: float = MEMORY_GB,
+    max_batch: int | None = None,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C.
 
     `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed, the
     penalties) for requests that leave them out, as are `verify_width`, `draft_window` and
-    `tree` (a request's `tree` field overrides it); `default_max_tokens` None: 2048."""
+    `tree` (a request's `tree` field overrides it); `default_max_tokens` None: 2048.
+    `max_batch` None: 8, or 1 with `tree` (a batch verifies chains)."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:
@@ -300,6 +322,12 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
+    if max_batch is None:  # --tree asks for trees, which a batch does not verify
+        max_batch = 1 if tree else DEFAULT_MAX_BATCH
+    if max_batch < 1:
+        raise BadArgument(f"--max-batch {max_batch} must be >= 1 (1: one request at a time)")
+    if max_batch_tokens < 1:
+        raise BadArgument(f"--max-batch-tokens {max_batch_tokens} must be >= 1")
     if default_max_tokens is None:  # the demo's replies are capped as chat --demo's are
         default_max_tokens = options.DEMO_MAX_TOKENS if demo else DEFAULT_MAX_TOKENS
     if max_context is not None and max_context < 2:
@@ -387,10 +415,17 @@ def run(
         max_queue=max_queue,
         prompt_cache_slots=prompt_cache_size,
         prompt_store=store,
+        max_batch=max_batch,
+        max_batch_tokens=max_batch_tokens,
     )
     server = create_server(engine, settings)
     serve_ui.serving(
-        host, sock.getsockname()[1], model_id, settings.context_length, api_key is not None
+        host,
+        sock.getsockname()[1],
+        model_id,
+        settings.context_length,
+        api_key is not None,
+        engine.max_batch,
     )
     if store_note:
         ui.note(store_note)

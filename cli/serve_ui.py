@@ -29,13 +29,16 @@ def demo_note(notice: str, folder: Path, max_tokens: int) -> None:
     )
 
 
-def serving(host: str, port: int, model_id: str, context: int | None, keyed: bool) -> None:
+def serving(
+    host: str, port: int, model_id: str, context: int | None, keyed: bool, batch: int = 1
+) -> None:
     """One line: the base URL clients use, the model name they send, and the limits."""
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/v1"
     parts = [
         f"model '{model_id}'",
         f"context {context} tokens" if context else "no context limit",
+        f"batches of up to {batch} requests" if batch > 1 else "one request at a time",
         "API key required" if keyed else "no API key",
         f"docs http://{shown}:{port}/docs",
     ]

@@ -122,8 +122,9 @@ def server(models_dir) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def strict_server(models_dir) -> Iterator[Server]:
-    """--api-key and --max-queue 1, the engine's own (automatic) verify width."""
-    with serving(models_dir, api_key=KEY, max_queue=1) as s:
+    """--api-key, --max-queue 1 behind one request at a time (--max-batch 1), the engine's
+    own (automatic) verify width."""
+    with serving(models_dir, api_key=KEY, max_queue=1, max_batch=1) as s:
         yield s
 
 

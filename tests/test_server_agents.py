@@ -562,6 +562,7 @@ def test_docs_work_offline(agent):
 
 
 def test_user_errors_are_4xx_and_ours_are_generic_500s(agent, monkeypatch):
+    from dflash_mlx.batch import BatchDecoder
     from dflash_mlx.errors import ContextTooLong
     from dflash_mlx.server import engine as engine_module
 
@@ -570,7 +571,12 @@ def test_user_errors_are_4xx_and_ours_are_generic_500s(agent, monkeypatch):
             raise exc
             yield
 
+        def submit(*args, **kwargs):
+            raise exc
+
+        # Where a request starts, one at a time or in a batch (the server's default).
         monkeypatch.setattr(engine_module, "stream_generate", stream_generate)
+        monkeypatch.setattr(BatchDecoder, "submit", submit)
 
     body = {"messages": ASK, "max_tokens": 2}
     fail_with(ContextTooLong("the prompt and max_tokens need 5000 positions, the context has 4096"))
@@ -590,6 +596,8 @@ class _Crash(BaseException):
 
 
 def test_a_dead_worker_answers_503_and_is_restarted(agent, monkeypatch):
+    from dflash_mlx.server.batching import Batcher
+
     engine = agent.engine
     agent.wait_idle()
     before = engine.restarts
@@ -601,7 +609,8 @@ def test_a_dead_worker_answers_503_and_is_restarted(agent, monkeypatch):
         engine._serve = lambda: (release.wait(TIMEOUT), serve())
         raise _Crash("boom")
 
-    monkeypatch.setattr(engine, "_run", crash)
+    monkeypatch.setattr(engine, "_run", crash)  # one request at a time
+    monkeypatch.setattr(Batcher, "_start", lambda self, job: crash(job))  # in a batch
     body = {"messages": ASK, "max_tokens": 2}
     r = post(agent, "/v1/chat/completions", body)  # the request running when it died
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_restarting"

@@ -1,15 +1,20 @@
 """The engine worker: the one thread that runs MLX, and the fair queue in front of it.
 
-Every generation goes through `dflash_mlx.stream_generate` on this thread, one request at a
-time in arrival order; a few `PromptCache`s keep recent conversations so that a follow-up
-request prefills only what its history does not share, and a `PromptStore` (optional) keeps
+With `max_batch` 1 every generation goes through `dflash_mlx.stream_generate` on this
+thread, one request at a time in arrival order. With more (the default, 8), the worker
+drives one `batch.BatchDecoder` (`batching.py`): up to `max_batch` requests decode together,
+joining and leaving between cycles, admitted in arrival order while the rows' tokens
+(prompt + max_tokens each) stay within `max_batch_tokens`. Either way at most `max_queue`
+requests wait beyond the running ones; more are refused (`QueueFull`). A few `PromptCache`s
+keep recent conversations so that a follow-up request prefills only what its history does
+not share (a cache serves one request at a time), and a `PromptStore` (optional) keeps
 prompt prefixes for every conversation, on disk across restarts. Requests arrive from an asyncio
 event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
 dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
 has taken its place. No request waits for a calibration: the pair's cost curves are
 measured during the warm-up (before `ready`), and one due later (a re-calibration the
-width choosers ask for, new conditions) only while no request waits, abandoned as soon as
-one arrives. Knows nothing about HTTP or OpenAI's formats: it takes token ids and a
+width choosers ask for, new conditions) only while no request runs or waits, abandoned as
+soon as one arrives. Knows nothing about HTTP or OpenAI's formats: it takes token ids and a
 `GenerateOptions`, and serves one `Pair`.
 """
 
@@ -27,9 +32,11 @@ from typing import Any
 from ..generate import GenerationResponse, stream_generate
 from ..options import GenerateOptions
 from ..pair import Pair
+from ..prompt_cache import PromptCache
 from ..prompt_store import PromptStore
 from ..stats import SEPARATOR, stats_fields
 from ..text import encode_prompt
+from . import batching
 from .prompt_pool import PromptCachePool
 
 log = logging.getLogger("dflash_mlx.server")
@@ -51,9 +58,7 @@ class EngineDown(Exception):
     """The worker died; it is being restarted."""
 
 
-class _Cancelled(Exception):
-    """Raised from a progress callback: abandon a cancelled request's prefill, or a
-    calibration a request arrived during."""
+_Cancelled = batching.Cancelled
 
 
 def vocab_size(model) -> int | None:
@@ -79,6 +84,12 @@ class Job:
         # Prompt tokens taken from the prompt store's memory and disk (set before the first
         # response is handed over).
         self.sources: tuple[int, int] = (0, 0)
+        self.row: Any = None  # its row in the worker's BatchDecoder (with max_batch > 1)
+
+    @property
+    def tokens(self) -> int:
+        """Positions its row may hold: the prompt and all it may generate."""
+        return len(self.prompt) + self.options.max_tokens
 
     @property
     def cancelled(self) -> bool:
@@ -138,7 +149,9 @@ def _old_form(model, draft, args: tuple, options, old: dict):
 
 
 class Engine:
-    """The worker thread that owns MLX, a FIFO queue of at most `max_queue` waiting requests."""
+    """The worker thread that owns MLX, running up to `max_batch` requests together (rows of
+    at most `max_batch_tokens` positions in all; one request alone may exceed it), and a
+    FIFO queue of at most `max_queue` more."""
 
     def __init__(
         self,
@@ -150,10 +163,16 @@ class Engine:
         prompt_cache_slots: int = 4,
         prompt_store: PromptStore | None = None,
         warm_up: bool = True,
+        max_batch: int = 8,
+        max_batch_tokens: int = 32768,
         **old: Any,
     ):
         if max_queue < 0:
             raise ValueError(f"max_queue {max_queue} must be >= 0")
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch {max_batch!r} must be an integer >= 1")
+        if not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens {max_batch_tokens!r} must be an integer >= 1")
         if not isinstance(pair, Pair):  # the old form: Engine(model, draft, tokenizer, ...)
             pair, tokenizer, options = _old_form(pair, tokenizer, args, options, old)
         elif args or old:
@@ -164,6 +183,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size(pair.model)
         self.max_queue = max_queue
+        self.max_batch = max_batch if max_batch == 1 else batching.batch_size(pair, max_batch)
+        self.max_batch_tokens = max_batch_tokens
         # The server's defaults (verify width, draft window, budget): requests start from them.
         self.options = options or GenerateOptions()
         # Whether requests choose their width from the pair's measured costs.
@@ -172,8 +193,8 @@ class Engine:
         self.prompt_store = prompt_store
         self._pool = PromptCachePool(prompt_cache_slots, prompt_store)
         self._cond = threading.Condition()
-        self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._waiting: deque[Job] = deque()  # not started yet, in arrival order
+        self._active: list[Job] = []  # started (with max_batch 1: the one running)
         self._closed = False
         self._warm_up = warm_up
         self.ready = False
@@ -201,9 +222,9 @@ class Engine:
                 self._parked.set()  # closed while the worker was dead: nothing to wait for
                 return
             with self._cond:
-                jobs = list(self._waiting) + ([self._running] if self._running else [])
+                jobs = list(self._waiting) + self._active
                 self._waiting.clear()
-                self._running = None
+                self._active = []
                 self.ready = False
                 self.restarts += 1
                 self.counts["failed"] += len(jobs)
@@ -214,15 +235,16 @@ class Engine:
             time.sleep(min(0.1 * self.restarts, 2.0))  # a worker that dies at once: back off
 
     def submit(self, prompt: list[int], options: GenerateOptions | None = None) -> Job:
-        """Queue a request (from the event loop); `QueueFull` when `max_queue` are waiting."""
+        """Queue a request (from the event loop); `QueueFull` when, beyond the `max_batch`
+        that may run, `max_queue` are waiting."""
         job = Job(self, prompt, options or self.options)
         with self._cond:
             if self._closed:
                 raise EngineClosed("the server is shutting down")
             if self.down is not None:
                 raise EngineDown(f"the engine worker failed ({self.down}); restarting")
-            ahead = len(self._waiting) + (self._running is not None)
-            if ahead > self.max_queue:
+            ahead = len(self._waiting) + len(self._active)
+            if ahead >= self.max_batch + self.max_queue:
                 self.counts["rejected"] += 1
                 raise QueueFull(self._retry_after(ahead))
             self._waiting.append(job)
@@ -231,15 +253,16 @@ class Engine:
 
     @property
     def running(self) -> Job | None:
-        """The request the worker is running now (None: idle)."""
+        """The earliest request the worker is running now (None: idle)."""
         with self._cond:
-            return self._running
+            return self._active[0] if self._active else None
 
     def status(self) -> dict[str, Any]:
         with self._cond:
             out = {
-                "running": int(self._running is not None),
+                "running": len(self._active),
                 "waiting": len(self._waiting),
+                "max_batch": self.max_batch,
                 "max_queue": self.max_queue,
                 **self.counts,
                 "generated_tokens": self.generated_tokens,
@@ -256,7 +279,7 @@ class Engine:
         """
         with self._cond:
             self._closed = True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            jobs = list(self._waiting) + self._active
             self._waiting.clear()
             self._cond.notify()
         for job in jobs:
@@ -268,7 +291,8 @@ class Engine:
             log.warning("prompt cache: blocks still being written were left unwritten")
 
     def _retry_after(self, ahead: int) -> int:
-        return max(1, min(60, math.ceil(self._mean_seconds * ahead)))
+        """Seconds until a place is likely free: `ahead` requests, `max_batch` at a time."""
+        return max(1, min(60, math.ceil(self._mean_seconds * ahead / self.max_batch)))
 
     def _withdraw(self, job: Job) -> None:
         with self._cond:
@@ -289,6 +313,16 @@ class Engine:
             self._warm()
         self.down = None
         self.ready = True
+        if self.max_batch > 1:
+            batching.Batcher(self).serve()
+        else:
+            self._one_at_a_time()
+        # MLX can abort the process (std::terminate) when a thread that ran its work ends
+        # just before the interpreter exits (mlx 0.32, CPU): the worker parks instead.
+        self._parked.set()
+        threading.Event().wait()
+
+    def _one_at_a_time(self) -> None:
         while True:
             self._calibrate(between_requests=True)
             with self._cond:
@@ -296,14 +330,12 @@ class Engine:
                     self._cond.wait()
                 if self._closed:
                     break
-                job = self._running = self._waiting.popleft()
-            self._run(job)  # if it raises, the supervisor fails the job (still _running)
+                job = self._waiting.popleft()
+                self._active.append(job)
+            self._run(job)  # if it raises, the supervisor fails the job (still active)
             with self._cond:
-                self._running = None
-        # MLX can abort the process (std::terminate) when a thread that ran its work ends
-        # just before the interpreter exits (mlx 0.32, CPU): the worker parks instead.
-        self._parked.set()
-        threading.Event().wait()
+                if job in self._active:
+                    self._active.remove(job)
 
     def _warm(self) -> None:
         """The pair's costs (measured, or read from their cache) and one tiny generation,
@@ -355,7 +387,12 @@ class Engine:
             return
         tic = time.perf_counter()
         pc = self._pool.acquire(job.prompt)
+        try:
+            self._stream(job, pc, tic)
+        finally:
+            self._pool.release(pc)
 
+    def _stream(self, job: Job, pc: PromptCache, tic: float) -> None:
         def progress(done: int, total: int) -> None:
             if job.cancelled:  # a long prefill stops at the next chunk
                 raise _Cancelled
@@ -385,9 +422,15 @@ class Engine:
             job._put(e)
         finally:
             stream.close()  # leaves the PromptCache consistent (the engine's contract)
+        self._ended(job, outcome, last, tic)
+
+    def _ended(self, job: Job, outcome: str, last: GenerationResponse | None, tic: float) -> None:
+        """A started request is over: its last item, the counts, its log line."""
         job._put(_END)
         seconds = time.perf_counter() - tic
         with self._cond:
+            if job in self._active:
+                self._active.remove(job)
             self.counts[outcome] += 1
             if last is not None:
                 self.generated_tokens += last.stats.generation_tokens

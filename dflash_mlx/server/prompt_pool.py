@@ -1,6 +1,7 @@
 """The server's prompt caches: one per recent conversation, shared prefixes forked.
 
-Only the engine's worker thread uses the pool, and a cache serves one request at a time.
+Only the engine's worker thread uses the pool. A cache serves one request at a time: the
+pool never hands out a cache a running request holds (requests of a batch run at once).
 With a `PromptStore`, every cache of the pool resumes from it as well: a prefix any
 conversation (or an earlier server on the same folder) prefilled is found there.
 """
@@ -44,8 +45,12 @@ class PromptCachePool:
     list from every conversation) gets a copy of that cache, so it prefills only the rest
     and the other conversation keeps its own; the copy takes a free slot, else the least
     recently used other one. Anything else takes a free slot, else an emptied cache, else
-    the least recently used one. Only the worker thread uses the pool, and a cache serves
-    one request at a time.
+    the least recently used one. Only the worker thread uses the pool.
+
+    A cache is in use from `acquire` to `release`: it is never handed out again meanwhile
+    (two requests of a batch never share one). When every slot is in use, a request gets a
+    cache of its own beyond the slots, and the least recently used caches not in use are
+    dropped once it is released, down to `slots`.
     """
 
     MIN_SHARED = 64  # below this, prefilling the prefix again costs less than a copy
@@ -57,28 +62,39 @@ class PromptCachePool:
         self.store = store  # every cache resumes from it too (see PromptCache)
         self._caches: list[PromptCache] = []
         self._prompt_len: list[int] = []  # the length of each cache's last prompt
+        self._in_use: set[int] = set()  # ids of the caches handed out and not yet released
 
     def acquire(self, prompt: list[int]) -> PromptCache:
         caches = self._caches
+        free = [k for k, c in enumerate(caches) if id(c) not in self._in_use]
         shared = [common_prefix(pc.tokens, prompt) for pc in caches]
-        continued = [
-            k for k in range(len(caches)) if shared[k] > 0 and shared[k] >= self._prompt_len[k] - 1
-        ]
-        best = max(range(len(caches)), key=lambda k: (shared[k], k), default=None)
+        continued = [k for k in free if shared[k] > 0 and shared[k] >= self._prompt_len[k] - 1]
+        best = max(free, key=lambda k: (shared[k], k), default=None)
         if continued:
             pc = self._drop(max(continued, key=lambda k: shared[k]))
         elif best is not None and shared[best] >= self.MIN_SHARED and self.slots > 1:
             pc = fork(caches[best])
-            if len(caches) >= self.slots:  # evict the least recently used other cache
-                self._drop(0 if best != 0 else 1)
-        elif len(caches) < self.slots:
+            others = [k for k in free if k != best]
+            if len(caches) >= self.slots and others:  # evict the least recently used other
+                self._drop(others[0])
+        elif len(caches) < self.slots or not free:
             pc = PromptCache(store=self.store)
         else:
-            empty = [k for k, c in enumerate(caches) if not c.tokens]
-            pc = self._drop(empty[0] if empty else (best if shared[best] else 0))
+            empty = [k for k in free if not caches[k].tokens]
+            pc = self._drop(empty[0] if empty else (best if shared[best] else free[0]))
         caches.append(pc)
         self._prompt_len.append(len(prompt))
+        self._in_use.add(id(pc))
         return pc
+
+    def release(self, pc: PromptCache) -> None:
+        """The request holding `pc` has ended; the pool keeps at most `slots` caches."""
+        self._in_use.discard(id(pc))
+        while len(self._caches) > self.slots:
+            free = [k for k, c in enumerate(self._caches) if id(c) not in self._in_use]
+            if not free:
+                break
+            self._drop(free[0])
 
     def _drop(self, k: int) -> PromptCache:
         self._prompt_len.pop(k)
