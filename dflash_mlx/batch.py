@@ -126,6 +126,7 @@ class BatchDecoder:
 
     def _admit(self, row: Row) -> None:
         if row.cancelled:
+            row.done = True
             return
         try:
             self._prefill(row)
