@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .bench_ui import LISTED_MISMATCHES, _label, _out, _quant, _tps, count
+from .bench_ui import _label, _out, _quant, _tps, count, mismatch_panel
 
 if TYPE_CHECKING:  # the library imports mlx: only for type checkers, never at run time
     from dflash_mlx.bench_concurrency import ConcurrencyResult, ConcurrencyRow
@@ -127,27 +127,16 @@ def _verdict(result: ConcurrencyResult) -> Text | Panel:
             f"✓ identical: all {batched} batched requests reproduced their serial tokens exactly",
             style="green",
         )
-    bad = result.mismatches
-    lines = Text(
-        f"{len(bad)} of {batched} batched requests differ from the same request decoded "
-        "alone (serial, same prompt, same process):\n",
-        style="bold red",
+    return mismatch_panel(
+        result.mismatches,
+        f"{batched} batched requests differ from the same request decoded alone (serial, "
+        "same prompt, same process)",
+        lambda m: (
+            f"{_label(m.run)} · N={m.concurrency}{' (late)' if m.mode == 'late' else ''}"
+            f" · request {m.slot + 1} ({m.suite} #{m.prompt_index + 1})"
+        ),
+        "BATCHED ≠ SERIAL",
     )
-    for m in bad[:LISTED_MISMATCHES]:
-        prompt = " ".join(m.prompt.split())
-        prompt = prompt if len(prompt) <= 70 else prompt[:69] + "…"
-        lines.append(
-            f"• {_label(m.run)} · N={m.concurrency}{' (late)' if m.mode == 'late' else ''} · "
-            f"request {m.slot + 1} "
-            f"({m.suite} #{m.prompt_index + 1}) · repeat {m.repeat + 1} · first difference "
-            f"at generated token {m.position}: expected {m.expected} {m.expected_text!r}, "
-            f"got {m.got} {m.got_text!r} ({m.expected_tokens} vs {m.got_tokens} tokens)\n",
-            style="red",
-        )
-        lines.append(f"    prompt: {prompt}\n", style="dim")
-    if len(bad) > LISTED_MISMATCHES:
-        lines.append(f"… and {len(bad) - LISTED_MISMATCHES} more (all in --json)\n", style="red")
-    return Panel(lines, title="BATCHED ≠ SERIAL", title_align="left", border_style="bold red")
 
 
 def report(result: ConcurrencyResult) -> None:

@@ -320,18 +320,24 @@ def _verdict(result: BenchResult) -> Text | Panel:
             "tokens exactly",
             style="green",
         )
-    bad = result.mismatches
-    lines = Text(
-        f"{len(bad)} of {dflash_runs} DFlash runs differ from the target's own greedy "
-        "decoding (mlx-lm, same prompt, same process):\n",
-        style="bold red",
+    return mismatch_panel(
+        result.mismatches,
+        f"{dflash_runs} DFlash runs differ from the target's own greedy decoding (mlx-lm, "
+        "same prompt, same process)",
+        lambda m: f"{m.suite} #{m.prompt_index + 1} · {_label(m.run or f'W={m.width}')}",
+        "LOSSLESSNESS FAILURE",
     )
+
+
+def mismatch_panel(bad: list, what: str, where, title: str) -> Panel:
+    """The red panel listing runs whose tokens differ from their reference: `len(bad) of
+    {what}`, then each (`where(m)` names it) with its first difference and prompt."""
+    lines = Text(f"{len(bad)} of {what}:\n", style="bold red")
     for m in bad[:LISTED_MISMATCHES]:
         prompt = " ".join(m.prompt.split())
         prompt = prompt if len(prompt) <= 70 else prompt[:69] + "…"
         lines.append(
-            f"• {m.suite} #{m.prompt_index + 1} · {_label(m.run or f'W={m.width}')} · "
-            f"repeat {m.repeat + 1} · "
+            f"• {where(m)} · repeat {m.repeat + 1} · "
             f"first difference at generated token {m.position}: expected {m.expected} "
             f"{m.expected_text!r}, got {m.got} {m.got_text!r} "
             f"({m.expected_tokens} vs {m.got_tokens} tokens)\n",
@@ -340,12 +346,7 @@ def _verdict(result: BenchResult) -> Text | Panel:
         lines.append(f"    prompt: {prompt}\n", style="dim")
     if len(bad) > LISTED_MISMATCHES:
         lines.append(f"… and {len(bad) - LISTED_MISMATCHES} more (all in --json)\n", style="red")
-    return Panel(
-        lines,
-        title="LOSSLESSNESS FAILURE",
-        title_align="left",
-        border_style="bold red",
-    )
+    return Panel(lines, title=title, title_align="left", border_style="bold red")
 
 
 def report(result: BenchResult, quick: str | None = None) -> None:

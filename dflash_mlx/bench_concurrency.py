@@ -38,11 +38,18 @@ from .bench_concurrency_results import (
 )
 from .bench_prompts import BenchPrompt
 from .bench_results import AUTO, run_name
-from .benchmark import WARMUP_TOKENS, Progress, _check, _first_difference, environment, quantization
+from .benchmark import (
+    WARMUP_TOKENS,
+    Progress,
+    _check,
+    _first_difference,
+    encode_prompts,
+    environment,
+    quantization,
+)
 from .errors import BadArgument
 from .options import GenerateOptions
 from .pair import Pair
-from .text import encode_prompt
 
 
 def in_turn(prompts: Sequence[BenchPrompt], n: int) -> list[BenchPrompt]:
@@ -171,16 +178,8 @@ def run_concurrency(
         min_p=min_p,
         draft_window=draft_window,
     )
-    if chat is None:
-        chat = bool(getattr(tokenizer, "has_chat_template", False))
     chosen = in_turn(prompts, max(ns))
-    encoded = [
-        encode_prompt(
-            tokenizer,
-            p.messages or ([{"role": "user", "content": p.text}] if chat else p.text),
-        )
-        for p in chosen
-    ]
+    encoded = encode_prompts(tokenizer, chosen, chat)
 
     def modes_at(n: int) -> tuple[str, ...]:
         return (*MODES, LATE) if late and n > 1 else MODES

@@ -181,6 +181,19 @@ def at_context(ids: list[int], filler: list[int], n: int) -> list[int]:
     return (filler * reps)[len(filler) * reps - need :] + ids
 
 
+def encode_prompts(tokenizer, prompts: Sequence[BenchPrompt], chat: bool | None) -> list:
+    """Each prompt's token ids: its messages, else its text as a user message under the
+    chat template (`chat`; None: when the tokenizer has one), else the text itself."""
+    if chat is None:
+        chat = bool(getattr(tokenizer, "has_chat_template", False))
+    return [
+        encode_prompt(
+            tokenizer, p.messages or ([{"role": "user", "content": p.text}] if chat else p.text)
+        )
+        for p in prompts
+    ]
+
+
 def _cost_ratios(pair: Pair, runs, depth: int) -> dict[str, float]:
     """t_plain / (t_verify(W) + t_draft(L)) of each fixed-width run at `depth`, from the
     pair's calibrated costs (measured now if not cached)."""
@@ -251,15 +264,7 @@ def run_benchmark(
         min_p=min_p,
         draft_window=draft_window,
     )
-    if chat is None:
-        chat = bool(getattr(tokenizer, "has_chat_template", False))
-    encoded = [
-        encode_prompt(
-            tokenizer,
-            p.messages or ([{"role": "user", "content": p.text}] if chat else p.text),
-        )
-        for p in prompts
-    ]
+    encoded = encode_prompts(tokenizer, prompts, chat)
     if contexts:
         # The other prompts' text (no chat template) fills the context in front of each.
         filler = [t for p in prompts for t in encode_prompt(tokenizer, p.summary)]
