@@ -75,3 +75,15 @@ def pair(target, draft):
     from dflash_mlx import Pair
 
     return Pair(target[0], draft)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    """A few benchmark prompts as a JSONL file (the bench's `--prompts`)."""
+    import json
+
+    from .test_bench import PROMPTS
+
+    path = tmp_path / "few.jsonl"
+    path.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in PROMPTS))
+    return path

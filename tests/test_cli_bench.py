@@ -5,27 +5,16 @@ in a subprocess, on the tiny session models."""
 
 from __future__ import annotations
 
-import json
 import re
 from types import SimpleNamespace
 
-import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
 
-from .test_bench import PROMPTS
-
 
 def run(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "few.jsonl"
-    path.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in PROMPTS))
-    return path
 
 
 VS = re.compile(r"  vs (\S+(?: \(no draft\))?) +([\d.]+)×  \[([\d.]+)–([\d.]+)\]  (.+?)  \(")

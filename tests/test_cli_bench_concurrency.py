@@ -10,11 +10,8 @@ import json
 import re
 
 import pytest
-from typer.testing import CliRunner
 
-from dflash_mlx.cli.main import app
-
-from .test_bench import PROMPTS
+from .test_cli_bench import run
 
 ROW = re.compile(r"^ *(\d+) +(serial|batched|late) +([\d.]+) ", re.M)
 ROW_KEYS = {
@@ -33,17 +30,6 @@ ROW_KEYS = {
     "mean_batch",
     "late_ttft",
 }
-
-
-def run(*args: str):
-    return CliRunner().invoke(app, list(args))
-
-
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "few.jsonl"
-    path.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in PROMPTS))
-    return path
 
 
 def bench(models_dir, prompt_file, *args: str, draft: bool = True):
