@@ -174,6 +174,9 @@ def _cycles(
     # A plain step is chained on the device token of the one before it, unless a grammar's
     # masks must first see that token on the host.
     chain = grammar is None
+    # Nothing to commit after a plain step but the token: no draft, no controls, no
+    # recurrent snapshots (the step then costs what mlx-lm's does).
+    lean = req.draft is None and req.controls is None and not req.keep_snapshots
 
     def launch(anchor: mx.array, a: int, chained: bool) -> _Step:
         """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
@@ -205,6 +208,11 @@ def _cycles(
                 built = time.perf_counter() - tic
                 size = shape[0].size
                 return _Step(None, out, feats, ({}, {}), size, built, chained, None, shape, [])
+            if w == 1:
+                out, feats, lp = plain_step(req, anchor, a, capture)
+                mx.async_eval(out, *(lp or ()))
+                built = time.perf_counter() - tic
+                return _Step(None, out, feats, NOTHING_SAVED, 1, built, chained, lp)
             if w > rows > 1:  # a tree's budget asked for where chains run
                 w = rows
             drafts, q, masks = make_drafts(req, anchor, a, w, rows)
@@ -245,10 +253,11 @@ def _cycles(
         if plain and chain:
             # A plain step accepts nothing, so it commits with no host decision and the
             # next step is chained on the device token before waiting, as mlx-lm does.
-            commit(req, step, 0)
-            snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
+            if not lean:
+                commit(req, step, 0)
+                snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
             if len(req.generated) + 1 < max_tokens:
-                nxt = launch(step.out[:1], len(req.generated), chained=True)
+                nxt = launch(step.out, len(req.generated), chained=True)
         n, new = result(req, step)  # the host sync
         spent = clock.charge(step, prev_w, nxt)
         if isinstance(req.trees, ShapeChooser) and spent is not None and step.width >= 3:
@@ -295,6 +304,31 @@ def first_token(req: Request, logits: mx.array) -> tuple[mx.array, tuple | None]
         tok = sample(probabilities(last, req.params), req.keys(PositionKeys.FINAL, 0, 1)[0])
     tok = tok.astype(mx.int32).reshape(1)
     return tok, req.controls.logprobs(last, tok) if req.controls is not None else None
+
+
+# A plain step's rewind state: it commits its one position, so nothing is ever rewound.
+NOTHING_SAVED: tuple[dict, dict] = ({}, {})
+
+
+def plain_step(
+    req: Request, anchor: mx.array, a: int, capture: bool
+) -> tuple[mx.array, mx.array | None, tuple | None]:
+    """One plain decoding step (W = 1): the target on the anchor at generated index `a`
+    alone; its token `(1,)`, the anchor's features when `capture`, and its logprobs when
+    asked for. No drafts, no snapshot: nothing of it is rewound."""
+    logits, feats = req.target.forward(anchor[None], req.cache, req.ids if capture else None)
+    logits = logits[0]
+    if req.controls is None and req.params.greedy:
+        return mx.argmax(logits, axis=-1), feats, None
+    masks = None
+    if req.controls is not None and req.controls.grammar is not None:
+        masks = req.controls.grammar.mask()[None]
+    _, out, lp = accept(req, NO_DRAFTS, None, logits, a, masks)
+    return out, feats, lp
+
+
+NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
+mx.eval(NO_DRAFTS)  # a value shared by every thread's requests: computed once, here
 
 
 def choose(

@@ -77,7 +77,10 @@ class Stats:
 
     def copy(self) -> Stats:
         """A snapshot (the lists and the width table copied)."""
-        out = Stats(**{f.name: getattr(self, f.name) for f in fields(self)})
+        # Every cycle hands one out: a shallow copy, then the mutable fields (not a
+        # constructor call per field, which cost a plain step ~40 us).
+        out = object.__new__(Stats)
+        out.__dict__.update(self.__dict__)
         out.drafted_per_position = list(self.drafted_per_position)
         out.accepted_per_position = list(self.accepted_per_position)
         out.widths = {w: list(v) for w, v in self.widths.items()}
