@@ -36,6 +36,7 @@ from .costs import (
     CatchUp,
     CostCurves,
     Curve,
+    Floor,
     _Bucket,
     _depth_key,
     depth_bucket,
@@ -48,6 +49,8 @@ __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 
 # Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
 REQUEST_MEMORY = 4.0
+# Plain decisions that stand without being recomputed while dormant, far from a probe.
+COAST = 16
 
 
 class WidthChooser:
@@ -120,6 +123,9 @@ class WidthChooser:
         self.req_done = False
         self.carried = False  # acceptance evidence from earlier requests only, so far
         self.catch_up = CatchUp(costs, block)  # what waking the draft's context costs
+        self.floor = Floor()  # what speculation really gave against plain, lately
+        self._coast = 0  # plain decisions left that stand without being recomputed
+        self._coast_cost = 0.0
 
     # -- acceptance ------------------------------------------------------------------------
 
@@ -197,6 +203,13 @@ class WidthChooser:
     def observe_context(self, rows: int, lazy: int, seconds: float) -> None:
         """A catch-up of `rows` rows (`lazy` positions computed then) took `seconds`."""
         self.catch_up.observe(rows, lazy, seconds, self.depth)
+        self.floor.charge(seconds)
+
+    def settle(self, tokens: int, seconds: float) -> float:
+        """A speculative cycle (chain or tree) committed `tokens` in `seconds`, sync to
+        sync: settled against plain decoding as measured here now (`Floor`). Returns the
+        seconds it saved (negative: lost)."""
+        return self.floor.settle(tokens, seconds, self.plain_cost())
 
     def saving(self, tokens: int | None, perfect: bool = False) -> float:
         """Seconds speculating could save against plain decoding over the next `tokens`
@@ -233,9 +246,10 @@ class WidthChooser:
             return self._rates[1]
         exp = self.expected_tokens()
         curve = self.curve(depth, optimistic)
+        blocks = self._calibration(depth)[1]
         out = {1: (1.0 / curve[0], 0)}
         for w in range(2, (self.draft_block or self.block) + 1):
-            out[w] = (exp[w - 1] / curve[w - 1], self._draft_block(w, depth))
+            out[w] = (exp[w - 1] / curve[w - 1], blocks[w - 1])
         self._rates = (key, out)
         return out
 
@@ -265,7 +279,7 @@ class WidthChooser:
             # Plain steps come every step while dormant: the curve is recomputed when their
             # cost moved by more than 1%, or every 16 steps.
             self._plain_seen += 1
-            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
+            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.05
             if self._plain_seen < 16 and not moved:
                 return
             self._plain_seen, self._plain_ratio = 0, b.ratio[1]
@@ -304,6 +318,7 @@ class WidthChooser:
         self.req_time = 0.0
         self.req_lost = 0.0
         self.req_done = False
+        self._coast = 0
         seen = self.trials[1] if self.block > 1 else 0.0
         if seen > REQUEST_MEMORY:
             keep = REQUEST_MEMORY / seen
@@ -312,7 +327,9 @@ class WidthChooser:
             self._acc_version += 1
         self.carried = seen > 0  # until this request's first speculative cycle
         self.follow_up = 0  # what the last request's good probe promised was its text's
-        if self.probe_interval > self.base_probe:
+        if self.probe_interval > self.base_probe and not self.floor.losing:
+            # While speculation keeps losing on this device (measured), the interval keeps
+            # what probes grew it to: a new text is looked at, but no more often.
             self.probe_interval = self.base_probe
             self.since_probe = 0
 
@@ -328,6 +345,14 @@ class WidthChooser:
         (see `context_cost`; (0, 0) when the draft is up to date)."""
         if depth is not None:
             self.depth = depth
+        if self._coast:
+            # Dormant and far from the next probe: the last decision stands for these few
+            # steps (what plain steps teach meanwhile cannot make speculation win), and a
+            # plain step pays nothing for it (the full decision cost it ~50 us of host time).
+            self._coast -= 1
+            self.since_probe += 1
+            self.req_time += self._coast_cost
+            return 1, 0
         rates = self.rates()
         widths = [w for w in rates if limit is None or w <= limit]
         best = max(widths, key=lambda w: rates[w][0])
@@ -341,6 +366,11 @@ class WidthChooser:
             room = 0.5 * self.request_budget * limit * curve[0]
             safe = [w for w in widths if w == 2 or 1 < w and curve[w - 1] - curve[0] <= room]
             best = max(safe, key=lambda w: rates[w][0])
+        if best > 1 and self.floor.losing and not self.follow_up:
+            # Speculation has lately lost against plain decoding as measured, whatever the
+            # cost model expects: only probes (budgeted at what cycles really lost) until
+            # one pays.
+            best = 1
         # Priced only where it decides something (plain steps far from a probe are most).
         if best > 1 and any(context) and self.saving(limit) <= self.context_cost(*context):
             # Waking the draft costs more than it is expected to save in what is left of
@@ -357,6 +387,9 @@ class WidthChooser:
             not self.req_done and due <= self.window and (limit is None or due < limit)
         )
         self.req_time += self.cycle_cost(best)
+        if best == 1 and not self.capture:
+            self._coast_cost = self.cycle_cost(1)
+            self._coast = COAST if self.req_done else max(0, min(COAST, due - self.window - 1))
         return best, rates[best][1]
 
     def _probe(self, widths: list[int], limit: int | None, catch_up: float) -> int:
@@ -366,8 +399,9 @@ class WidthChooser:
         w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
         if self.follow_up:
             w = max(w, min(self.follow_up, max(widths)))
-        # Everything it costs: the catch-up of the draft's context and the cycle's loss.
-        loss = self.probe_loss(w) + catch_up
+        # Everything it costs: the catch-up of the draft's context and the cycle's loss
+        # (as predicted, or as speculative cycles have lately really lost, if more).
+        loss = max(self.probe_loss(w), self.floor.cycle_loss()) + catch_up
         left = None if limit is None else limit - w
         if self._spec_seen and not self.follow_up and self.saving(left, perfect=True) <= loss:
             # Even were every draft accepted from here on, it would not pay back (by costs
@@ -415,7 +449,7 @@ class WidthChooser:
             self.follow_up = 0  # a rejected draft since: no follow-up promised
         if self.probing:
             rates = self.rates()
-            if max(rates, key=lambda w: rates[w][0]) == 1:
+            if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
                 self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
             else:
                 self.probe_interval = self.base_probe
@@ -433,6 +467,6 @@ class WidthChooser:
     def probe_cap(self, width: int) -> int:
         """The longest interval between probes of `width`: just long enough that what a
         probe loses against plain decoding is at most `probe_budget` of the time between."""
-        loss = self.probe_loss(width) + self.context_cost(self.window)
+        loss = max(self.probe_loss(width), self.floor.cycle_loss()) + self.context_cost(self.window)
         steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
         return max(self.base_probe, min(steps, self.max_probe_interval))

@@ -165,8 +165,10 @@ def _between(cal: list[float], lo: int, hi: int, y_lo: float, y_hi: float, w: in
 
 
 def _depth_key(depth: int) -> int:
-    """Depths within ~3% of each other share cached costs (recomputed as the context grows)."""
-    return int(math.log(depth + 64) * 32)
+    """Depths within ~6% of each other share cached costs (recomputed as the context grows:
+    a decision's price at one depth holds for the next few dozen tokens; recomputed every
+    few tokens it cost a dormant step ~50 us of host time)."""
+    return int(math.log(depth + 64) * 16)
 
 
 def nearest(buckets: dict[int, _Bucket], b: int, test: Callable[[_Bucket], bool]) -> _Bucket | None:
@@ -225,3 +227,57 @@ def measured_curve(
                 c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
         out.append(max(c, plain))  # a cycle costs at least a plain step
     return out
+
+
+class Floor:
+    """What speculation has really given on this device lately, against plain decoding as
+    measured on it now: the floor under the width chooser (SPEC 5.4).
+
+    Each speculative cycle (chain or tree), timed sync to sync, is settled against what
+    plain decoding would have taken for the tokens it committed (the measured plain step
+    at that depth, times its tokens), and each catch-up of the draft's context is charged as
+    time that committed nothing. `net` is the decayed mean of seconds saved per speculative
+    cycle (negative: lost). While it is negative with enough evidence (`losing`), the
+    chooser speculates only as probes it budgets at what cycles really lost (not what its
+    cost model predicted), and the interval between probes keeps growing across requests:
+    a machine where speculation cannot pay loses at most the probe budget to finding out.
+    Whatever the cost model's error (a stale calibration, trees it does not price, host
+    work it does not see), the realized figures decide."""
+
+    def __init__(self, decay: float = 0.8, evidence: float = 1.5):
+        self.decay = decay  # per speculative cycle
+        self.evidence = evidence  # decayed cycles needed before `losing` can hold
+        self.saved = 0.0  # decayed seconds saved against plain decoding
+        self.weight = 0.0  # decayed speculative cycles
+        self.loss = 0.0  # decayed seconds lost per cycle, over the cycles that lost
+        self.cycles = 0
+
+    def settle(self, tokens: int, seconds: float, plain_step: float) -> float:
+        """A speculative cycle committed `tokens` in `seconds`; a plain step costs
+        `plain_step` seconds here now. Returns the seconds it saved (negative: lost)."""
+        gain = tokens * plain_step - seconds
+        d = self.decay
+        self.saved = d * self.saved + gain
+        self.weight = d * self.weight + 1.0
+        self.loss = d * self.loss + (1.0 - d) * max(-gain, 0.0)
+        self.cycles += 1
+        return gain
+
+    def charge(self, seconds: float) -> None:
+        """A catch-up of the draft's context took `seconds` (nothing committed)."""
+        self.saved -= seconds
+
+    @property
+    def net(self) -> float:
+        """Decayed mean seconds saved per speculative cycle (0.0 before any)."""
+        return self.saved / self.weight if self.weight > 0 else 0.0
+
+    @property
+    def losing(self) -> bool:
+        """Whether speculation has recently lost against plain decoding, on evidence."""
+        return self.weight >= self.evidence and self.saved < 0.0
+
+    def cycle_loss(self) -> float:
+        """Seconds a speculative cycle has lately lost against plain decoding (0.0 while
+        speculation pays)."""
+        return max(-self.net, 0.0) if self.losing else 0.0

@@ -260,6 +260,8 @@ def _cycles(
                 nxt = launch(step.out, len(req.generated), chained=True)
         n, new = result(req, step)  # the host sync
         spent = clock.charge(step, prev_w, nxt)
+        if chooser is not None and spent is not None and not plain:
+            chooser.settle(n + 1, spent)  # against plain decoding as measured (the floor)
         if isinstance(req.trees, ShapeChooser) and spent is not None and step.width >= 3:
             req.trees.observe(step.tree is not None, n + 1, spent)
         if not (plain and chain):

@@ -354,6 +354,8 @@ def drive(ch: WidthChooser, truth: CostCurves, alpha: float, cycles: int, depth=
         seconds = true_cost(truth, w, n)
         ch.observe(w, seconds)
         a = accepted_at(alpha, w) if w > 1 else 0
+        if w > 1:
+            ch.settle(a + 1, seconds)  # as the decode loop does, before `update`
         ch.update(w, a)
         log.append((a + 1, seconds))
     return log
@@ -484,6 +486,8 @@ def test_probes_keep_within_a_budget_per_request():
             w, n = ch.choose(depth=4000)
             seconds = true_cost(CPU, w, n)
             ch.observe(w, seconds)
+            if w > 1:
+                ch.settle(1, seconds)
             ch.update(w, 0)
             spent += seconds
             lost += max(seconds - CPU.verify[0], 0.0) if w > 1 else 0.0

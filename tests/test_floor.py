@@ -1,0 +1,113 @@
+"""The floor under the width chooser (`costs.Floor`, SPEC 5.4): speculation settled against
+plain decoding as measured, on a fake clock. Whatever the cost model gets wrong, the
+automatic width cannot lose against plain decoding for long."""
+
+from __future__ import annotations
+
+import pytest
+
+import dflash_mlx.costs as costs
+from dflash_mlx.adaptive import WidthChooser
+from dflash_mlx.costs import Floor
+
+from .test_adaptive import BLAS, BLOCK, CPU, accepted_at, best_fixed_rate, true_cost
+
+
+def blind(ch: WidthChooser, truth, alpha: float, cycles: int, extra: float = 0.0):
+    """The engine on a fake clock, with a cost model that never sees what speculative
+    cycles cost (as for trees, which it does not price, or host work it does not time):
+    plain steps are observed, speculative cycles only settled, at their true seconds plus
+    `extra`. [(tokens, seconds)] per cycle."""
+    log = []
+    for _ in range(cycles):
+        w, n = ch.choose(depth=0)
+        if w == 1:
+            seconds = truth.verify[0]
+            ch.observe(1, seconds)
+            log.append((1, seconds))
+            continue
+        a = accepted_at(alpha, w)
+        seconds = true_cost(truth, w, n) + extra
+        ch.settle(a + 1, seconds)
+        ch.update(w, a)
+        log.append((a + 1, seconds))
+    return log
+
+
+def speed(log) -> float:
+    return sum(t for t, _ in log) / sum(s for _, s in log)
+
+
+def no_floor(monkeypatch):
+    monkeypatch.setattr(costs.Floor, "losing", property(lambda self: False))
+
+
+def test_the_floor_settles_cycles_against_plain_decoding():
+    f = Floor(decay=0.5)
+    assert not f.losing and f.net == 0.0 and f.cycle_loss() == 0.0
+    assert f.settle(tokens=3, seconds=2.0, plain_step=1.0) == pytest.approx(1.0)
+    assert not f.losing, "one cycle that paid"
+    f.settle(tokens=1, seconds=4.0, plain_step=1.0)  # lost 3 s
+    f.settle(tokens=1, seconds=4.0, plain_step=1.0)
+    assert f.losing and f.net < 0 and f.cycle_loss() == pytest.approx(-f.net)
+    for _ in range(4):
+        f.settle(tokens=8, seconds=2.0, plain_step=1.0)  # a good stretch wins it back
+    assert not f.losing and f.cycle_loss() == 0.0
+    f.charge(100.0)  # a catch-up that committed nothing
+    assert f.losing
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.8])
+def test_a_cost_model_blind_to_what_cycles_cost_cannot_lose_for_long(alpha, monkeypatch):
+    """Calibrated flat (speculation looks almost free), the device steep, and the cost model
+    never told what speculative cycles really cost: settled against plain decoding, the
+    chooser backs off and decodes within 3% of plain decoding. Without the floor it keeps
+    believing its calibration and loses several times that."""
+    plain = 1.0 / CPU.verify[0]
+    ch = WidthChooser(BLAS, BLOCK)
+    assert speed(blind(ch, CPU, alpha, 3000)) >= 0.97 * plain
+    assert ch.floor.losing
+    no_floor(monkeypatch)
+    assert speed(blind(WidthChooser(BLAS, BLOCK), CPU, alpha, 3000)) < 0.85 * plain
+
+
+def test_host_work_the_model_does_not_see_is_found_out():
+    """The cost model sees each cycle's passes but not a host cost each speculative cycle
+    pays (a slow machine's Python, a busy core): what they really give decides."""
+    flat_but_dear = 3.0  # seconds of host work per speculative cycle, never observed
+    ch = WidthChooser(BLAS, BLOCK)
+    log = blind(ch, BLAS, 0.6, 3000, extra=flat_but_dear)
+    plain = 1.0 / BLAS.verify[0]
+    assert speed(log) >= 0.97 * plain, speed(log) / plain
+
+
+def test_across_short_requests_a_losing_device_costs_at_most_the_probe_budget(monkeypatch):
+    """Many short requests on a device where no width pays: the interval between probes
+    keeps growing from request to request (a new request does not reset it while the
+    floor says speculation loses), so their probes cost ~the probe budget overall, not
+    each request's own budget again and again."""
+
+    def run():
+        ch = WidthChooser(CPU, BLOCK)
+        tokens = seconds = 0.0
+        for _ in range(60):
+            ch.begin_request()
+            log = blind(ch, CPU, 0.5, 64, extra=0.5)
+            tokens += sum(t for t, _ in log)
+            seconds += sum(s for _, s in log)
+        return tokens / seconds * CPU.verify[0]
+
+    with_floor = run()
+    assert with_floor >= 0.99, f"{1 - with_floor:.1%} lost to probes"
+    no_floor(monkeypatch)
+    assert run() < with_floor - 0.01, "without the floor each request probes afresh"
+
+
+def test_speculation_resumes_when_the_text_turns_predictable():
+    """A stretch where every draft is wrong turns speculation off; when drafts turn good
+    again, a probe finds it and the chooser is back within 10% of the best fixed width."""
+    ch = WidthChooser(BLAS, BLOCK)
+    blind(ch, BLAS, 0.0, 300)
+    assert ch.choose(depth=0)[0] == 1 or ch.probing
+    log = blind(ch, BLAS, 0.95, 1500)
+    assert speed(log[300:]) >= 0.9 * best_fixed_rate(BLAS, 0.95)
