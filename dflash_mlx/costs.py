@@ -244,7 +244,7 @@ class Floor:
     Whatever the cost model's error (a stale calibration, trees it does not price, host
     work it does not see), the realized figures decide."""
 
-    def __init__(self, decay: float = 0.8, evidence: float = 1.5):
+    def __init__(self, decay: float = 0.9, evidence: float = 4.0):
         self.decay = decay  # per speculative cycle
         self.evidence = evidence  # decayed cycles needed before `losing` can hold
         self.saved = 0.0  # decayed seconds saved against plain decoding
