@@ -43,7 +43,7 @@ def no_floor(monkeypatch):
 
 
 def test_the_floor_settles_cycles_against_plain_decoding():
-    f = Floor(decay=0.5)
+    f = Floor(decay=0.5, evidence=1.5)
     assert not f.losing and f.net == 0.0 and f.cycle_loss() == 0.0
     assert f.settle(tokens=3, seconds=2.0, plain_step=1.0) == pytest.approx(1.0)
     assert not f.losing, "one cycle that paid"
