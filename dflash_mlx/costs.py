@@ -250,6 +250,7 @@ class Floor:
         self.saved = 0.0  # decayed seconds saved against plain decoding
         self.weight = 0.0  # decayed speculative cycles
         self.loss = 0.0  # decayed seconds lost per cycle, over the cycles that lost
+        self.plain = 0.0  # decayed seconds plain decoding would have taken for their tokens
         self.cycles = 0
 
     def settle(self, tokens: int, seconds: float, plain_step: float) -> float:
@@ -258,6 +259,7 @@ class Floor:
         gain = tokens * plain_step - seconds
         d = self.decay
         self.saved = d * self.saved + gain
+        self.plain = d * self.plain + tokens * plain_step
         self.weight = d * self.weight + 1.0
         self.loss = d * self.loss + (1.0 - d) * max(-gain, 0.0)
         self.cycles += 1
@@ -274,8 +276,10 @@ class Floor:
 
     @property
     def losing(self) -> bool:
-        """Whether speculation has recently lost against plain decoding, on evidence."""
-        return self.weight >= self.evidence and self.saved < 0.0
+        """Whether speculation has recently lost against plain decoding, on evidence, by
+        more than 2% of what plain decoding would have taken (a tie is not a loss: it keeps
+        speculating where that costs the same)."""
+        return self.weight >= self.evidence and self.saved < -0.02 * self.plain
 
     def cycle_loss(self) -> float:
         """Seconds a speculative cycle has lately lost against plain decoding (0.0 while
