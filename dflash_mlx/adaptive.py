@@ -279,7 +279,7 @@ class WidthChooser:
             # Plain steps come every step while dormant: the curve is recomputed when their
             # cost moved by more than 1%, or every 16 steps.
             self._plain_seen += 1
-            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.05
+            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
             if self._plain_seen < 16 and not moved:
                 return
             self._plain_seen, self._plain_ratio = 0, b.ratio[1]

@@ -249,9 +249,7 @@ class Floor:
         self.evidence = evidence  # decayed cycles needed before `losing` can hold
         self.saved = 0.0  # decayed seconds saved against plain decoding
         self.weight = 0.0  # decayed speculative cycles
-        self.loss = 0.0  # decayed seconds lost per cycle, over the cycles that lost
         self.plain = 0.0  # decayed seconds plain decoding would have taken for their tokens
-        self.cycles = 0
 
     def settle(self, tokens: int, seconds: float, plain_step: float) -> float:
         """A speculative cycle committed `tokens` in `seconds`; a plain step costs
@@ -261,8 +259,6 @@ class Floor:
         self.saved = d * self.saved + gain
         self.plain = d * self.plain + tokens * plain_step
         self.weight = d * self.weight + 1.0
-        self.loss = d * self.loss + (1.0 - d) * max(-gain, 0.0)
-        self.cycles += 1
         return gain
 
     def charge(self, seconds: float) -> None:
