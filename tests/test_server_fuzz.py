@@ -23,8 +23,13 @@ import pytest
 from .test_server import MODEL
 from .test_server_agents import agent, scripted_dir  # noqa: F401  (the tool-capable server)
 
-BUDGET = 40.0  # seconds of fuzzing (CI bounds the test to a minute)
-LATENCY = 15.0  # no answer may take longer: a stall, not a slow machine, exceeds it
+# Cases after the sweep: a count, not a time budget, so that a loaded machine runs the same
+# cases (seeded) as an idle one and the test never decides from the clock.
+RANDOM_CASES = int(os.environ.get("FUZZ_CASES", "60"))
+# No answer may take longer: a stall, not a slow machine, exceeds it. The slowest honest
+# cases are long prompts (JSON nested 20 000 deep inside a message's text: 2-6 s here, about
+# 2.5x that on a loaded CI machine).
+LATENCY = 60.0
 SEED = int(os.environ.get("FUZZ_SEED", "20261201"))
 HOLE = "__FUZZ__"  # a placeholder string replaced by raw JSON text
 # Fields that hold JSON text or free-form objects (tool arguments, schemas, results).
@@ -267,12 +272,12 @@ def test_malformed_requests_never_make_a_5xx_or_a_stall(agent):  # noqa: F811
     answers: Counter = Counter()
     failures = []
     slowest, slowest_case = 0.0, ""
+    timed = []
     with httpx.Client(base_url=agent.base, timeout=LATENCY + 5) as client:
         before = reference(client)
-        deadline = time.monotonic() + BUDGET
         case = 0
         first = sweep()
-        while time.monotonic() < deadline:
+        while case < len(first) + RANDOM_CASES:
             if case < len(first):
                 endpoint, kind, raw, headers = first[case]
             else:
@@ -286,6 +291,7 @@ def test_malformed_requests_never_make_a_5xx_or_a_stall(agent):  # noqa: F811
             except httpx.HTTPError as e:  # a dropped connection is no answer
                 status, r = f"no answer ({type(e).__name__})", None
             spent = time.monotonic() - tic
+            timed.append((round(spent, 3), endpoint, kind, str(status)))
             if spent > slowest:
                 slowest, slowest_case = spent, f"{endpoint} {kind}"
             tried[(endpoint, kind.split(" at ")[0])] += 1
@@ -306,12 +312,12 @@ def test_malformed_requests_never_make_a_5xx_or_a_stall(agent):  # noqa: F811
         "answers": {str(k): v for k, v in sorted(answers.items(), key=str)},
         "tried": {f"{e} {k}": n for (e, k), n in sorted(tried.items())},
         "failures": failures,
+        "slowest_cases": sorted(timed, reverse=True)[:20],
     }
     if os.environ.get("FUZZ_REPORT"):
         with open(os.environ["FUZZ_REPORT"], "w") as f:
             json.dump(report, f, indent=1)
     assert not failures, "\n".join(failures[:20])
-    assert case >= len(sweep()) + 50, f"only {case} cases in {BUDGET} s: the fuzzer barely ran"
     assert set(e for e, _ in tried) == set(BASES), "an endpoint was never fuzzed"
     assert health["status"] == "ok", health
     assert after == before, "the server answers differently after the fuzzing"
