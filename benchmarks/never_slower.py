@@ -67,7 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.regime == "both":
         for regime in ("stock", "openblas"):
-            argv = [a for a in sys.argv[1:] if not a.startswith("--regime")]
+            argv, rest = [], iter(sys.argv[1:])
+            for a in rest:  # every argument but the regime (`--regime X` or `--regime=X`)
+                if a == "--regime":
+                    next(rest, None)
+                elif not a.startswith("--regime="):
+                    argv.append(a)
             code = subprocess.call([sys.executable, __file__, *argv, "--regime", regime])
             if code:
                 sys.exit(code)

@@ -8,8 +8,8 @@ batch cache (`batch_cache`: each row its own positions, length and rewind). Rows
 different widths are padded at their end; padding is rewound with the rejected drafts.
 
 A request arriving while others decode is prefilled alone, in chunks, with one cycle of
-the running rows between chunks (a long prompt never stalls them for more than a chunk),
-then joins. One row decodes on its own caches, as a request alone does; the batch cache is
+the running rows between chunks (a long prompt never stalls them for more than a chunk;
+with `on_output` set, their responses are handed out between the chunks too), then joins. One row decodes on its own caches, as a request alone does; the batch cache is
 made when a second joins and undone when one is left.
 
 Widths: a request that fixes its width keeps it; the others share a width chosen per
@@ -69,6 +69,10 @@ class BatchDecoder:
         self.choosers: dict[int, WidthChooser] = {}  # per batch size >= 2
         self._outbox: list[tuple[Row, GenerationResponse | BaseException]] = []
         self.sizes: dict[int, int] = {}  # batch size -> cycles run at it
+        # Where the running rows' responses go as soon as a cycle between the chunks of an
+        # admission made them (a server hands them to their clients then); without it they
+        # are returned by the `step` that admits.
+        self.on_output: Callable[[list[tuple[Row, Any]]], None] | None = None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -183,10 +187,13 @@ class BatchDecoder:
             if row.progress is not None:
                 row.progress(done, total)
             if done < total and done - last[0] >= opts.prefill_step and self.active:
-                # The running rows go on between the chunks of a long prompt.
+                # The running rows go on between the chunks of a long prompt, and what they
+                # produced goes out now, not when the admission ends.
                 last[0] = done
                 if not row.cancelled:
+                    self._drop_cancelled()
                     self._cycle()
+                    self._hand_out()
 
         progress = between_chunks
         if row.prompt_cache is not None:
@@ -263,6 +270,12 @@ class BatchDecoder:
             fed = len(req.prompt) + len(req.generated) - 1
             req.latest_snapshot = (fed, req.target.snapshot(req.cache))
         row.prompt_cache.commit(row.lease, req.saved())
+
+    def _hand_out(self) -> None:
+        """Give what the rows produced so far to `on_output`, when there is one."""
+        if self.on_output is not None and self._outbox:
+            out, self._outbox = self._outbox, []
+            self.on_output(out)
 
     def _respond(self, row: Row, cyc: Cycle) -> None:
         response = row.reply.feed(cyc)

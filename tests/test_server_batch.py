@@ -529,6 +529,63 @@ def test_the_late_request_check_has_power(server, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------
+# (f) A long prompt admitted while another request streams never freezes that stream
+
+
+def long_prompt(first: str) -> list[dict]:
+    """~1800 tokens, four prefill chunks of 512; a `first` word of its own, so that no
+    prompt cache holds any of it."""
+    return [{"role": "user", "content": first + " fox" * 600}]
+
+
+def stream_while_a_long_prompt_is_admitted(server: Server, first: str) -> list[int]:
+    """Request A streams; request B, a prompt of several prefill chunks, arrives. How many
+    responses the engine had handed to A's client when each of B's chunks started."""
+    server.wait_idle()
+    client = server.client()
+    seen: list[int] = []
+    target = server.engine.pair.target
+    real = target.forward
+    with recorded() as items:
+
+        def forward(tokens, cache, capture_ids):
+            if tokens.shape[1] >= 256:  # one of B's prefill chunks
+                a = items[0][0]
+                seen.append(sum(job is a for job, _ in items))
+            return real(tokens, cache, capture_ids)
+
+        target.forward = forward
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                a = pool.submit(streamed, client, PROMPTS[0], 400)
+                server.wait_until(lambda h: len(items) > 2, "A streaming")
+                b = pool.submit(streamed, client, long_prompt(first), 4)
+                b.result(timeout=TIMEOUT)
+                a.result(timeout=TIMEOUT)
+        finally:
+            del target.forward
+    server.wait_idle()
+    return seen
+
+
+def test_a_long_prompt_admitted_mid_stream_leaves_the_stream_flowing(server):
+    """The running stream's tokens made between the long prompt's chunks go to its client
+    before the next chunk starts: it waits for one chunk and one cycle, not for the whole
+    admission (issue 34)."""
+    seen = stream_while_a_long_prompt_is_admitted(server, "wolf")
+    assert len(seen) >= 3, f"the long prompt ran in {len(seen)} chunks"
+    assert all(b > a for a, b in zip(seen, seen[1:])), seen
+
+
+def test_the_long_prompt_check_has_power(server, monkeypatch):
+    """A decoder that keeps the running rows' responses until the admission ends."""
+    monkeypatch.setattr(batch_module.BatchDecoder, "_hand_out", lambda self: None)
+    seen = stream_while_a_long_prompt_is_admitted(server, "bear")
+    assert len(seen) >= 3
+    assert not any(b > a for a, b in zip(seen, seen[1:])), seen
+
+
+# ---------------------------------------------------------------------------------------
 # Prompt caches: one request at a time each
 
 

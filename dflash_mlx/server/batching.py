@@ -5,8 +5,8 @@ waiting requests the batch has room for, in arrival order (the first that does n
 waits, and those behind it): at most `max_batch` rows, their positions (prompt +
 max_tokens each) within `max_batch_tokens` (a request alone may exceed it: it runs by
 itself). The decoder prefills each in chunks with a cycle of the running rows between
-them, hands out its first token and lets it join; each `step` runs one cycle of every
-row. Responses go to their requests as they come; a request whose
+them (what those cycles produce reaches the clients then, not when the admission ends),
+hands out its first token and lets it join; each `step` runs one cycle of every row. Responses go to their requests as they come; a request whose
 client left is cancelled in the decoder (it leaves at the next step, its prompt cache
 committed as a closed stream's is); a row's exception ends that request alone, as a
 failed request (the server's internal error), and the others go on. A step that fails as
@@ -70,7 +70,16 @@ class Batcher:
 
     def _decoder(self) -> BatchDecoder:
         e = self.engine
-        return BatchDecoder(e.pair, e.tokenizer, max_batch=e.max_batch)
+        decoder = BatchDecoder(e.pair, e.tokenizer, max_batch=e.max_batch)
+        decoder.on_output = self._between_chunks
+        return decoder
+
+    def _between_chunks(self, out: list) -> None:
+        """While a long prompt is admitted, the running rows' tokens made between its
+        chunks reach their clients at once; a client gone by then cancels its row."""
+        self._dispatch(out)
+        self._reap()
+        self._cancel_gone()
 
     def serve(self) -> None:
         """Serve until the engine closes."""
@@ -93,9 +102,7 @@ class Batcher:
                 jobs = self._next()
             for job in jobs:
                 self._start(job)
-            for job in list(self.started):
-                if job.cancelled and job.row is not None and not job.row.done:
-                    self.decoder.cancel(job.row)
+            self._cancel_gone()
             if self.decoder.busy:
                 try:
                     out = self.decoder.step()
@@ -105,6 +112,11 @@ class Batcher:
                 self._dispatch(out)
             self._reap()
         self._close()
+
+    def _cancel_gone(self) -> None:
+        for job in list(self.started):
+            if job.cancelled and job.row is not None and not job.row.done:
+                self.decoder.cancel(job.row)
 
     def _next(self) -> list[Job]:
         """The waiting requests the batch has room for, in arrival order, moved to the
