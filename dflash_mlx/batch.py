@@ -9,8 +9,9 @@ different widths are padded at their end; padding is rewound with the rejected d
 
 A request arriving while others decode is prefilled alone, in chunks, with one cycle of
 the running rows between chunks (a long prompt never stalls them for more than a chunk;
-with `on_output` set, their responses are handed out between the chunks too), then joins. One row decodes on its own caches, as a request alone does; the batch cache is
-made when a second joins and undone when one is left.
+with `on_output` set, their responses are handed out between the chunks too), then joins.
+One row decodes on its own caches, as a request alone does; the batch cache is made when
+a second joins and undone when one is left.
 
 Widths: a request that fixes its width keeps it; the others share a width chosen per
 cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs

@@ -20,8 +20,10 @@ Order, as mlx-lm's: penalties, bias and grammar on the raw logits, then log-soft
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +103,12 @@ def compile_grammar(
     if options.grammar is not None:
         _check_special_literals(options.grammar, tokenizer)
     ll_tok = _ll_tokenizer(tokenizer, vocab, _eos_ids(tokenizer))
+    key = (source, id(ll_tok))
+    with _COMPILED_LOCK:
+        kept = _COMPILED.get(key)
+        if kept is not None and kept[0] is ll_tok:
+            _COMPILED.move_to_end(key)
+            return Grammar(kept[1].deep_copy(), vocab, _eos_ids(tokenizer), mask_drafts)
     error = llguidance.LLMatcher.validate_grammar(source, ll_tok)
     if error:
         what = "json_schema" if options.json_schema is not None else "grammar"
@@ -108,7 +116,21 @@ def compile_grammar(
     matcher = llguidance.LLMatcher(ll_tok, source, log_level=0)
     if matcher.is_error():
         raise BadArgument(f"grammar is invalid: {matcher.get_error()}")
-    return Grammar(matcher, vocab, _eos_ids(tokenizer), mask_drafts)
+    with _COMPILED_LOCK:
+        _COMPILED[key] = (ll_tok, matcher)  # kept unconsumed: requests get copies
+        while len(_COMPILED) > KEEP_COMPILED:
+            _COMPILED.popitem(last=False)
+        fresh = matcher.deep_copy()
+    return Grammar(fresh, vocab, _eos_ids(tokenizer), mask_drafts)
+
+
+# The grammars compiled lately, each a fresh matcher that is never consumed: a request
+# gets a copy (microseconds), so a server compiles a request's grammar once, off the
+# engine's thread, when it checks it (`check_grammar`), and the engine's compile for the
+# same request, or the next request with the same schema, is a copy.
+KEEP_COMPILED = 32
+_COMPILED: collections.OrderedDict[tuple[str, int], tuple[Any, Any]] = collections.OrderedDict()
+_COMPILED_LOCK = threading.Lock()
 
 
 def _check_special_literals(grammar: str, tokenizer: Any) -> None:

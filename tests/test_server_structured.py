@@ -11,10 +11,14 @@ compared with the target's own log-softmax, computed here from the model.
 from __future__ import annotations
 
 import json
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import anthropic
 import mlx.core as mx
+import numpy as np
 import openai
 import pytest
 
@@ -153,6 +157,85 @@ def test_an_invalid_schema_is_a_400_naming_what_is_wrong(client):
         model=MODEL, messages=USER, temperature=0, max_tokens=4, response_format={"type": "text"}
     )
     assert out.choices[0].finish_reason == "length"
+
+
+class CountingMatcher:
+    """llguidance's `LLMatcher`, counting the grammars built and the threads that built them."""
+
+    def __init__(self, real):
+        self.real = real
+        self.threads: list[str] = []
+
+    def __getattr__(self, name):  # its static methods
+        return getattr(self.real, name)
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return self.real(*args, **kwargs)
+
+
+def test_a_grammar_is_built_once_off_the_engine_thread(client, monkeypatch):
+    """A request's grammar is built when the server checks it, not on the engine's thread
+    (where every running stream would wait for it); the engine's matcher is a copy."""
+    import llguidance
+
+    counting = CountingMatcher(llguidance.LLMatcher)
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    # A schema of its own, so that no earlier request's build is kept for it.
+    schema = {**SCHEMA, "description": f"once {uuid.uuid4()}"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "once", "schema": schema}}
+    for _ in range(2):
+        out = client.chat.completions.create(
+            model=MODEL, messages=USER, temperature=0, max_tokens=60, response_format=fmt
+        )
+        assert out.choices[0].message.content
+    assert len(counting.threads) == 1, counting.threads
+    assert counting.threads[0] != "dflash-mlx-engine"
+
+
+def test_a_grammar_too_costly_to_build_is_a_400_naming_the_format(client, monkeypatch):
+    from dflash_mlx import controls
+    from dflash_mlx.server import structured
+
+    real = controls.check_grammar
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)  # longer than the bound below: a build that would take too long
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(controls, "check_grammar", slow)
+    monkeypatch.setattr(structured, "BUILD_SECONDS", 0.2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=USER, response_format=FORMAT)
+    assert e.value.param == "response_format", e.value.message
+    assert "longer than 0.2 s to build" in e.value.message
+    time.sleep(1.2)  # the refused build ends in its thread
+    monkeypatch.setattr(structured, "BUILD_SECONDS", 5.0)
+    monkeypatch.setattr(controls, "check_grammar", real)
+    out = client.chat.completions.create(
+        model=MODEL, messages=USER, temperature=0, max_tokens=60, response_format=FORMAT
+    )
+    follows(json.loads(out.choices[0].message.content))
+
+
+def test_compiled_grammars_are_copies_that_never_share_their_state(tokenizer_and_vocab):
+    from dflash_mlx.controls import compile_grammar
+
+    tok, vocab = tokenizer_and_vocab
+    opts = dflash_mlx.GenerateOptions(json_schema={"type": "object"})
+    a = compile_grammar(opts, tok, vocab)
+    b = compile_grammar(opts, tok, vocab)
+    assert a.matcher is not b.matcher
+    first = int(np.flatnonzero(a.allowed(a.mask()))[0])  # '{'
+    a.consume([first])
+    assert not np.array_equal(a.mask(), b.mask()), "consuming one changed the other"
+    c = compile_grammar(opts, tok, vocab)
+    assert np.array_equal(c.mask(), b.mask()), "a later copy starts where a fresh one does"
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_vocab(server):
+    return server.engine.tokenizer, server.engine.pair.target.logits_width
 
 
 def test_responses_text_format_json_schema_and_json_object(client):

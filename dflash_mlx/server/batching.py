@@ -6,14 +6,15 @@ waits, and those behind it): at most `max_batch` rows, their positions (prompt +
 max_tokens each) within `max_batch_tokens` (a request alone may exceed it: it runs by
 itself). The decoder prefills each in chunks with a cycle of the running rows between
 them (what those cycles produce reaches the clients then, not when the admission ends),
-hands out its first token and lets it join; each `step` runs one cycle of every row. Responses go to their requests as they come; a request whose
-client left is cancelled in the decoder (it leaves at the next step, its prompt cache
-committed as a closed stream's is); a row's exception ends that request alone, as a
-failed request (the server's internal error), and the others go on. A step that fails as
-a whole (the batch's own target pass) fails the requests it held; the next ones start a
-fresh decoder. Each request's prompt cache comes from the engine's pool, which never
-hands one cache to two running requests. The pair is calibrated only while no request
-runs or waits, as between requests without batching.
+hands out its first token and lets it join; each `step` runs one cycle of every row.
+Responses go to their requests as they come; a request whose client left is cancelled in
+the decoder (it leaves at the next step, its prompt cache committed as a closed stream's
+is); a row's exception ends that request alone, as a failed request (the server's
+internal error), and the others go on. A step that fails as a whole (the batch's own
+target pass) fails the requests it held; the next ones start a fresh decoder. Each
+request's prompt cache comes from the engine's pool, which never hands one cache to two
+running requests. The pair is calibrated only while no request runs or waits, as between
+requests without batching.
 """
 
 from __future__ import annotations

@@ -242,8 +242,12 @@ class Service:
             options = options.replace(grammar=self._tool_grammar(req, ids))
             param = "tool_choice"
         if options.constrained:
-            with self._lock:
-                structured.check(options, self.tokenizer, vocab, param)
+            # Built with the engine's tokenizer (only read: llguidance copies what it needs)
+            # over the logits row the engine masks, so that the engine's own compile for this
+            # request is a copy of this build.
+            engine = self.engine
+            width = engine.pair.target.logits_width
+            structured.check(options, engine.tokenizer, width, param)
         return options
 
     def _tool_grammar(self, req: Request, ids: list[int]) -> str:

@@ -14,6 +14,9 @@ tokenized, and an invalid schema is a 400 naming the field it came from.
 from __future__ import annotations
 
 import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
 
 from pydantic import Field
@@ -149,11 +152,39 @@ def tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], reasoning: bool) -
     return "\n".join(lines + rules) + "\n"
 
 
+# Seconds a request's grammar may take to build. It is built once, here, off the engine's
+# thread (the engine's own compile for the request is then a copy, `controls.compile_grammar`),
+# so the streams running meanwhile never wait for it; one that takes longer is refused.
+BUILD_SECONDS = 5.0
+# Grammars built at once; a build refused for its time goes on in its thread until it ends
+# (llguidance cannot be interrupted), so at most this many can be burning a core.
+_BUILDS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-grammar")
+
+
 def check(options: Any, tokenizer: Any, vocab: int | None, param: str) -> None:
-    """Refuse an invalid schema or grammar as a 400 naming `param`, before streaming."""
-    from ..controls import check_grammar
+    """Build `options`' grammar and refuse an invalid schema or grammar as a 400 naming
+    `param`, before streaming; one that takes longer than `BUILD_SECONDS` to build is a 400
+    too, and a 503 when the builds of earlier requests still hold every builder."""
+    from .. import controls
 
     try:
-        check_grammar(options, tokenizer, vocab)
+        build = _BUILDS.submit(controls.check_grammar, options, tokenizer, vocab)
+        try:
+            build.result(timeout=BUILD_SECONDS)
+        except FutureTimeout:
+            if build.cancel():  # it never started: the builders are busy with others
+                raise APIError(
+                    503,
+                    "The server is busy building other requests' grammars; retry shortly.",
+                    code="grammar_builders_busy",
+                    headers={"Retry-After": str(math.ceil(BUILD_SECONDS))},
+                ) from None
+            raise APIError(
+                400,
+                f"Invalid '{param}': its grammar takes longer than {BUILD_SECONDS:g} s to "
+                "build; simplify it (fewer alternatives, shorter patterns, fewer properties)",
+                param=param,
+                code="invalid_value",
+            ) from None
     except BadArgument as e:
         raise APIError(400, f"Invalid '{param}': {e}", param=param, code="invalid_value") from None
