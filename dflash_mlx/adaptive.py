@@ -228,6 +228,12 @@ class WidthChooser:
         )
         return max(per_token, 0.0) * tokens
 
+    @property
+    def plain_measured(self) -> bool:
+        """Whether a plain step has been timed near the latest depth (else `plain_cost` is
+        the calibration's)."""
+        return self._nearest(depth_bucket(self.depth), lambda k: k.seen[1]) is not None
+
     def plain_cost(self, depth: int | None = None) -> float:
         """Seconds per plain decoding step: as measured, else as calibrated."""
         return self.curve(depth)[0]

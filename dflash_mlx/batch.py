@@ -213,6 +213,11 @@ class BatchDecoder:
         self._respond(row, cyc)
 
     def _join(self, row: Row) -> None:
+        # A new request in the batch: what the batch's choosers decided about what was left
+        # of the requests before (no probe can pay back any more, the probe budget spent)
+        # is no longer so. Their acceptance is read from the pair's chooser every cycle.
+        for chooser in self.choosers.values():
+            chooser.begin_request()
         if self.active:
             with mx.stream(generation_stream):
                 if self.cache is None:  # one row so far: its own caches become the batch's

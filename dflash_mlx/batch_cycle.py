@@ -96,6 +96,9 @@ def batch_chooser(known: dict[int, WidthChooser], size: int, base: WidthChooser)
             batch_curves(base.costs, size), base.block, draft_block=base.draft_block
         )
         chooser.base = base
+        # A batched cycle is `size` rows' evidence of what speculating costs here: one
+        # that lost is enough to budget the next probes at what it really lost.
+        chooser.floor.evidence = 1.0
         known[size] = chooser
     chooser.trials, chooser.hits = list(base.trials), list(base.hits)
     chooser.carried = False
@@ -251,6 +254,17 @@ def learn(chooser, rows: list[Row], widths: list, results: list, width: int, spe
         return
     if all(r.fixed is None for r in rows):
         chooser.observe(width, spent)
+        if width > 1 and len(rows) > 1 and chooser.plain_measured:
+            # Against plain batched decoding as measured now (a plain pass commits a token a
+            # row; not the calibration's price of it, which leaves out the batch's own host
+            # work): while speculating at this size has lately lost, it only probes.
+            chooser.settle(sum(len(new) for _, new in results) / len(rows), spent)
+    if len(rows) > 1:
+        # The acceptance learnt is every row's text pooled: one row's first cycle falling
+        # short of it says its own text differs, not that the others' evidence is stale
+        # (`WidthChooser.update` would drop it all, and the batch go plain on the prior).
+        for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
+            c.carried = False
     for r, (w, _), (n, _) in zip(rows, widths, results):
         if r.fixed is None and w > 1 and r.error is None:
             chooser.update(w, n)  # its probes' bookkeeping

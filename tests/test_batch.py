@@ -356,6 +356,70 @@ def test_batch_curves_price_the_whole_pass():
     assert four.draft == [0.0, 2.0, 2.4, 2.8]  # a draft pass per row
 
 
+def auto_rows(n: int, base) -> list:
+    """`n` automatic rows whose own chooser (alone) is `base`, as `learn` reads them."""
+    return [
+        batch_mod.Row([1], GenerateOptions(), chooser=base, fixed=None, req=object())
+        for _ in range(n)
+    ]
+
+
+def flat_chooser():
+    from dflash_mlx.adaptive import WidthChooser
+
+    # A verify of 16 rows x 16 tokens costs what a plain one does: speculating pays.
+    return WidthChooser(CostCurves([1e-3] * 16, [1e-4] * 16), 16)
+
+
+def test_one_rows_short_first_cycle_keeps_the_batchs_pooled_acceptance():
+    """Rows of four texts share the width: one row whose first cycle accepts nothing says
+    its text differs, not that the others' acceptance is stale (it used to drop it all,
+    and the batch decoded plainly on the prior alone)."""
+    base = flat_chooser()
+    for _ in range(30):
+        base.update(16, 15)  # texts whose drafts were all accepted
+    base.begin_request()  # a row started alone: the evidence carried, its text unseen
+    assert base.carried
+    chooser = batch_mod.batch_chooser({}, 4, base)
+    rows = auto_rows(4, base)
+    results = [(0, [5]), (15, [5] * 16), (15, [5] * 16), (15, [5] * 16)]
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, results, 16, 1e-3)
+    assert sum(base.hits) > 70, "the evidence carried from the texts before was dropped"
+    again = batch_mod.batch_chooser({4: chooser}, 4, base)
+    assert again.expected_tokens()[15] > 8
+    assert again.choose(limit=100)[0] > 1
+
+
+def test_a_batch_chooser_starts_afresh_when_a_request_joins(target, draft):
+    """What a batch's chooser decided about the requests before (no probe can pay back in
+    what is left of them) does not hold for the next ones (it held for the decoder's life,
+    and a server's batch of that size decoded plainly ever after)."""
+    model, tok = target
+    dec = BatchDecoder(Pair(model, draft), tok)
+    stuck = flat_chooser()
+    stuck.req_done = True
+    dec.choosers[2] = stuck
+    dec.submit(tok.encode(PROMPTS[0]), GenerateOptions(max_tokens=4), handle=0)
+    dec.step()  # its admission
+    assert not stuck.req_done
+
+
+def test_batched_speculation_that_loses_against_plain_batches_only_probes():
+    """Speculative batched cycles are settled against the batch's plain pass as measured:
+    one that lost is evidence enough (it is every row's); none is judged against the
+    calibration's price of a plain pass before one is measured."""
+    base = flat_chooser()
+    chooser = batch_mod.batch_chooser({}, 4, base)
+    rows = auto_rows(4, base)
+    lost = [(0, [5])] * 4  # a 16-wide pass committing a token a row
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
+    assert not chooser.floor.losing, "judged against a plain pass never measured"
+    chooser.observe(1, 1e-3)  # a plain batched pass, measured
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
+    assert chooser.floor.losing
+    assert chooser.choose(limit=100)[0] == 1
+
+
 def test_bad_batch_arguments_are_the_callers_errors(target, draft):
     from dflash_mlx import BadArgument
 
