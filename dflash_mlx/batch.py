@@ -300,6 +300,7 @@ class BatchDecoder:
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
         chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
         widths, captures = bc.plan(rows, chooser)
+        caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
         tic = time.perf_counter()
         cache = self.cache if size > 1 else rows[0].req.cache
         target = self.pair.target
@@ -308,7 +309,7 @@ class BatchDecoder:
             logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
             steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
         bc.rewind(target, rows, steps, results, cache, width)
-        bc.learn(chooser, rows, widths, results, width, time.perf_counter() - tic)
+        bc.learn(chooser, rows, widths, results, width, time.perf_counter() - tic, caught_up)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         finished = []
         for r, s, (n, new) in zip(rows, steps, results):

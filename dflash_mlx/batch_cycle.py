@@ -247,14 +247,24 @@ def rewind(target, rows: list[Row], steps: list, results: list, cache: list, wid
             commit(rows[0].req, steps[0], results[0][0])
 
 
-def learn(chooser, rows: list[Row], widths: list, results: list, width: int, spent: float):
+def learn(
+    chooser,
+    rows: list[Row],
+    widths: list,
+    results: list,
+    width: int,
+    spent: float,
+    caught_up: bool = True,
+):
     """The chooser learns the pass's cost (when it chose every row's width) and each
-    automatic row's acceptance (also into the pair's chooser, which every size reads)."""
+    automatic row's acceptance (also into the pair's chooser, which every size reads).
+    `caught_up`: every row's draft was up to date before the cycle (it followed a
+    speculative one), so its time is the cycle's own, not also a catch-up's."""
     if chooser is None:
         return
     if all(r.fixed is None for r in rows):
         chooser.observe(width, spent)
-        if width > 1 and len(rows) > 1 and chooser.plain_measured:
+        if width > 1 and len(rows) > 1 and caught_up and chooser.plain_measured:
             # Against plain batched decoding as measured now (a plain pass commits a token a
             # row; not the calibration's price of it, which leaves out the batch's own host
             # work): while speculating at this size has lately lost, it only probes.

@@ -407,7 +407,8 @@ def test_a_batch_chooser_starts_afresh_when_a_request_joins(target, draft):
 def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     """Speculative batched cycles are settled against the batch's plain pass as measured:
     one that lost is evidence enough (it is every row's); none is judged against the
-    calibration's price of a plain pass before one is measured."""
+    calibration's price of a plain pass before one is measured, nor one whose time
+    includes its drafts catching up."""
     base = flat_chooser()
     chooser = batch_mod.batch_chooser({}, 4, base)
     rows = auto_rows(4, base)
@@ -415,6 +416,9 @@ def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
     assert not chooser.floor.losing, "judged against a plain pass never measured"
     chooser.observe(1, 1e-3)  # a plain batched pass, measured
+    # Right after plain passes, a cycle's time is also its rows' drafts catching up.
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05, caught_up=False)
+    assert not chooser.floor.losing, "a catch-up taken for what speculating costs"
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
     assert chooser.floor.losing
     assert chooser.choose(limit=100)[0] == 1
