@@ -71,6 +71,7 @@ class WidthChooser:
         request_budget: float = 0.03,
         window: int = 32,
         smoothing: float = 0.2,
+        floor_evidence: float = 4.0,
     ):
         if len(costs.verify) < block:
             raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
@@ -123,11 +124,27 @@ class WidthChooser:
         self.req_done = False
         self.carried = False  # acceptance evidence from earlier requests only, so far
         self.catch_up = CatchUp(costs, block)  # what waking the draft's context costs
-        self.floor = Floor()  # what speculation really gave against plain, lately
+        # What speculation really gave against plain, lately (`floor_evidence`: decayed
+        # speculative cycles it takes to judge; a batch's cycle is every row's evidence).
+        self.floor = Floor(evidence=floor_evidence)
         self._coast = 0  # plain decisions left that stand without being recomputed
         self._coast_cost = 0.0
 
     # -- acceptance ------------------------------------------------------------------------
+
+    def read_acceptance(self, base: WidthChooser) -> None:
+        """Take the acceptance `base` has learnt as this chooser's (a batch's chooser prices
+        its own costs, but acceptance belongs to the draft and the texts, not to the batch
+        size): pooled over several texts, so no row's first cycle drops it (`pooled`)."""
+        self.trials, self.hits = list(base.trials), list(base.hits)
+        self.pooled()
+        self._acc_version += 1
+
+    def pooled(self) -> None:
+        """What `update` is taught next comes from several texts at once (a batch's rows):
+        one of them falling short of what earlier texts promised says that its text
+        differs, not that the others' evidence is stale, so nothing carried is dropped."""
+        self.carried = False
 
     def acceptance(self) -> list[float]:
         """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.

@@ -67,7 +67,8 @@ class BatchDecoder:
         self.waiting: deque[Row] = deque()
         self.active: list[Row] = []
         self.cache: list | None = None  # the batch's target cache (None: one row or none)
-        self.choosers: dict[int, WidthChooser] = {}  # per batch size >= 2
+        # Per batch size >= 2: (the pair's chooser it reads, the size's own chooser).
+        self.choosers: dict[int, tuple[WidthChooser, WidthChooser]] = {}
         self._outbox: list[tuple[Row, GenerationResponse | BaseException]] = []
         self.sizes: dict[int, int] = {}  # batch size -> cycles run at it
         # Where the running rows' responses go as soon as a cycle between the chunks of an
@@ -216,7 +217,7 @@ class BatchDecoder:
         # A new request in the batch: what the batch's choosers decided about what was left
         # of the requests before (no probe can pay back any more, the probe budget spent)
         # is no longer so. Their acceptance is read from the pair's chooser every cycle.
-        for chooser in self.choosers.values():
+        for _, chooser in self.choosers.values():
             chooser.begin_request()
         if self.active:
             with mx.stream(generation_stream):

@@ -84,25 +84,27 @@ def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
     )
 
 
-def batch_chooser(known: dict[int, WidthChooser], size: int, base: WidthChooser) -> WidthChooser:
+def batch_chooser(
+    known: dict[int, tuple[WidthChooser, WidthChooser]], size: int, base: WidthChooser
+) -> WidthChooser:
     """The width chooser for cycles of `size` rows (alone: `base`, the pair's own). A batch's
-    prices its own costs but reads the acceptance `base` has learnt (it belongs to the
-    draft and the texts, not to the batch size)."""
+    prices its own costs (`batch_curves`) but reads the acceptance `base` has learnt.
+    `known`: the decoder's, `{size: (base, chooser)}`."""
     if size == 1:
         return base
-    chooser = known.get(size)
-    if chooser is None or chooser.base is not base:
-        chooser = WidthChooser(
-            batch_curves(base.costs, size), base.block, draft_block=base.draft_block
-        )
-        chooser.base = base
+    kept = known.get(size)
+    if kept is None or kept[0] is not base:
         # A batched cycle is `size` rows' evidence of what speculating costs here: one
         # that lost is enough to budget the next probes at what it really lost.
-        chooser.floor.evidence = 1.0
-        known[size] = chooser
-    chooser.trials, chooser.hits = list(base.trials), list(base.hits)
-    chooser.carried = False
-    chooser._acc_version += 1
+        chooser = WidthChooser(
+            batch_curves(base.costs, size),
+            base.block,
+            draft_block=base.draft_block,
+            floor_evidence=1.0,
+        )
+        kept = known[size] = (base, chooser)
+    chooser = kept[1]
+    chooser.read_acceptance(base)
     return chooser
 
 
@@ -270,11 +272,10 @@ def learn(
             # work): while speculating at this size has lately lost, it only probes.
             chooser.settle(sum(len(new) for _, new in results) / len(rows), spent)
     if len(rows) > 1:
-        # The acceptance learnt is every row's text pooled: one row's first cycle falling
-        # short of it says its own text differs, not that the others' evidence is stale
-        # (`WidthChooser.update` would drop it all, and the batch go plain on the prior).
+        # Every row's text at once: one row's short first cycle must not drop what the
+        # others' texts taught (the batch would go plain on the prior alone).
         for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
-            c.carried = False
+            c.pooled()
     for r, (w, _), (n, _) in zip(rows, widths, results):
         if r.fixed is None and w > 1 and r.error is None:
             chooser.update(w, n)  # its probes' bookkeeping

@@ -385,7 +385,7 @@ def test_one_rows_short_first_cycle_keeps_the_batchs_pooled_acceptance():
     results = [(0, [5]), (15, [5] * 16), (15, [5] * 16), (15, [5] * 16)]
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, results, 16, 1e-3)
     assert sum(base.hits) > 70, "the evidence carried from the texts before was dropped"
-    again = batch_mod.batch_chooser({4: chooser}, 4, base)
+    again = batch_mod.batch_chooser({4: (base, chooser)}, 4, base)
     assert again.expected_tokens()[15] > 8
     assert again.choose(limit=100)[0] > 1
 
@@ -398,7 +398,7 @@ def test_a_batch_chooser_starts_afresh_when_a_request_joins(target, draft):
     dec = BatchDecoder(Pair(model, draft), tok)
     stuck = flat_chooser()
     stuck.req_done = True
-    dec.choosers[2] = stuck
+    dec.choosers[2] = (None, stuck)
     dec.submit(tok.encode(PROMPTS[0]), GenerateOptions(max_tokens=4), handle=0)
     dec.step()  # its admission
     assert not stuck.req_done
