@@ -93,7 +93,7 @@ class BatchDecoder:
         self.pair.check_context(len(ids))
         row = Row(ids, opts, handle, prompt_cache, progress)
         row.grammar = compile_grammar(opts, self.tokenizer, self.pair.target.logits_width)
-        self.pair.plan(opts)  # refuses widths the pair cannot run
+        row.plan = self.pair.plan(opts)  # once: it refuses widths the pair cannot run
         row.eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or ())
         self.waiting.append(row)
         return row
@@ -146,7 +146,7 @@ class BatchDecoder:
 
     def _prefill(self, row: Row) -> None:
         pair, opts = self.pair, row.options
-        width, rows, chooser = pair.plan(opts)
+        width, rows, chooser = row.plan
         row.fixed = None if chooser is not None else (width, rows)
         row.rows, row.chooser = rows, chooser
         speculate = pair.draft is not None and (width > 1 or chooser is not None)

@@ -42,6 +42,7 @@ class Row:
     reply: Reply | None = None
     req: Request | None = None
     fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
+    plan: tuple[int, int, WidthChooser | None] | None = None  # `Pair.plan`, made at submit
     rows: int = 1  # the draft block L of an automatic row
     grammar: Any = None
     eos: frozenset[int] = frozenset()
