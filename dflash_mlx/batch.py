@@ -29,7 +29,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -38,9 +38,9 @@ from . import batch_cycle as bc
 from .adaptive import WidthChooser
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
 from .batch_cycle import Row, batch_curves
-from .bookkeeping import clear_cache_every, cut_at_eos
+from .bookkeeping import clear_cache_every, cut_at_eos, follow_capture
 from .controls import Controls, compile_grammar, read_logprobs
-from .decode import Cycle, _Step, first_token
+from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
 from .errors import BadArgument
 from .generate import GenerationResponse, GenerationResult, Reply
 from .options import GenerateOptions
@@ -53,6 +53,16 @@ from .text import encode_prompt
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
 
 BATCH_NOTE = "batched (a batch verifies chains)"
+# A plain cycle's step: it commits its one position, so nothing is rewound or captured.
+PLAIN = _Step(None, None, None, NOTHING_SAVED, 1, 0.0, True)
+
+
+class _Ahead(NamedTuple):
+    """A plain pass launched before the cycle it belongs to."""
+
+    rows: list[Row]  # the rows it runs for, in the batch's order when launched
+    top: mx.array  # each row's next token, on the device
+    tic: float  # when it was launched
 
 
 class BatchDecoder:
@@ -75,6 +85,10 @@ class BatchDecoder:
         # admission made them (a server hands them to their clients then); without it they
         # are returned by the `step` that admits.
         self.on_output: Callable[[list[tuple[Row, Any]]], None] | None = None
+        self._ahead: _Ahead | None = None  # the next plain pass, launched before its turn
+        self._planned: tuple | None = None  # the next cycle's widths, decided in advance
+        self._synced = 0.0  # when the last cycle's result reached the host
+        self.chained = 0  # plain passes launched before the last result reached the host
 
     # -- requests -------------------------------------------------------------------------
 
@@ -295,12 +309,33 @@ class BatchDecoder:
     def _cycle(self) -> None:
         """One cycle of every active row (`batch_cycle`), then each row's response."""
         rows = [r for r in self.active if not r.done]
+        ahead, self._ahead = self._ahead, None
+        planned, self._planned = self._planned, None
+        if ahead is not None:
+            ran = {id(r): b for b, r in enumerate(ahead.rows)}
+            if rows and all(id(r) in ran for r in rows):
+                # This cycle's pass already runs, chained on the last cycle's tokens.
+                self._plain_cycle(rows, ahead.top, [ran[id(r)] for r in rows], ahead.tic)
+                return
+            # A request joined since: the chained pass is committed for the rows it ran
+            # for (and still run), then every row cycles.
+            old = [r for r in rows if id(r) in ran]
+            if old:
+                self._plain_cycle(old, ahead.top, [ran[id(r)] for r in old], ahead.tic, False)
+            rows = [r for r in self.active if not r.done]
+            planned = None
         size = len(rows)
         if not size:
             return
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
         chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
-        widths, captures = bc.plan(rows, chooser)
+        if planned is not None and planned[0] == [id(r) for r in rows]:
+            widths, captures = planned[1]  # decided when the last cycle chained nothing
+        else:
+            widths, captures = bc.plan(rows, chooser)
+        if self._plain(rows, widths, captures):
+            self._plain_cycle(rows)
+            return
         caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
         tic = time.perf_counter()
         cache = self.cache if size > 1 else rows[0].req.cache
@@ -324,6 +359,92 @@ class BatchDecoder:
                 self._outbox.append((r, r.error))
             if r.done:
                 finished.append(r)
+        if finished:
+            self._leave(finished)
+            for r in finished:
+                if r.error is None:
+                    self._commit_prompt_cache(r)
+
+    def _plain(self, rows: list[Row], widths: list, captures: list[bool]) -> bool:
+        """Whether this cycle is a plain pass that can be chained on the device: every row
+        decodes plainly (W = 1, no features for its draft) and greedily, without logits
+        processors or recurrent state to keep."""
+        return (
+            not self.pair.target.recurrent
+            and all(w == 1 for w, _ in widths)
+            and not any(captures)
+            and all(
+                r.error is None
+                and r.req.params.greedy
+                and r.req.controls is None
+                and not r.req.keep_snapshots
+                for r in rows
+            )
+        )
+
+    def _plain_pass(self, rows: list[Row], anchors: mx.array) -> mx.array:
+        """The target on each row's anchor `(B,)`, launched: each row's next token `(B,)`."""
+        cache = self.cache if len(rows) > 1 else rows[0].req.cache
+        with mx.stream(generation_stream):
+            for r in rows:
+                if r.req.draft is not None:  # dormant: its context stops at the last capture
+                    follow_capture(r.req, False, len(r.req.prompt) + r.generated - 1)
+            logits, _ = self.pair.target.forward(anchors.reshape(-1, 1), cache, None)
+            top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        mx.async_eval(top)
+        return top
+
+    def _plain_cycle(
+        self,
+        rows: list[Row],
+        top: mx.array | None = None,
+        index: list[int] | None = None,
+        tic: float | None = None,
+        chain: bool = True,
+    ) -> None:
+        """A plain cycle of every row: its pass (`top`, already launched, rows at `index`
+        of it; else launched now), and, while every row stays plain, the next cycle's pass
+        launched on the device tokens before this one's reach the host, as mlx-lm chains
+        its steps. What a chained pass feeds a row that ends here is never read."""
+        size = len(rows)
+        if top is None:
+            tic = time.perf_counter()
+            top = self._plain_pass(rows, mx.concatenate([r.anchor for r in rows]))
+            index = list(range(size))
+        if index != list(range(len(index))) or top.shape[0] != size:
+            top = top[mx.array(index)]
+        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
+        if (
+            chain
+            and not self.waiting
+            and all(r.options.max_tokens - r.generated >= 2 and not r.cancelled for r in rows)
+        ):
+            widths, captures = bc.plan(rows, chooser)  # the next cycle's, decided now
+            if self._plain(rows, widths, captures):
+                self._ahead = _Ahead(rows, self._plain_pass(rows, top), time.perf_counter())
+            else:
+                self._planned = ([id(r) for r in rows], (widths, captures))
+        tokens = top.tolist()
+        now = time.perf_counter()
+        spent = now - max(tic, self._synced)
+        self._synced = now
+        results = [(0, [t]) for t in tokens]
+        bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        finished = []
+        for b, r in enumerate(rows):
+            try:
+                commit_draft(r.req, PLAIN, 0)
+                self._commit_row(r, PLAIN, 0, [tokens[b]], size)
+            except Exception as e:  # noqa: BLE001 - this row ends with its error
+                r.error = e
+            if r.error is not None:
+                r.done = True
+                self._outbox.append((r, r.error))
+            if r.done:
+                finished.append(r)
+        self.chained += self._ahead is not None
         if finished:
             self._leave(finished)
             for r in finished:
