@@ -317,8 +317,18 @@ class WidthChooser:
     @property
     def recalibrate(self) -> bool:
         """Whether measured cycles have persistently disagreed with the calibration (by more
-        than a factor of two, over at least 64 speculative cycles): worth measuring again."""
-        return self._spec_seen >= 64 and abs(self.disagreement) > math.log(2.0)
+        than a factor of two, over at least 64 speculative cycles, or 64 plain steps at one
+        depth): worth measuring again. Plain steps count because where the calibration says
+        speculation cannot pay, no speculative cycle ever runs to contradict it (on curves
+        taken with another BLAS, not one probe in 40 short requests: 0.23x the best fixed
+        width); a plain step twice as fast or slow as calibrated says the conditions
+        changed, and what it says of speculation is not to be trusted either."""
+        if self._spec_seen >= 64 and abs(self.disagreement) > math.log(2.0):
+            return True
+        return any(
+            b.count[1] >= 64 and abs(math.log(max(b.ratio[1], 1e-12))) > math.log(2.0)
+            for b in self._buckets.values()
+        )
 
     # -- decisions -------------------------------------------------------------------------
 

@@ -418,6 +418,18 @@ def test_persistent_disagreement_with_the_calibration_asks_for_a_new_one():
     assert stale.recalibrate and not fresh.recalibrate
 
 
+@pytest.mark.parametrize("factor, due", [(0.42, True), (2.5, True), (0.7, False), (1.6, False)])
+def test_plain_steps_far_from_the_calibration_ask_for_a_new_one(factor, due):
+    """Where the calibration says speculation cannot pay, only plain steps run: 64 of them
+    a factor of two or more from it ask for a new calibration; nearer, they do not."""
+    ch = WidthChooser(CPU, BLOCK)
+    for _ in range(63):
+        ch.observe(1, factor * CPU.verify[0])
+    assert not ch.recalibrate, "not on fewer than 64"
+    ch.observe(1, factor * CPU.verify[0])
+    assert ch.recalibrate is due
+
+
 # -- context depth ---------------------------------------------------------------------------
 
 
