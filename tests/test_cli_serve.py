@@ -149,3 +149,19 @@ def test_demo_replies_are_capped_as_chats_are():
     assert capped["usage"]["completion_tokens"] <= 5, "a request's own max_tokens still rules"
     log = " ".join("".join(server.log).split())
     assert f"at most {options.DEMO_MAX_TOKENS} tokens" in log
+
+
+def test_the_socket_accepts_connections_as_soon_as_the_banner_can_say_serving():
+    """`serve` prints "serving URL" before uvicorn's loop starts: the socket already
+    listens then, so a client that connects at once waits in the backlog instead of being
+    refused (a loaded machine showed the refusal)."""
+    import socket
+
+    from dflash_mlx.cli.serve import listen
+
+    sock = listen("127.0.0.1", 0)
+    try:
+        client = socket.create_connection(sock.getsockname(), timeout=5)
+        client.close()
+    finally:
+        sock.close()
