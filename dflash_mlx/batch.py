@@ -347,10 +347,19 @@ class BatchDecoder:
         bc.rewind(target, rows, steps, results, cache, width)
         bc.learn(chooser, rows, widths, results, width, time.perf_counter() - tic, caught_up)
         self.sizes[size] = self.sizes.get(size, 0) + 1
+        self._commit_rows(rows, steps, results, size)
+
+    def _commit_rows(
+        self, rows: list[Row], steps: list, results: list, size: int, plain: bool = False
+    ) -> None:
+        """Each row's tokens of the cycle committed and handed out (`plain`: its draft told
+        that no draft ran); rows that ended or failed leave the batch."""
         finished = []
         for r, s, (n, new) in zip(rows, steps, results):
             if r.error is None:
                 try:
+                    if plain:
+                        commit_draft(r.req, s, n)
                     self._commit_row(r, s, n, new, size)
                 except Exception as e:  # noqa: BLE001 - this row ends with its error
                     r.error = e
@@ -432,24 +441,8 @@ class BatchDecoder:
         results = [(0, [t]) for t in tokens]
         bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
-        finished = []
-        for b, r in enumerate(rows):
-            try:
-                commit_draft(r.req, PLAIN, 0)
-                self._commit_row(r, PLAIN, 0, [tokens[b]], size)
-            except Exception as e:  # noqa: BLE001 - this row ends with its error
-                r.error = e
-            if r.error is not None:
-                r.done = True
-                self._outbox.append((r, r.error))
-            if r.done:
-                finished.append(r)
         self.chained += self._ahead is not None
-        if finished:
-            self._leave(finished)
-            for r in finished:
-                if r.error is None:
-                    self._commit_prompt_cache(r)
+        self._commit_rows(rows, [PLAIN] * size, results, size, plain=True)
 
     def _commit_row(self, r: Row, s: _Step, n: int, new: list[int], size: int) -> None:
         req = r.req
