@@ -278,6 +278,48 @@ def test_rows_resume_from_their_prompt_caches(case):
         assert reused[k] > 0, "the conversation's prefix must come from its cache"
 
 
+def test_chained_plain_rows_leave_prompt_caches_the_next_turn_resumes_from(target):
+    """Rows decoded with chained plain passes end with a position fed past their last
+    token in their caches; the next turn resumes from those caches and is still the
+    target's greedy decode."""
+    from dflash_mlx import PromptCache
+
+    model, tok = target
+    pair = Pair(model, None)
+    ids = [tok.encode(p) for p in PROMPTS]
+    caches = [PromptCache() for _ in ids]
+    first = batch_mod_run(pair, tok, ids, caches, [14, 9, 21, 6], cancel=(0, 5))
+    follow = [i + t + tok.encode(" x") for i, (t, _) in zip(ids, first)]
+    second = batch_mod_run(pair, tok, follow, caches, [10] * 4)
+    for p, (tokens, reused) in zip(follow, second):
+        assert tokens == target_greedy(model, p, 10)
+        assert reused > 0, "the conversation's prefix must come from its cache"
+
+
+def batch_mod_run(pair, tok, prompts, caches, lengths, cancel=None):
+    """Every prompt at once, plain (chained passes), each with its prompt cache; `cancel`:
+    (row, step) cancelled then, with a chained pass in flight. Per prompt (tokens, prompt
+    tokens reused)."""
+    dec = BatchDecoder(pair, tok)
+    rows = [
+        dec.submit(p, GenerateOptions(max_tokens=n), handle=k, prompt_cache=c)
+        for k, (p, c, n) in enumerate(zip(prompts, caches, lengths))
+    ]
+    tokens, reused = {k: [] for k in range(len(prompts))}, {}
+    step = 0
+    while dec.busy:
+        if cancel is not None and step == cancel[1]:
+            assert dec._ahead is not None, "the next pass must be in flight"
+            dec.cancel(rows[cancel[0]])
+        step += 1
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            reused[row.handle] = item.stats.cached_tokens
+    assert dec.chained > 0
+    return [(tokens[k], reused[k]) for k in range(len(prompts))]
+
+
 def test_a_long_prompt_is_prefilled_between_the_running_rows_cycles(case):
     """A prompt of many chunks arriving mid-stream: the running rows decode between its
     chunks (never stalled for more than one), and everyone's output is still its own."""
