@@ -38,16 +38,15 @@ from . import batch_cycle as bc
 from .adaptive import WidthChooser
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
 from .batch_cycle import Row, batch_curves
-from .bookkeeping import clear_cache_every, cut_at_eos, follow_capture
-from .controls import Controls, compile_grammar, read_logprobs
+from .bookkeeping import clear_cache_every, cut_at_eos
+from .controls import compile_grammar, read_logprobs
 from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
 from .errors import BadArgument
 from .generate import GenerationResponse, GenerationResult, Reply
 from .options import GenerateOptions
 from .pair import Pair
-from .prefill import Request, prefill_prompt, resume
+from .prefill import open_request, prefill_prompt
 from .prompt_cache import PromptCache
-from .sampling import PositionKeys
 from .text import encode_prompt
 
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
@@ -172,24 +171,12 @@ class BatchDecoder:
             saved = None
         mx.reset_peak_memory()
         row.reply = Reply(self.tokenizer, opts, len(row.prompt), row.eos, chooser, speculate, width)
-        with mx.stream(generation_stream):
-            cache, state, start = resume(pair, draft, row.prompt, saved, opts.draft_window)
-        why = batchable(cache)
+        cached = row.prompt_cache is not None
+        req = open_request(pair, draft, row.prompt, opts, seed, saved, row.grammar, cached)
+        row.req = req
+        why = batchable(req.cache)
         if why is not None:
             raise NotImplementedError(f"this target cannot decode in a batch: {why}")
-        req = row.req = Request(
-            pair,
-            draft,
-            opts.sampling,
-            PositionKeys(seed),
-            list(row.prompt),
-            cache,
-            state,
-            start,
-            draft.config.target_layer_ids if draft is not None else None,
-            keep_snapshots=row.prompt_cache is not None and pair.target.recurrent,
-            controls=Controls.of(opts, pair.target.logits_width, row.prompt, row.grammar),
-        )
         if opts.tree and draft is not None:
             req.tree_note = BATCH_NOTE
         if chooser is not None and not self.active:
@@ -197,7 +184,7 @@ class BatchDecoder:
             # acceptance every row has taught stays (the batch's width rides on it).
             chooser.begin_request()
 
-        last = [start]
+        last = [req.reused]
 
         def between_chunks(done: int, total: int) -> None:
             if row.progress is not None:
@@ -315,13 +302,14 @@ class BatchDecoder:
             ran = {id(r): b for b, r in enumerate(ahead.rows)}
             if rows and all(id(r) in ran for r in rows):
                 # This cycle's pass already runs, chained on the last cycle's tokens.
-                self._plain_cycle(rows, ahead.top, [ran[id(r)] for r in rows], ahead.tic)
+                self._plain_cycle(rows, None, ahead.top, [ran[id(r)] for r in rows], ahead.tic)
                 return
             # A request joined since: the chained pass is committed for the rows it ran
             # for (and still run), then every row cycles.
             old = [r for r in rows if id(r) in ran]
             if old:
-                self._plain_cycle(old, ahead.top, [ran[id(r)] for r in old], ahead.tic, False)
+                index = [ran[id(r)] for r in old]
+                self._plain_cycle(old, None, ahead.top, index, ahead.tic, chain=False)
             rows = [r for r in self.active if not r.done]
             planned = None
         size = len(rows)
@@ -333,8 +321,8 @@ class BatchDecoder:
             widths, captures = planned[1]  # decided when the last cycle chained nothing
         else:
             widths, captures = bc.plan(rows, chooser)
-        if self._plain(rows, widths, captures):
-            self._plain_cycle(rows)
+        if bc.plain(self.pair.target, rows, widths, captures):
+            self._plain_cycle(rows, chooser)
             return
         caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
         tic = time.perf_counter()
@@ -374,64 +362,40 @@ class BatchDecoder:
                 if r.error is None:
                     self._commit_prompt_cache(r)
 
-    def _plain(self, rows: list[Row], widths: list, captures: list[bool]) -> bool:
-        """Whether this cycle is a plain pass that can be chained on the device: every row
-        decodes plainly (W = 1, no features for its draft) and greedily, without logits
-        processors or recurrent state to keep."""
-        return (
-            not self.pair.target.recurrent
-            and all(w == 1 for w, _ in widths)
-            and not any(captures)
-            and all(
-                r.error is None
-                and r.req.params.greedy
-                and r.req.controls is None
-                and not r.req.keep_snapshots
-                for r in rows
-            )
-        )
-
-    def _plain_pass(self, rows: list[Row], anchors: mx.array) -> mx.array:
-        """The target on each row's anchor `(B,)`, launched: each row's next token `(B,)`."""
-        cache = self.cache if len(rows) > 1 else rows[0].req.cache
-        with mx.stream(generation_stream):
-            for r in rows:
-                if r.req.draft is not None:  # dormant: its context stops at the last capture
-                    follow_capture(r.req, False, len(r.req.prompt) + r.generated - 1)
-            logits, _ = self.pair.target.forward(anchors.reshape(-1, 1), cache, None)
-            top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
-        mx.async_eval(top)
-        return top
-
     def _plain_cycle(
         self,
         rows: list[Row],
+        chooser: WidthChooser | None,
         top: mx.array | None = None,
         index: list[int] | None = None,
-        tic: float | None = None,
+        tic: float = 0.0,
         chain: bool = True,
     ) -> None:
-        """A plain cycle of every row: its pass (`top`, already launched, rows at `index`
-        of it; else launched now), and, while every row stays plain, the next cycle's pass
-        launched on the device tokens before this one's reach the host, as mlx-lm chains
-        its steps. What a chained pass feeds a row that ends here is never read."""
+        """A plain cycle of every row: its pass (`top`, already launched, the rows at
+        `index` of it; else launched now), and, while every row stays plain, the next
+        cycle's pass launched on the device tokens before this one's reach the host, as
+        mlx-lm chains its steps. What a chained pass feeds a row that ends here is never
+        read. `chooser`: the batch's (None: looked up for these rows)."""
         size = len(rows)
+        target = self.pair.target
+        cache = self.cache if size > 1 else rows[0].req.cache
         if top is None:
             tic = time.perf_counter()
-            top = self._plain_pass(rows, mx.concatenate([r.anchor for r in rows]))
-            index = list(range(size))
-        if index != list(range(len(index))) or top.shape[0] != size:
+            top = bc.plain_pass(target, rows, mx.concatenate([r.anchor for r in rows]), cache)
+        elif top.shape[0] != size:  # rows left since it was launched (the order stays)
             top = top[mx.array(index)]
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
+        if chooser is None and auto:
+            chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser)
         if (
             chain
             and not self.waiting
             and all(r.options.max_tokens - r.generated >= 2 and not r.cancelled for r in rows)
         ):
             widths, captures = bc.plan(rows, chooser)  # the next cycle's, decided now
-            if self._plain(rows, widths, captures):
-                self._ahead = _Ahead(rows, self._plain_pass(rows, top), time.perf_counter())
+            if bc.plain(target, rows, widths, captures):
+                nxt = bc.plain_pass(target, rows, top, cache)
+                self._ahead = _Ahead(rows, nxt, time.perf_counter())
             else:
                 self._planned = ([id(r) for r in rows], (widths, captures))
         tokens = top.tolist()

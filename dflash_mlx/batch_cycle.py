@@ -133,6 +133,36 @@ def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool
     return out, captures
 
 
+def plain(target, rows: list[Row], widths: list, captures: list[bool]) -> bool:
+    """Whether the cycle `plan`ned is a plain pass that can be chained on the device: every
+    row decodes plainly (W = 1, no features for its draft) and greedily, without logits
+    processors or recurrent state to keep."""
+    return (
+        not target.recurrent
+        and all(w == 1 for w, _ in widths)
+        and not any(captures)
+        and all(
+            r.error is None
+            and r.req.params.greedy
+            and r.req.controls is None
+            and not r.req.keep_snapshots
+            for r in rows
+        )
+    )
+
+
+def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.array:
+    """The target on each row's anchor `(B,)`, launched: each row's next token `(B,)`."""
+    with mx.stream(generation_stream):
+        for r in rows:
+            if r.req.draft is not None:  # dormant: its context stops at the last capture
+                follow_capture(r.req, False, len(r.req.prompt) + r.generated - 1)
+        logits, _ = target.forward(anchors.reshape(-1, 1), cache, None)
+        top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+    mx.async_eval(top)
+    return top
+
+
 def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     """Each row's `(drafts, q, masks)`; rows of one draft block without processors share
     one draft pass."""

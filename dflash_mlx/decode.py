@@ -27,10 +27,10 @@ from mlx_lm.generate import generation_stream
 
 from .adaptive import WidthChooser
 from .bookkeeping import Clock, clear_cache_every, cut_at_eos, follow_capture, snapshot
-from .controls import Controls, Grammar, TokenLogprob, read_logprobs
+from .controls import Grammar, TokenLogprob, read_logprobs
 from .options import GenerateOptions
 from .pair import Pair
-from .prefill import Request, prefill_prompt, resume
+from .prefill import Request, open_request, prefill_prompt
 from .prompt_cache import PromptCache
 from .sampling import (
     PositionKeys,
@@ -115,21 +115,8 @@ def speculative_decode(
     # built for it.
     draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
     lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(pair.model, draft)
-    with mx.stream(generation_stream):
-        cache, state, start = resume(pair, draft, prompt, saved, options.draft_window)
-    req = Request(
-        pair,
-        draft,
-        options.sampling,
-        PositionKeys(seed),
-        list(prompt),
-        cache,
-        state,
-        start,
-        draft.config.target_layer_ids if draft is not None else None,
-        keep_snapshots=prompt_cache is not None and pair.target.recurrent,
-        controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
-    )
+    cached = prompt_cache is not None
+    req = open_request(pair, draft, prompt, options, seed, saved, grammar, cached)
     req.trees = tree_mode(req, options, chooser, learn_costs)
     if chooser is not None:
         chooser.begin_request()

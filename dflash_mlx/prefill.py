@@ -99,6 +99,41 @@ class Request:
         )
 
 
+def open_request(
+    pair: Any,
+    draft: DFlashDraft | None,
+    prompt: list[int],
+    options: Any,
+    seed: int,
+    saved: CachedState | None,
+    grammar: Any,
+    cached: bool,
+) -> Request:
+    """One request's state, its caches resumed from `saved` (a `PromptCache`'s) where they
+    hold a prefix of `prompt`: what a request alone and a batch's row both start from.
+    `cached`: the request has a prompt cache (a recurrent target then keeps snapshots)."""
+    from mlx_lm.generate import generation_stream
+
+    from .controls import Controls
+
+    with mx.stream(generation_stream):
+        cache, state, start = resume(pair, draft, prompt, saved, options.draft_window)
+    return Request(
+        pair,
+        draft,
+        options.sampling,
+        PositionKeys(seed),
+        list(prompt),
+        cache,
+        state,
+        start,
+        draft.config.target_layer_ids if draft is not None else None,
+        # Whether the target is recurrent is known once it made a cache (in `resume`).
+        keep_snapshots=cached and pair.target.recurrent,
+        controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
+    )
+
+
 def resume(
     pair: Pair,
     draft: DFlashDraft | None,
