@@ -17,10 +17,16 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .batch import BatchDecoder, batch_generate
+    from .batch import BatchDecoder
     from .controls import TokenLogprob, check_grammar
     from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
-    from .generate import GenerationResponse, GenerationResult, generate, stream_generate
+    from .generate import (
+        GenerationResponse,
+        GenerationResult,
+        batch_generate,
+        generate,
+        stream_generate,
+    )
     from .loading import LoadError, load, load_draft
     from .options import GenerateOptions
     from .pair import Pair, load_pair
@@ -30,7 +36,7 @@ if TYPE_CHECKING:
 
 _API = {
     "BatchDecoder": ".batch",
-    "batch_generate": ".batch",
+    "batch_generate": ".generate",
     "BadArgument": ".errors",
     "BadCheckpoint": ".errors",
     "ContextTooLong": ".errors",

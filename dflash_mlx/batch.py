@@ -41,8 +41,7 @@ from .batch_cycle import Row, batch_curves
 from .bookkeeping import clear_cache_every, cut_at_eos
 from .controls import compile_grammar, read_logprobs
 from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
-from .errors import BadArgument
-from .generate import GenerationResponse, GenerationResult, Reply
+from .generate import GenerationResponse, Reply, batch_generate
 from .options import GenerateOptions
 from .pair import Pair
 from .prefill import open_request, prefill_prompt
@@ -420,48 +419,3 @@ class BatchDecoder:
         self._respond(r, Cycle(new, n, s.width, logprobs=lp, batch=size if size > 1 else 0))
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True
-
-
-def batch_generate(
-    pair: Pair,
-    tokenizer: Any,
-    prompts: list[Any],
-    options: GenerateOptions | list[GenerateOptions] | None = None,
-    *,
-    max_batch: int = 8,
-) -> list[GenerationResult]:
-    """Generate a reply to each of `prompts` (texts, token ids or chat messages), decoded
-    together `max_batch` at a time with the draft on; one `GenerationResult` per prompt, in
-    order. `options` is one `GenerateOptions` for all, or one per prompt. Each reply is what
-    `generate` gives for its prompt alone: token for token at temperature 0 (and with a
-    seed at a fixed verify width), in distribution otherwise. A prompt that fails raises
-    its error after the others finished."""
-    many = options if isinstance(options, list) else [options] * len(prompts)
-    if len(many) != len(prompts):
-        raise BadArgument(f"{len(many)} options for {len(prompts)} prompts: give one, or one each")
-    decoder = BatchDecoder(pair, tokenizer, max_batch=max_batch)
-    rows = [decoder.submit(p, o, handle=i) for i, (p, o) in enumerate(zip(prompts, many))]
-    got: dict[int, list[GenerationResponse]] = {i: [] for i in range(len(rows))}
-    errors: dict[int, BaseException] = {}
-    while decoder.busy:
-        for row, item in decoder.step():
-            if isinstance(item, BaseException):
-                errors[row.handle] = item
-            else:
-                got[row.handle].append(item)
-    if errors:
-        raise errors[min(errors)]
-    return [_result(got[i]) for i in range(len(rows))]
-
-
-def _result(responses: list[GenerationResponse]) -> GenerationResult:
-    last = responses[-1]
-    logprobs = [lp for r in responses for lp in (r.logprobs or ())]
-    return GenerationResult(
-        text="".join(r.text for r in responses),
-        tokens=[t for r in responses for t in r.tokens],
-        finish_reason=last.finish_reason,
-        stats=last.stats,
-        stop=last.stop,
-        logprobs=logprobs if last.logprobs is not None else None,
-    )

@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -314,9 +314,14 @@ def _abandon(cycle_iter: Iterator, error: BaseException) -> None:
 
 def generate(target: Pair | nn.Module, *args: Any, **kwargs: Any) -> GenerationResult:
     """Run `stream_generate` to the end and return the text with the run's `Stats`."""
+    return collect(stream_generate(target, *args, **kwargs))
+
+
+def collect(responses: Iterable[GenerationResponse]) -> GenerationResult:
+    """One request's responses, in order, as its `GenerationResult`."""
     text, tokens, logprobs = [], [], []
     last = None
-    for r in stream_generate(target, *args, **kwargs):
+    for r in responses:
         text.append(r.text)
         tokens.extend(r.tokens)
         if r.logprobs is not None:
@@ -330,6 +335,40 @@ def generate(target: Pair | nn.Module, *args: Any, **kwargs: Any) -> GenerationR
         stop=last.stop,
         logprobs=logprobs if last.logprobs is not None else None,
     )
+
+
+def batch_generate(
+    pair: Pair,
+    tokenizer: Any,
+    prompts: list[Any],
+    options: GenerateOptions | list[GenerateOptions] | None = None,
+    *,
+    max_batch: int = 8,
+) -> list[GenerationResult]:
+    """Generate a reply to each of `prompts` (texts, token ids or chat messages), decoded
+    together `max_batch` at a time with the draft on; one `GenerationResult` per prompt, in
+    order. `options` is one `GenerateOptions` for all, or one per prompt. Each reply is what
+    `generate` gives for its prompt alone: token for token at temperature 0 (and with a
+    seed at a fixed verify width), in distribution otherwise. A prompt that fails raises
+    its error after the others finished."""
+    from .batch import BatchDecoder
+
+    many = options if isinstance(options, list) else [options] * len(prompts)
+    if len(many) != len(prompts):
+        raise BadArgument(f"{len(many)} options for {len(prompts)} prompts: give one, or one each")
+    decoder = BatchDecoder(pair, tokenizer, max_batch=max_batch)
+    rows = [decoder.submit(p, o, handle=i) for i, (p, o) in enumerate(zip(prompts, many))]
+    got: dict[int, list[GenerationResponse]] = {i: [] for i in range(len(rows))}
+    errors: dict[int, BaseException] = {}
+    while decoder.busy:
+        for row, item in decoder.step():
+            if isinstance(item, BaseException):
+                errors[row.handle] = item
+            else:
+                got[row.handle].append(item)
+    if errors:
+        raise errors[min(errors)]
+    return [collect(got[i]) for i in range(len(rows))]
 
 
 def __getattr__(name: str):
