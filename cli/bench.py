@@ -208,8 +208,7 @@ def _concurrency_clashes(levels, max_batch, late, trees, context, calibrate) -> 
         raise BadArgument(f"--max-batch {max_batch}: use an integer >= 1 (rows at once)")
     for flag, given in (("--trees", trees), ("--context", context), ("--calibrate", calibrate)):
         if given:
-            why = "a batch verifies chains" if flag == "--trees" else "a bench of its own"
-            raise BadArgument(f"{flag} does not go with --concurrency ({why})")
+            raise BadArgument(f"{flag} does not go with --concurrency (a bench of its own)")
 
 
 def parse_contexts(text: str | None) -> list[int] | None:

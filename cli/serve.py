@@ -66,8 +66,8 @@ def serve(
         int | None,
         typer.Option(
             help="Requests decoded together, joining and leaving between cycles (1: one at "
-            "a time; a batch verifies chains, not trees).",
-            show_default=f"{DEFAULT_MAX_BATCH} (1 with --tree)",
+            "a time).",
+            show_default=str(DEFAULT_MAX_BATCH),
         ),
     ] = None,
     max_batch_tokens: Annotated[
@@ -317,7 +317,7 @@ def run(
     `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed, the
     penalties) for requests that leave them out, as are `verify_width`, `draft_window` and
     `tree` (a request's `tree` field overrides it); `default_max_tokens` None: 2048.
-    `max_batch` None: 8, or 1 with `tree` (a batch verifies chains)."""
+    `max_batch` None: 8."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:
@@ -326,8 +326,8 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
-    if max_batch is None:  # --tree asks for trees, which a batch does not verify
-        max_batch = 1 if tree else DEFAULT_MAX_BATCH
+    if max_batch is None:
+        max_batch = DEFAULT_MAX_BATCH
     if max_batch < 1:
         raise BadArgument(f"--max-batch {max_batch} must be >= 1 (1: one request at a time)")
     if max_batch_tokens < 1:

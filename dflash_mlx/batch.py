@@ -19,7 +19,8 @@ cycle by a `WidthChooser` for the batch's size, priced by what the whole pass co
 per row; then the wall time of the batched cycles it ran), so under load widths narrow, or
 go plain, where extra verified rows stop coming free. Alone, a row uses the pair's own
 chooser. The cycle's steps are `batch_cycle.py`'s.
-Trees are single-request: batched rows verify chains (`stats.tree_note` says so).
+Rows that verify trees (SPEC 7) do so in the same pass as the others' chains, each row
+masked as its shape says.
 Knows nothing about HTTP: `server/engine.py` and `batch_generate` drive it.
 """
 
@@ -47,10 +48,10 @@ from .pair import Pair
 from .prefill import open_request, prefill_prompt
 from .prompt_cache import PromptCache
 from .text import encode_prompt
+from .tree import ShapeChooser, tree_mode
 
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
 
-BATCH_NOTE = "batched (a batch verifies chains)"
 # A plain cycle's step: it commits its one position, so nothing is rewound or captured.
 PLAIN = _Step(None, None, None, NOTHING_SAVED, 1, 0.0, True)
 
@@ -176,8 +177,7 @@ class BatchDecoder:
         why = batchable(req.cache)
         if why is not None:
             raise NotImplementedError(f"this target cannot decode in a batch: {why}")
-        if opts.tree and draft is not None:
-            req.tree_note = BATCH_NOTE
+        req.trees = tree_mode(req, opts, chooser, opts.seed is None)
         if chooser is not None and not self.active:
             # Alone, a request starts as it does in `stream_generate`; joining others, the
             # acceptance every row has taught stays (the batch's width rides on it).
@@ -332,7 +332,11 @@ class BatchDecoder:
             logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
             steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
         bc.rewind(target, rows, steps, results, cache, width)
-        bc.learn(chooser, rows, widths, results, width, time.perf_counter() - tic, caught_up)
+        spent = time.perf_counter() - tic
+        bc.learn(chooser, rows, widths, results, width, spent, caught_up)
+        for r, s, (n, _) in zip(rows, steps, results):
+            if isinstance(r.req.trees, ShapeChooser) and s.width >= 3:
+                r.req.trees.observe(s.tree is not None, n + 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._commit_rows(rows, steps, results, size)
 
@@ -416,6 +420,8 @@ class BatchDecoder:
         req.generated.extend(new)
         r.anchor = mx.array(new[-1:], dtype=mx.int32)
         lp = read_logprobs(s.logprobs, range(len(new)), new)
-        self._respond(r, Cycle(new, n, s.width, logprobs=lp, batch=size if size > 1 else 0))
+        batch = size if size > 1 else 0
+        tree = s.tree is not None
+        self._respond(r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch))
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True

@@ -84,6 +84,25 @@ class RowsKVCache(_BaseCache):
         self.lengths = [length - d for length, d in zip(self.lengths, drops)]
         self.offset = mx.array(self.lengths)
 
+    def move_paths(self, paths: list[list[int] | None], total: int) -> None:
+        """After a pass of `total` tokens a row: the positions of the nodes on row `b`'s
+        accepted tree path (`paths[b]`, node ids in pass order, root first) moved to the
+        front of its block, in path order (None: a chain's, already in place). The rest is
+        rewound after (`trim_rows`)."""
+        if all(p is None or p == list(range(len(p))) for p in paths):
+            return
+        src, dst = [], []
+        for length, path in zip(self.lengths, paths):
+            start = length - total
+            order = list(range(total)) if path is None else path + list(range(len(path), total))
+            src.append([start + i for i in order])
+            dst.append(list(range(start, start + total)))
+        src_at, dst_at = mx.array(src)[:, None, :, None], mx.array(dst)[:, None, :, None]
+        for name in ("keys", "values"):
+            a = getattr(self, name)
+            moved = mx.take_along_axis(a, src_at, axis=2)
+            setattr(self, name, mx.put_along_axis(a, dst_at, moved, axis=2))
+
     def is_trimmable(self) -> bool:
         return True
 

@@ -20,7 +20,7 @@ from mlx_lm.generate import generation_stream
 
 from . import batch_draft
 from .adaptive import WidthChooser
-from .batch_cache import rewind_rows
+from .batch_cache import RowsKVCache, rewind_rows
 from .bookkeeping import follow_capture
 from .costs import CostCurves
 from .decode import _Step, accept, commit, commit_draft, make_drafts, result
@@ -28,6 +28,7 @@ from .generate import Reply
 from .options import GenerateOptions
 from .prefill import Request
 from .prompt_cache import PromptCache
+from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
 
 
 @dataclass(eq=False)
@@ -125,7 +126,9 @@ def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool
         else:
             w, length = w_auto, l_auto
         left = r.options.max_tokens - r.generated
-        out.append((max(1, min(w, left, length if length > 1 else 1)), length))
+        # A tree's budget may exceed the block; a chain's is cut to it when drafted.
+        block = length if length > 1 and not r.req.trees else w
+        out.append((max(1, min(w, left, block)), length))
     captures = [
         r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
         for r in rows
@@ -164,15 +167,32 @@ def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.ar
 
 
 def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
-    """Each row's `(drafts, q, masks)`; rows of one draft block without processors share
-    one draft pass."""
+    """Each row's `(drafts, q, masks, shape)`: rows whose cycle verifies a tree (SPEC 7)
+    get its nodes after the anchor as `drafts` and `shape` `(tokens, parents, depths,
+    seen)`; the others a chain (`shape` None), and rows of one draft block without
+    processors share one draft pass."""
     out: list = [None] * len(rows)
     for b, r in enumerate(rows):
         if r.req.draft is not None:
             follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
+    shaped: dict[int, bool] = {}  # a shape chooser decides once a cycle for its rows
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        trees = r.req.trees
+        if isinstance(trees, ShapeChooser) and w >= 3 and id(trees) not in shaped:
+            shaped[id(trees)] = trees.tree_next()
+        if w >= 3 and (trees is True or shaped.get(id(trees), False)):
+            try:
+                shape = propose_tree(r.req, r.anchor, w, length)
+                out[b] = (shape[0][1:], None, None, shape)
+            except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
+                r.error = e
+                out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
+                widths[b] = (1, 1)
+        elif w > length > 1:  # a tree's budget asked for where this cycle verifies a chain
+            widths[b] = (length, length)
     groups: dict[int, list[int]] = {}
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
-        if w > 1 and batch_draft.batchable(r.req):
+        if out[b] is None and w > 1 and batch_draft.batchable(r.req):
             groups.setdefault(length, []).append(b)
     for length, members in groups.items():
         if len(members) < 2:
@@ -185,30 +205,39 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
             length,
         )
         for b, (drafts, q) in zip(members, got):
-            out[b] = (drafts, q, None)
+            out[b] = (drafts, q, None, None)
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
         if out[b] is not None:
             continue
         try:
-            out[b] = make_drafts(r.req, r.anchor, r.generated - 1, w, length)
+            out[b] = (*make_drafts(r.req, r.anchor, r.generated - 1, w, length), None)
         except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
             r.error = e
-            out[b] = (mx.zeros((0,), dtype=mx.int32), None, None)
+            out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
             widths[b] = (1, 1)
     return out
 
 
 def verify(target, rows: list[Row], drafted: list, cache: list, captures: list[bool]):
-    """One target pass over every row's `[anchor, drafts]`, padded to the widest:
+    """One target pass over every row's `[anchor, drafts]`, padded to the widest (trees
+    and chains together, each row masked as its shape says, `tree.batch_mask`):
     `(logits, feats, width, (snapshot, calls))`."""
-    width = max(d.size + 1 for d, _, _ in drafted)
+    width = max(d.size + 1 for d, _, _, _ in drafted)
     tokens = []
-    for r, (drafts, _, _) in zip(rows, drafted):
+    for r, (drafts, _, _, _) in zip(rows, drafted):
         seq = mx.concatenate([r.anchor, drafts])
         tokens.append(mx.pad(seq, [(0, width - seq.size)]) if width > seq.size else seq)
     ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
     before = target.snapshot(cache)
-    logits, feats = target.forward(mx.stack(tokens), cache, ids)
+    shapes = [d[3] for d in drafted]
+    if any(s is not None for s in shapes):
+        first = cache[0]
+        lengths = first.lengths if isinstance(first, RowsKVCache) else [first.offset]
+        seen = [None if s is None else (s[3], s[2]) for s in shapes]
+        mask, depths = batch_mask(seen, lengths, width)
+        logits, feats = target.forward_tree(mx.stack(tokens), cache, mask, depths, ids)
+    else:
+        logits, feats = target.forward(mx.stack(tokens), cache, ids)
     return logits, feats, width, (before, target.recorded_calls())
 
 
@@ -219,12 +248,19 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
     together = [
         b
         for b, r in enumerate(rows)
-        if r.error is None and r.req.params.greedy and r.req.controls is None
+        if r.error is None
+        and r.req.params.greedy
+        and r.req.controls is None
+        and drafted[b][3] is None
     ]
     steps = []
-    for b, (r, (drafts, q, masks)) in enumerate(zip(rows, drafted)):
+    for b, (r, (drafts, q, masks, shape)) in enumerate(zip(rows, drafted)):
         w = drafts.size + 1
         f = feats[b : b + 1] if feats is not None and captures[b] else None
+        if shape is not None and r.error is None:  # a tree: walked on the host (`result`)
+            out = node_outputs(r.req, logits[b, :w])
+            steps.append(_Step(None, out, f, saved, w, 0.0, False, None, shape[:3], []))
+            continue
         if b in together:
             steps.append(_Step(None, None, f, saved, w, 0.0, False))
             continue
@@ -238,7 +274,13 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
             r.error = e
             n, out, lp = mx.array(0), logits[b, :1].argmax(-1), None
         steps.append(_Step(n, out, f, saved, w, 0.0, False, lp))
-    shown = [a for s in steps if s.n is not None for a in (s.n, s.out, *(s.logprobs or ()))]
+    shown = [
+        a
+        for s in steps
+        if s.n is not None or s.tree is not None
+        for a in (s.n, s.out, *(s.logprobs or ()), *(s.tree or ()))
+        if a is not None
+    ]
     top = proposed = None
     if together:
         top = mx.argmax(logits, axis=-1)
@@ -253,7 +295,7 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
     for b, (r, s) in enumerate(zip(rows, steps)):
         if r.error is not None:
             results.append((0, [0]))
-        elif s.n is None:  # accepted with the others: the longest matching prefix
+        elif s.n is None and s.tree is None:  # accepted with the others: the longest prefix
             got, n = top[b], 0
             if proposed is not None:
                 mine = proposed[together.index(b)]
@@ -271,6 +313,10 @@ def rewind(target, rows: list[Row], steps: list, results: list, cache: list, wid
     with mx.stream(generation_stream):
         if len(rows) > 1:
             keeps = [n + 1 for n, _ in results]
+            paths = [s.path if s.tree is not None else None for s in steps]
+            for c in cache:
+                if isinstance(c, RowsKVCache):
+                    c.move_paths(paths, width)
             before, calls = steps[0].saved
             rewind_rows(target, cache, keeps, width, before, calls)
             for r, s, (n, _) in zip(rows, steps, results):

@@ -328,20 +328,25 @@ def _slice_mask(a: Any, keep: int) -> Any:
 
 class _TreeRoPE(nn.Module):
     """An attention layer's rotary embedding that, in a tree pass, puts each fed token at
-    the cache offset plus its depth (siblings share a position): the layer's own embedding,
-    with the tokens moved to the batch axis and one offset each. Otherwise unchanged."""
+    its row's cache offset plus its depth (siblings share a position): the layer's own
+    embedding, with the tokens moved to the batch axis and one offset each. Otherwise
+    unchanged. A batch's pass (`offset` `(B,)`, depths `(B, n)`) puts each row's tokens
+    after its own offset."""
 
     def __init__(self, rope: nn.Module):
         super().__init__()
         self.inner = rope
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         rec = _ACTIVE.get()
         depths = rec.tree_depths if rec is not None else None
         if depths is None:
             return self.inner(x, offset=offset)
         b, h, n, d = x.shape
-        assert b == 1, "a tree pass has one sequence"
-        xs = x.reshape(h, n, 1, d).transpose(1, 0, 2, 3)  # (N, H, 1, D): a token per row
-        xs = self.inner(xs, offset=depths + offset)
-        return xs.transpose(1, 0, 2, 3).reshape(1, h, n, d)
+        depths = depths.reshape(-1, n)  # one row of depths per sequence (or one for all)
+        if isinstance(offset, mx.array) and offset.ndim == 1:
+            offset = offset[:, None]
+        positions = mx.broadcast_to(depths + offset, (b, n)).reshape(-1)
+        xs = x.transpose(0, 2, 1, 3).reshape(b * n, h, 1, d)  # (B*N, H, 1, D): a token a row
+        xs = self.inner(xs, offset=positions)
+        return xs.reshape(b, n, h, d).transpose(0, 2, 1, 3)

@@ -228,13 +228,12 @@ def tree_mode(
     return chooser.shapes
 
 
-def verify_tree(
-    req: Request, anchor: mx.array, budget: int, rows: int, capture: bool
-) -> tuple[mx.array, mx.array | None, tuple[mx.array, mx.array, mx.array]]:
-    """Draft, build the tree of `budget` tokens (anchor included) from the draft's ranked
-    tokens at each block position (`build`), and verify it in one target pass, all started
-    on the device: the target's argmax (greedy) or distribution at each node, the features
-    the draft reads, and the tree's `(tokens, parents, depths)`."""
+def propose_tree(
+    req: Request, anchor: mx.array, budget: int, rows: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """Draft and build the tree of `budget` tokens (anchor included) from the draft's
+    ranked tokens at each block position (`build`), started on the device:
+    `(tokens, parents, depths, seen)`."""
     req.feed_draft()
     logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
     req.lazy_rows = 0
@@ -244,7 +243,16 @@ def verify_tree(
     vals = mx.take_along_axis(lp, top, axis=-1)
     order = mx.argsort(-vals, axis=-1)  # best first
     top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
-    tokens, parents, depths, seen = build(anchor, vals, top, budget)
+    return build(anchor, vals, top, budget)
+
+
+def verify_tree(
+    req: Request, anchor: mx.array, budget: int, rows: int, capture: bool
+) -> tuple[mx.array, mx.array | None, tuple[mx.array, mx.array, mx.array]]:
+    """Draft and build the tree (`propose_tree`) and verify it in one target pass, all
+    started on the device: the target's argmax (greedy) or distribution at each node, the
+    features the draft reads, and the tree's `(tokens, parents, depths)`."""
+    tokens, parents, depths, seen = propose_tree(req, anchor, budget, rows)
     logits, feats = req.target.forward_tree(
         tokens[None],
         req.cache,
@@ -252,12 +260,43 @@ def verify_tree(
         depths,
         req.ids if capture else None,
     )
-    if req.params.greedy:
-        out = mx.argmax(logits[0], axis=-1)
-    else:
-        out = probabilities(logits[0], req.params)
+    out = node_outputs(req, logits[0])
     mx.async_eval(out, tokens, parents, depths)
     return out, feats, (tokens, parents, depths)
+
+
+def node_outputs(req: Request, logits: mx.array) -> mx.array:
+    """What a tree's acceptance reads at each node: the target's argmax (greedy) or its
+    distribution."""
+    if req.params.greedy:
+        return mx.argmax(logits, axis=-1)
+    return probabilities(logits, req.params)
+
+
+def batch_mask(
+    shapes: list[tuple[mx.array, mx.array] | None], lengths: list[int], width: int
+) -> tuple[mx.array, mx.array]:
+    """A batch's tree pass (SPEC 7, 8): `(B, 1, width, max length + width)` bool, each row's
+    fed tokens seeing that row's committed positions and, of its block, what its shape's
+    `(seen, depths)` says (a tree's ancestors; None: a chain's causal order), and each fed
+    token's depth `(B, width)`. A row's padding (past its nodes) sees causally, so nothing
+    it computes is NaN."""
+    span = max(lengths) + width
+    masks, depths = [], []
+    causal = mx.tril(mx.ones((width, width), dtype=mx.bool_))
+    for shape, length in zip(shapes, lengths):
+        block, depth = causal, mx.arange(width, dtype=mx.int32)
+        if shape is not None:
+            seen, d = shape
+            n = seen.shape[0]
+            block = mx.concatenate([mx.pad(seen, [(0, 0), (0, width - n)]), causal[n:]])
+            depth = mx.concatenate([d.astype(mx.int32), depth[n:]])
+        row = [mx.ones((width, length), dtype=mx.bool_), block]
+        if span > length + width:
+            row.append(mx.zeros((width, span - length - width), dtype=mx.bool_))
+        masks.append(mx.concatenate(row, axis=1))
+        depths.append(depth)
+    return mx.stack(masks)[:, None], mx.stack(depths)
 
 
 def read_tree(

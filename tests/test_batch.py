@@ -191,13 +191,17 @@ def test_the_identity_check_catches_a_broken_batch(case, monkeypatch, where, wha
     assert any(tokens[i] != ref for i, ref in enumerate(refs)), f"{what} broken, not caught"
 
 
-def test_seeded_sampled_rows_replay_their_solo_runs_at_a_fixed_width(case):
+@pytest.mark.parametrize("tree", [False, True])
+def test_seeded_sampled_rows_replay_their_solo_runs_at_a_fixed_width(case, tree):
     name, model, tok, ids, refs, lookup = case
     pair = Pair(model, lookup)
-    opts = [options(i, 4, temperature=0.9, seed=100 + i) for i in range(4)]
+    width = 6 if tree else 4
+    opts = [options(i, width, temperature=0.9, seed=100 + i, tree=tree) for i in range(4)]
     solo = [generate(pair, tok, i, o).tokens for i, o in zip(ids, opts)]
     got = batch_generate(pair, tok, ids, opts)
     assert [r.tokens for r in got] == solo
+    if tree and name == "qwen3":  # sampled trees verified in the batch's passes
+        assert all(r.stats.trees for r in got) and max(got[0].stats.batches) >= 2
     other = batch_generate(pair, tok, ids, [o.replace(seed=o.seed + 7) for o in opts])
     assert [r.tokens for r in other] != solo, "another seed must sample differently"
 
@@ -623,3 +627,60 @@ def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, mode
     assert solo[1] != target_greedy(model, ids[1], LENGTHS[1]), "the penalty must matter"
     assert solo[2] != target_greedy(model, ids[2], 30), "the grammar must matter"
     assert max(max(r.stats.batches, default=0) for r in got) >= 3
+
+
+class SiblingLookupDraft(LookupDraft):
+    """`LookupDraft`'s rows, but each position's right token ranked second after a wrong one
+    from a block index that changes with the position: chains accept up to there, trees
+    accept through siblings past it, and rows accept different paths every cycle."""
+
+    def block_logits(self, anchor, length, rows, state):
+        pos, a = state.context_end, anchor.item()
+        script = next((s for s in self.scripts if pos < len(s) and s[pos] == a), [])
+        right = (pos * 3) % length
+        vocab = self.config.vocab_size
+        rows = length - 1 if rows is None else rows
+        out = np.zeros((rows, vocab), dtype=np.float32)
+        for i in range(rows):
+            t = script[pos + 1 + i] if pos + 1 + i < len(script) else 0
+            out[i, (t + 1) % vocab] = 9.0 if i >= right else 7.0
+            out[i, t] = 8.0
+        return mx.array(out)
+
+
+@pytest.mark.parametrize("budget", [6, 12])
+def test_rows_verifying_trees_in_one_pass_equal_their_solo_greedy(case, draft, budget):
+    """Trees are verified in batches (issue 34): rows of different tree shapes, beside
+    rows verifying chains, in one target pass, each its own solo greedy decode."""
+    name, model, tok, ids, refs, lookup = case
+    sib = SiblingLookupDraft(draft, lookup.scripts)
+    pair = Pair(model, sib)
+    dec = BatchDecoder(pair, tok)
+    tokens = {i: [] for i in range(4)}
+    stats = {}
+    step, joins = 0, [0, 0, 1, 2]
+    pending = [0, 1, 2, 3]
+    while pending or dec.busy:
+        while pending and joins[pending[0]] <= step:
+            i = pending.pop(0)
+            # Row 3 verifies chains beside the others' trees.
+            dec.submit(ids[i], options(i, budget if i < 3 else 4, tree=i < 3), handle=i)
+        for row, item in dec.step():
+            assert not isinstance(item, BaseException), item
+            tokens[row.handle] += item.tokens
+            stats[row.handle] = item.stats
+        step += 1
+    for i, ref in enumerate(refs):
+        assert tokens[i] == ref, f"{name} budget {budget}: row {i} diverged from its solo decode"
+    assert max(dec.sizes) >= 3
+    if name == "qwen35":  # recurrent layers: chains, and the reply says why
+        assert not any(s.trees for s in stats.values())
+        assert "recurrent" in stats[0].tree_note
+        return
+    for i in range(3):
+        s = stats[i]
+        assert s.trees, f"row {i} verified no tree"
+        assert s.tree_note is None
+        assert max(s.batches) >= 2, s.batches
+    assert not stats[3].trees
+    assert max(stats[i].tau for i in range(3)) > 1.5, "siblings must be accepted"
