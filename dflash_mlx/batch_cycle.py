@@ -169,48 +169,51 @@ def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.ar
 def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     """Each row's `(drafts, q, masks, shape)`: rows whose cycle verifies a tree (SPEC 7)
     get its nodes after the anchor as `drafts` and `shape` `(tokens, parents, depths,
-    seen)`; the others a chain (`shape` None), and rows of one draft block without
-    processors share one draft pass."""
+    seen)`; the others a chain (`shape` None). Rows of one draft block without processors
+    share one draft pass, trees and chains alike."""
     out: list = [None] * len(rows)
     for b, r in enumerate(rows):
         if r.req.draft is not None:
             follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
     shaped: dict[int, bool] = {}  # a shape chooser decides once a cycle for its rows
+    trees = [False] * len(rows)
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
-        trees = r.req.trees
-        if isinstance(trees, ShapeChooser) and w >= 3 and id(trees) not in shaped:
-            shaped[id(trees)] = trees.tree_next()
-        if w >= 3 and (trees is True or shaped.get(id(trees), False)):
-            try:
-                shape = propose_tree(r.req, r.anchor, w, length)
-                out[b] = (shape[0][1:], None, None, shape)
-            except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
-                r.error = e
-                out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
-                widths[b] = (1, 1)
+        mode = r.req.trees
+        if isinstance(mode, ShapeChooser) and w >= 3 and id(mode) not in shaped:
+            shaped[id(mode)] = mode.tree_next()
+        if w >= 3 and (mode is True or shaped.get(id(mode), False)):
+            trees[b] = True
         elif w > length > 1:  # a tree's budget asked for where this cycle verifies a chain
             widths[b] = (length, length)
     groups: dict[int, list[int]] = {}
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
-        if out[b] is None and w > 1 and batch_draft.batchable(r.req):
+        if w > 1 and batch_draft.batchable(r.req):
             groups.setdefault(length, []).append(b)
     for length, members in groups.items():
         if len(members) < 2:
             continue
-        got = batch_draft.propose_rows(
-            [rows[b].req for b in members],
-            [rows[b].anchor for b in members],
-            [rows[b].generated - 1 for b in members],
-            [widths[b][0] for b in members],
-            length,
+        most = (
+            length - 1 if any(trees[b] for b in members) else max(widths[b][0] for b in members) - 1
         )
-        for b, (drafts, q) in zip(members, got):
-            out[b] = (drafts, q, None, None)
+        logits = batch_draft.block_logits_rows(
+            [rows[b].req for b in members], [rows[b].anchor for b in members], length, most
+        )
+        for k, b in enumerate(members):
+            r, w = rows[b], widths[b][0]
+            if trees[b]:
+                shape = propose_tree(r.req, r.anchor, w, length, logits[k])
+                out[b] = (shape[0][1:], None, None, shape)
+            else:
+                out[b] = (*batch_draft.chain(r.req, logits[k], r.generated - 1, w), None, None)
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
         if out[b] is not None:
             continue
         try:
-            out[b] = (*make_drafts(r.req, r.anchor, r.generated - 1, w, length), None)
+            if trees[b]:
+                shape = propose_tree(r.req, r.anchor, w, length)
+                out[b] = (shape[0][1:], None, None, shape)
+            else:
+                out[b] = (*make_drafts(r.req, r.anchor, r.generated - 1, w, length), None)
         except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
             r.error = e
             out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)

@@ -56,10 +56,19 @@ def propose_rows(
     """For each request `b`: its `widths[b] - 1` proposals after `anchors[b]` (at generated
     index `starts[b]`) and, when it samples, their distributions `q`, from one pass of the
     draft over blocks of `length` rows (`decode.make_drafts` for a batch)."""
+    logits = block_logits_rows(reqs, anchors, length, max(widths) - 1)
+    return [chain(req, logits[b], starts[b], widths[b]) for b, req in enumerate(reqs)]
+
+
+def block_logits_rows(
+    reqs: list[Request], anchors: list[mx.array], length: int, rows: int
+) -> mx.array:
+    """One pass of the draft over each request's block of `length` rows after its anchor:
+    the logits of block indices `1..rows`, `(B, rows, V)` float32 (row `b` what
+    `DFlashDraft.block_logits` gives that request alone)."""
     draft = reqs[0].draft
     for req in reqs:
         req.feed_draft()
-    rows = max(widths) - 1
     block = mx.full((len(reqs), length), draft.config.mask_token_id, dtype=mx.int32)
     block[:, 0] = mx.concatenate([a.reshape(1) for a in anchors]).astype(mx.int32)
     head = reqs[0].state.head
@@ -67,18 +76,22 @@ def propose_rows(
     positions = mx.array([r.state.caches[0].position for r in reqs])
     for i, layer in enumerate(draft.layers):
         x = layer(x, _context(layer, [r.state.caches[i] for r in reqs], positions))
-    logits = draft.logits(draft.norm(x)[:, 1 : rows + 1], head).astype(mx.float32)
-    out = []
-    for b, req in enumerate(reqs):
+    for req in reqs:
         req.lazy_rows = 0
-        n = widths[b] - 1
-        if req.params.greedy:
-            out.append((mx.argmax(logits[b, :n], axis=-1).astype(mx.int32), None))
-        else:
-            q = probabilities(logits[b, :n], req.params)
-            keys = req.keys(PositionKeys.DRAFT, starts[b] + 1, n)
-            out.append((sample_rows(q, keys).astype(mx.int32), q))
-    return out
+    return draft.logits(draft.norm(x)[:, 1 : rows + 1], head).astype(mx.float32)
+
+
+def chain(
+    req: Request, logits: mx.array, start: int, width: int
+) -> tuple[mx.array, mx.array | None]:
+    """A chain's `width - 1` proposals from one row's block `logits` (the anchor at
+    generated index `start`), and their distributions `q` when it samples."""
+    n = width - 1
+    if req.params.greedy:
+        return mx.argmax(logits[:n], axis=-1).astype(mx.int32), None
+    q = probabilities(logits[:n], req.params)
+    keys = req.keys(PositionKeys.DRAFT, start + 1, n)
+    return sample_rows(q, keys).astype(mx.int32), q
 
 
 def _context(layer, caches: list, positions: mx.array) -> RowsContext:

@@ -229,14 +229,16 @@ def tree_mode(
 
 
 def propose_tree(
-    req: Request, anchor: mx.array, budget: int, rows: int
+    req: Request, anchor: mx.array, budget: int, rows: int, logits: mx.array | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """Draft and build the tree of `budget` tokens (anchor included) from the draft's
-    ranked tokens at each block position (`build`), started on the device:
-    `(tokens, parents, depths, seen)`."""
-    req.feed_draft()
-    logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
-    req.lazy_rows = 0
+    """The tree of `budget` tokens (anchor included) from the draft's ranked tokens at each
+    block position (`build`), started on the device: `(tokens, parents, depths, seen)`.
+    `logits`: the draft's block logits `(rows - 1, V)` when a batch's draft pass made them
+    (else its own pass runs now)."""
+    if logits is None:
+        req.feed_draft()
+        logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
+        req.lazy_rows = 0
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     k = min(BRANCH, lp.shape[-1])
     top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]

@@ -684,3 +684,36 @@ def test_rows_verifying_trees_in_one_pass_equal_their_solo_greedy(case, draft, b
         assert max(s.batches) >= 2, s.batches
     assert not stats[3].trees
     assert max(stats[i].tau for i in range(3)) > 1.5, "siblings must be accepted"
+
+
+def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
+    """Tree rows of a DFlash 1 draft get their ranked tokens from the batch's one draft
+    pass (with chain rows of the same block), and stay their solo greedy decode."""
+    name, model, tok, ids, refs, lookup = case
+    if name == "qwen35":
+        pytest.skip("a hybrid target verifies chains: no tree rows to share a pass")
+    passes = []
+    real = batch_draft.block_logits_rows
+
+    def spy(reqs, anchors, length, rows):
+        passes.append(len(reqs))
+        return real(reqs, anchors, length, rows)
+
+    monkeypatch.setattr(batch_draft, "block_logits_rows", spy)
+    shared = []
+    real_tree = batch_mod.propose_tree
+
+    def tree_spy(req, anchor, budget, rows, logits=None):
+        if logits is not None:  # from the batch's pass: what the row's own pass gives
+            own = req.draft.block_logits(anchor, rows, rows - 1, req.state)
+            assert mx.allclose(logits, own, atol=1e-4).item()
+            shared.append(budget)
+        return real_tree(req, anchor, budget, rows, logits)
+
+    monkeypatch.setattr(batch_mod, "propose_tree", tree_spy)
+    opts = [options(i, 6 if i < 3 else 4, tree=i < 3) for i in range(4)]
+    got = batch_generate(Pair(model, draft), tok, ids, opts)
+    assert [r.tokens for r in got] == refs
+    assert all(r.stats.trees for r in got[:3]) and not got[3].stats.trees
+    assert passes and max(passes) == 4, f"tree and chain rows must share a pass: {passes}"
+    assert len(shared) > 10, shared
