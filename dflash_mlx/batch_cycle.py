@@ -192,11 +192,11 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     for length, members in groups.items():
         if len(members) < 2:
             continue
-        most = (
-            length - 1 if any(trees[b] for b in members) else max(widths[b][0] for b in members) - 1
-        )
-        logits = batch_draft.block_logits_rows(
-            [rows[b].req for b in members], [rows[b].anchor for b in members], length, most
+        wide = any(trees[b] for b in members)
+        most = length - 1 if wide else max(widths[b][0] for b in members) - 1
+        anchors = [rows[b].anchor for b in members]
+        hidden, logits = batch_draft.block_rows(
+            [rows[b].req for b in members], anchors, length, most
         )
         for k, b in enumerate(members):
             r, w = rows[b], widths[b][0]
@@ -204,7 +204,9 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
                 shape = propose_tree(r.req, r.anchor, w, length, logits[k])
                 out[b] = (shape[0][1:], None, None, shape)
             else:
-                out[b] = (*batch_draft.chain(r.req, logits[k], r.generated - 1, w), None, None)
+                start = r.generated - 1
+                got = batch_draft.chain(r.req, logits[k], start, w, hidden[k], r.anchor)
+                out[b] = (*got, None, None)
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
         if out[b] is not None:
             continue

@@ -6,17 +6,19 @@ rows only), each block at its own RoPE position: the view `DFlashDraft` training
 takes (`BlockContext`: many blocks, each with its own context and anchor). What comes out
 for row `b` is what `sampling.propose` gives for that request alone.
 
-Batched here: DFlash 1 drafts, requests without logits processors (their drafts walk row
-by row, `walks.py`). The others draft one by one (`decode.make_drafts`).
+Batched here: DFlash 1 and DFlash 2 drafts (each row's conv rows carried per row, its
+selector walk its own), requests without logits processors (their drafts walk row by row,
+`walks.py`). The others draft one by one (`decode.make_drafts`).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .conv import ConvRows
 from .draft import BlockContext, DFlashDraft, narrowest
 from .prefill import Request
-from .sampling import PositionKeys, probabilities, sample_rows
+from .sampling import PositionKeys, probabilities, sample_rows, selector_walk
 
 
 class RowsContext(BlockContext):
@@ -39,8 +41,6 @@ def batchable(req: Request) -> bool:
     return (
         draft is not None
         and req.controls is None
-        and not draft.config.is_dflash2
-        and "candidate_selector" not in draft
         and type(draft).block_logits is DFlashDraft.block_logits
         and type(draft).hidden is DFlashDraft.hidden
     )
@@ -56,16 +56,20 @@ def propose_rows(
     """For each request `b`: its `widths[b] - 1` proposals after `anchors[b]` (at generated
     index `starts[b]`) and, when it samples, their distributions `q`, from one pass of the
     draft over blocks of `length` rows (`decode.make_drafts` for a batch)."""
-    logits = block_logits_rows(reqs, anchors, length, max(widths) - 1)
-    return [chain(req, logits[b], starts[b], widths[b]) for b, req in enumerate(reqs)]
+    hidden, logits = block_rows(reqs, anchors, length, max(widths) - 1)
+    return [
+        chain(req, logits[b], starts[b], widths[b], hidden[b], anchors[b])
+        for b, req in enumerate(reqs)
+    ]
 
 
-def block_logits_rows(
+def block_rows(
     reqs: list[Request], anchors: list[mx.array], length: int, rows: int
-) -> mx.array:
+) -> tuple[mx.array, mx.array]:
     """One pass of the draft over each request's block of `length` rows after its anchor:
-    the logits of block indices `1..rows`, `(B, rows, V)` float32 (row `b` what
-    `DFlashDraft.block_logits` gives that request alone)."""
+    the final normed hidden states `(B, rows, D)` and logits `(B, rows, V)` float32 of
+    block indices `1..rows` (row `b` what `DFlashDraft.block_hidden` / `block_logits`
+    give that request alone; a DFlash 2 draft's conv rows are each request's own)."""
     draft = reqs[0].draft
     for req in reqs:
         req.feed_draft()
@@ -74,19 +78,64 @@ def block_logits_rows(
     head = reqs[0].state.head
     x = head.embed(block)
     positions = mx.array([r.state.caches[0].position for r in reqs])
+    convs = [_RowsConv([r.state.conv[k] for r in reqs]) for k in range(len(reqs[0].state.conv))]
     for i, layer in enumerate(draft.layers):
-        x = layer(x, _context(layer, [r.state.caches[i] for r in reqs], positions))
+        context = _context(layer, [r.state.caches[i] for r in reqs], positions)
+        x = layer(x, context, convs[2 * i : 2 * i + 2] or None)
+    for c in convs:
+        c.hand_back()
     for req in reqs:
         req.lazy_rows = 0
-    return draft.logits(draft.norm(x)[:, 1 : rows + 1], head).astype(mx.float32)
+    h = draft.norm(x)[:, 1 : rows + 1]
+    return h, draft.logits(h, head).astype(mx.float32)
+
+
+class _RowsConv(ConvRows):
+    """The cross-block rows of one DFlash 2 conv for a batch's pass: each request's
+    `x_{-1}` side by side (zeros where it has none, which is what none means), and the
+    pass's inputs handed back to each request's own rows after it."""
+
+    def __init__(self, rows: list[ConvRows]):
+        super().__init__()
+        self.rows = rows
+        for which in (0, 1):
+            states = [r.state[which] for r in rows]
+            ref = next((a for a in states if a is not None), None)
+            if ref is not None:
+                self.state[which] = mx.concatenate(
+                    [a if a is not None else mx.zeros_like(ref) for a in states]
+                )
+
+    def hand_back(self) -> None:
+        for which in (0, 1):
+            if self.last[which] is not None:
+                for b, r in enumerate(self.rows):
+                    r.last[which] = self.last[which][b : b + 1]
 
 
 def chain(
-    req: Request, logits: mx.array, start: int, width: int
+    req: Request,
+    logits: mx.array,
+    start: int,
+    width: int,
+    hidden: mx.array | None = None,
+    anchor: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """A chain's `width - 1` proposals from one row's block `logits` (the anchor at
-    generated index `start`), and their distributions `q` when it samples."""
+    generated index `start`), and their distributions `q` when it samples; a DFlash 2
+    draft walks its selector over them (`hidden`: the block's, `anchor`: the row's)."""
     n = width - 1
+    draft = req.draft
+    if "candidate_selector" in draft:
+        keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, start + 1, n)
+        return selector_walk(
+            draft.candidate_selector,
+            logits[:n],
+            hidden[:n],
+            anchor,
+            req.params.temperature,
+            keys,
+        )
     if req.params.greedy:
         return mx.argmax(logits[:n], axis=-1).astype(mx.int32), None
     q = probabilities(logits[:n], req.params)

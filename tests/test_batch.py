@@ -16,6 +16,7 @@ import pytest
 from dflash_mlx import GenerateOptions, Pair, batch_cache, batch_draft, generate, load
 from dflash_mlx import batch_cycle as batch_mod
 from dflash_mlx.batch import BatchDecoder, batch_curves, batch_generate
+from dflash_mlx.config import DraftConfig
 from dflash_mlx.costs import CostCurves
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.sampling import PositionKeys, propose
@@ -605,9 +606,9 @@ def test_the_batched_chi_square_catches_rows_sharing_their_draws(table_pair, mon
 
 
 def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, models_dir):
-    """Rows a batched draft pass cannot serve (DFlash 2's conv rows and selector; a
-    penalty's per-row history; a grammar) draft one by one inside the batch and stay their
-    own."""
+    """DFlash 2 rows (one draft pass, their own conv rows and selector walks) beside rows a
+    batched draft pass cannot serve (a penalty's per-row history; a grammar), which draft
+    one by one inside the batch: each stays its own."""
     from dflash_mlx import load_draft
     from dflash_mlx.tiny import build_draft, draft_config
 
@@ -693,13 +694,13 @@ def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
     if name == "qwen35":
         pytest.skip("a hybrid target verifies chains: no tree rows to share a pass")
     passes = []
-    real = batch_draft.block_logits_rows
+    real = batch_draft.block_rows
 
     def spy(reqs, anchors, length, rows):
         passes.append(len(reqs))
         return real(reqs, anchors, length, rows)
 
-    monkeypatch.setattr(batch_draft, "block_logits_rows", spy)
+    monkeypatch.setattr(batch_draft, "block_rows", spy)
     shared = []
     real_tree = batch_mod.propose_tree
 
@@ -717,3 +718,43 @@ def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
     assert all(r.stats.trees for r in got[:3]) and not got[3].stats.trees
     assert passes and max(passes) == 4, f"tree and chain rows must share a pass: {passes}"
     assert len(shared) > 10, shared
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperature):
+    """DFlash 2 rows (issue 34): one draft pass for the batch, each row's conv rows
+    (carried across blocks) and selector walk its own: proposals, their `q` and the conv
+    rows each row keeps equal what the row's own pass gives."""
+    from dflash_mlx.tiny import draft_config
+
+    model, tok = target
+    mx.random.seed(3)
+    d2 = DFlashDraft(DraftConfig.from_dict(draft_config(4, [1, 2], dflash2=True)))
+    mx.eval(d2.parameters())
+    d2.conv_state = "carry"
+    pair = Pair(model, d2)
+    dec = BatchDecoder(pair, tok)
+    for k, p in enumerate(PROMPTS[:3]):
+        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, temperature=temperature))
+    for _ in range(8):
+        dec.step()
+    reqs = [r.req for r in dec.active]
+    assert len(reqs) == 3 and all(batch_draft.batchable(r) for r in reqs)
+    assert all(r.state.conv[0].state[0] is not None for r in reqs), "conv rows must be carried"
+    anchors = [mx.array([t]) for t in (5, 9, 17)]
+    starts = [len(r.generated) - 1 for r in reqs]
+    for r in reqs:
+        r.feed_draft()
+    alone, kept = [], []
+    for r, a, s in zip(reqs, anchors, starts):
+        keys = None if r.params.greedy else r.keys(PositionKeys.DRAFT, s + 1, 5)
+        alone.append(propose(d2, r.state, a, 8, 5, r.params, keys))
+        kept.append([np.array(c.last[0]) for c in r.state.conv])
+    got = batch_draft.propose_rows(reqs, anchors, starts, [6, 6, 6], 8)
+    for b, r in enumerate(reqs):
+        assert got[b][0].tolist() == alone[b][0].tolist()
+        if temperature:
+            np.testing.assert_allclose(np.array(got[b][1]), np.array(alone[b][1]), atol=1e-4)
+        for c, want in zip(r.state.conv, kept[b]):
+            np.testing.assert_allclose(np.array(c.last[0]), want, atol=1e-4)
+    assert got[0][0].tolist() != got[1][0].tolist(), "rows must differ for this to mean much"
