@@ -734,7 +734,7 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
     d2.conv_state = "carry"
     pair = Pair(model, d2)
     dec = BatchDecoder(pair, tok)
-    for k, p in enumerate(PROMPTS[:3]):
+    for p in PROMPTS[:3]:
         dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, temperature=temperature))
     for _ in range(8):
         dec.step()
