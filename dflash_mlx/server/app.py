@@ -13,13 +13,15 @@ import html
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.config import LOGGING_CONFIG
 
@@ -27,8 +29,18 @@ from .. import __version__
 from . import anthropic_api, openai_api, responses_api
 from .core import APIError, Service, as_api_error
 from .engine import Engine
+from .metrics import Counting, Metrics
 from .request import SAMPLING_DEFAULTS
 from .security import LOOPBACK_ORIGIN, Guard, H11Protocol, Policy
+
+# The chat page at `/`: plain files, no build step; they load nothing from elsewhere.
+PAGE = Path(__file__).parent / "page"
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 @dataclass
@@ -188,8 +200,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         max_body_bytes=int(settings.max_body_mb * 1e6),
         body_timeout=settings.body_timeout,
     )
+    metrics = Metrics()
+    app.state.metrics = metrics
     app.add_middleware(Failures)  # innermost: its responses pass the CORS grants too
     app.add_middleware(Guard, policy=policy, render=render_error)
+    # Outside the guard: its refusals are counted too (/metrics).
+    app.add_middleware(Counting, metrics=metrics)
     # Added last, so a browser's preflight (which carries no key) is answered first; only
     # the allowed origins get a grant.
     app.add_middleware(
@@ -265,6 +281,20 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     # HEAD: the same status and headers, no body (uvicorn sends none for HEAD).
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics_text() -> PlainTextResponse:
+        """Prometheus' text format: requests, tokens, tau, widths, latencies, queue."""
+        return PlainTextResponse(
+            metrics.render(engine.status()), media_type="text/plain; version=0.0.4"
+        )
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> FileResponse:
+        """The chat page: static files of the package, talking to this server's API."""
+        return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
+
+    app.mount("/page", StaticFiles(directory=PAGE), name="page")
 
     @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:

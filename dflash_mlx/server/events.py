@@ -21,6 +21,7 @@ from mlx_lm.generate import TextStateMachine
 
 from ..generate import GenerationResponse
 from ..stats import Stats
+from . import metrics
 from .engine import Job
 from .logprobs import Ledger, Scored
 from .request import Request
@@ -136,6 +137,10 @@ class Generation:
         self.request = req
         self.prompt_tokens = len(ids)
         self.usage = Usage(len(ids))  # running totals, up to date after each event
+        # What /metrics counts of this request, once its HTTP reply is over.
+        self._record = metrics.current.get()
+        if self._record is not None:
+            self._record.usage = self.usage
         self.chat = chat
         tok = service.tokenizer
         initial = "normal"
@@ -206,7 +211,13 @@ class Generation:
             stop_sequence = usage.stop
             if made_call and reason == "stop" and stop_sequence is None:
                 reason = "tool_calls"
+            if self._record is not None:
+                self._record.finished = True
             yield Finish(reason, usage, stop_sequence, truncated)
+        except Exception:
+            if self._record is not None:
+                self._record.failed = True
+            raise
         finally:
             self.job.cancel()
 

@@ -42,6 +42,21 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def same_origin_ip(origin: str, host: str) -> bool:
+    """Whether `origin` is this server's own, reached at an IP address (the chat page at
+    `http://192.168.1.5:8080/` asking its own API). Only an address: a name could be an
+    attacker's that resolves here (DNS rebinding), an address is the server's own."""
+    scheme, _, rest = origin.partition("://")
+    if scheme not in ("http", "https") or rest.lower() != host.strip().lower():
+        return False
+    name = rest[1 : rest.find("]")] if rest.startswith("[") else rest.rsplit(":", 1)[0]
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def is_origin(origin: str) -> bool:
     """Whether `--cors-origin` takes `origin` by name: `http(s)://host[:port]`."""
     return origin.startswith(("http://", "https://"))
@@ -104,14 +119,14 @@ class Guard:
                 code="host_not_allowed",
             )
         origin = headers.get(b"origin", b"").decode("latin-1")
-        if origin and not p.origin_allowed(origin):
+        if origin and not (p.origin_allowed(origin) or same_origin_ip(origin, host)):
             raise APIError(
                 403,
                 f"Origin {origin!r} is not allowed: {_how_to_allow(origin)}",
                 kind="permission_error",
                 code="origin_not_allowed",
             )
-        if p.api_key and scope["path"].startswith("/v1"):
+        if p.api_key and scope["path"].startswith(("/v1", "/metrics")):
             self._check_key(headers)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             ctype = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
