@@ -50,6 +50,13 @@ for _ in $(seq 1 240); do
 done
 [ -s "$work/health.json" ] || { cat "$work/serve.log"; echo "no /health answer"; exit 1; }
 echo "  $url/health -> $(cat "$work/health.json")"
+# The chat page's files come from the wheel (package data), not from the checkout.
+for page in / /page/chat.js /page/markdown.js /page/chat.css; do
+  curl -fsS "$url$page" > "$work/page" || { echo "GET $page failed"; exit 1; }
+done
+curl -fsS "$url/" | grep -q '/page/chat.js' || { echo "GET / is not the chat page"; exit 1; }
+curl -fsS "$url/metrics" | grep -q '^# TYPE dflash_requests_total counter' || { echo "no /metrics"; exit 1; }
+echo "  chat page, /metrics: ok"
 kill -INT "$server"; wait "$server" || true; server=""
 
 echo "--- dflash-mlx bench --demo (one prompt)"

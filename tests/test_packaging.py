@@ -85,6 +85,7 @@ def test_the_wheel_holds_every_module_and_data_file(built):
     # The places that were missing before: a subpackage and the shipped demo pair.
     assert "dflash_mlx/server/app.py" in wheel_names
     assert "dflash_mlx/demo_pair/target/model.safetensors" in wheel_names
+    assert "dflash_mlx/server/page/index.html" in wheel_names  # the chat page at /
 
 
 def test_the_sdist_holds_every_source_file(built):
