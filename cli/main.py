@@ -17,6 +17,7 @@ help_style.install()  # flags without a <bool>, arguments as SOURCE (before any 
 from . import bench as bench_command  # noqa: E402
 from . import chat as chat_command  # noqa: E402
 from . import generate as generate_command  # noqa: E402
+from . import models as models_command  # noqa: E402
 from . import options, ui  # noqa: E402
 from . import serve as serve_command  # noqa: E402
 from .errors import user_errors  # noqa: E402
@@ -63,6 +64,9 @@ app.command("generate")(generate_command.command)  # options and wiring: cli/gen
 app.command("bench")(bench_command.command)  # options and wiring: cli/bench.py
 app.command("chat")(chat_command.command)  # options, pair resolution, the REPL: cli/chat.py
 app.command("serve")(serve_command.serve)  # options and wiring: cli/serve.py
+app.command("ls")(models_command.ls)  # the models here: cli/models.py
+app.command("pull")(models_command.pull)
+app.command("rm")(models_command.rm)
 
 
 @app.command()
