@@ -5,9 +5,13 @@ snapshots linking to them, refs), named as a published target and its DFlash dra
 from __future__ import annotations
 
 import hashlib
+import http.server
 import json
 import os
+import re
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,16 +46,23 @@ def cache_repo(cache: Path, repo_id: str, folder: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory) -> tuple[Path, dict[str, int]]:
-    """A cache with a 4-bit target, its registry draft and a float target without one."""
+def built(tmp_path_factory) -> Path:
+    """A 4-bit target, its draft and a float target, each in a folder of its own."""
     src = tmp_path_factory.mktemp("built")
-    cache = tmp_path_factory.mktemp("hub")
     for name in ("target", "plain"):
         (src / name).mkdir()
         write_tokenizer(src / name)
     build_target(src / "target", qwen3_config(), seed=1, quantize_bits=4)
     build_target(src / "plain", qwen3_config(), seed=2)
     build_draft(src / "draft", draft_config(4, [1, 2]), seed=3)
+    return src
+
+
+@pytest.fixture(scope="module")
+def hub(built, tmp_path_factory) -> tuple[Path, dict[str, int]]:
+    """A cache with a 4-bit target, its registry draft and a float target without one."""
+    src = built
+    cache = tmp_path_factory.mktemp("hub")
     sizes = {
         TARGET: cache_repo(cache, TARGET, src / "target"),
         DRAFT: cache_repo(cache, DRAFT, src / "draft"),
@@ -170,3 +181,94 @@ def test_pull_refuses_what_is_not_a_model_id_before_any_download(tmp_path, args,
     out, err = text(done)
     assert done.returncode == 2 and err.count("\n") == 1, err
     assert says in err
+
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hugging Face Hub's HTTP API, as much as huggingface_hub's `model_info` and
+    `snapshot_download` ask of it, over `repos` (id -> folder)."""
+
+    repos: dict[str, Path] = {}
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, code: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(code)
+        for k, v in {**headers, "Content-Length": str(len(body))}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _files(self, repo: str) -> dict[str, bytes]:
+        return {f.name: f.read_bytes() for f in sorted(self.repos[repo].iterdir())}
+
+    def do_GET(self) -> None:
+        api = re.match(r"/api/models/([^/]+/[^/?]+)(/revision/[^?]+|/tree/[^?]+)?", self.path)
+        resolve = re.match(r"/([^/]+/[^/]+)/resolve/[^/]+/(.+)$", self.path)
+        repo = (api or resolve).group(1) if (api or resolve) else None
+        if repo not in self.repos:
+            return self._send(404, b"{}", {"X-Error-Code": "RepoNotFound"})
+        files = self._files(repo)
+        if resolve:
+            body = files[resolve.group(2)]
+            etag = hashlib.sha1(body).hexdigest()
+            return self._send(200, body, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'})
+        if api.group(2) and api.group(2).startswith("/tree/"):
+            listing = [
+                {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                for f, b in files.items()
+            ]
+        else:
+            listing = {
+                "id": repo,
+                "sha": COMMIT,
+                "siblings": [{"rfilename": f, "size": len(b)} for f, b in files.items()],
+            }
+        self._send(200, json.dumps(listing).encode(), {"Content-Type": "application/json"})
+
+    do_HEAD = do_GET
+
+
+@pytest.fixture
+def fake_hub(built) -> Iterator[str]:
+    handler = type("Hub", (FakeHub,), {"repos": {TARGET: built / "target", DRAFT: built / "draft"}})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_pull_fetches_the_target_and_its_registry_draft_with_progress(fake_hub, built, tmp_path):
+    """Against a Hub (here a local one speaking its HTTP API, through HF_ENDPOINT): both
+    repositories are announced with their size, downloaded with progress bars, and `ls`
+    then lists them paired."""
+    cache = tmp_path / "hub"
+    env = {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": fake_hub}
+    done = run(cache, "pull", TARGET, env=env)
+    out, err = text(done)
+    assert done.returncode == 0, err
+    for repo, folder in ((TARGET, built / "target"), (DRAFT, built / "draft")):
+        files = sorted(folder.iterdir())
+        size = human_size(sum(f.stat().st_size for f in files))
+        assert f"pulling {repo} ({len(files)} files, {size})" in err
+    assert err.count("Fetching") >= 2  # huggingface_hub's progress bars, one per repository
+    assert f"ready: dflash-mlx chat --model {TARGET}" in err
+    models = listed(cache)
+    assert set(models) == {TARGET, DRAFT}
+    assert models[TARGET]["draft_here"] is True and models[DRAFT]["is_draft"] is True
+    snapshot = Path(models[DRAFT]["path"])
+    for f in (built / "draft").iterdir():
+        assert (snapshot / f.name).read_bytes() == f.read_bytes()
+
+    unknown = run(cache, "pull", "nobody/nothing", env=env)
+    out, err = text(unknown)
+    assert unknown.returncode == 2 and err.count("\n") == 1, err
+    assert "no model 'nobody/nothing' on the Hugging Face Hub" in err
