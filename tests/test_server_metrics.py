@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import anthropic
@@ -87,6 +88,18 @@ def test_metrics_add_up_to_what_the_replies_timings_reported(keyed):
     claude = anthropic.Anthropic(base_url=keyed.base, api_key=KEY, max_retries=0)
     m = claude.messages.create(model="tiny", max_tokens=8, messages=USER)
     took(m.model_extra["timings"], m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0))
+    # Three at once: decoded together, in batches.
+    with ThreadPoolExecutor(3) as pool:
+        together = list(
+            pool.map(
+                lambda i: client.completions.create(
+                    model="tiny", prompt=f"def f{i}(x):", max_tokens=48, temperature=0
+                ),
+                range(3),
+            )
+        )
+    for r in together:
+        took(r.model_extra["timings"], r.usage.prompt_tokens)
     # Refusals: a bad field, a missing key, a foreign page.
     bad = httpx.post(
         f"{keyed.base}/v1/chat/completions",
@@ -112,14 +125,14 @@ def test_metrics_add_up_to_what_the_replies_timings_reported(keyed):
 
     assert m['dflash_requests_total{api="chat_completions",outcome="completed"}'] == 3
     assert m['dflash_requests_total{api="chat_completions",outcome="client_error"}'] == 1
-    assert m['dflash_requests_total{api="completions",outcome="completed"}'] == 1
+    assert m['dflash_requests_total{api="completions",outcome="completed"}'] == 4
     assert m['dflash_requests_total{api="completions",outcome="client_error"}'] == 1
     assert m['dflash_requests_total{api="messages",outcome="completed"}'] == 1
     assert m['dflash_requests_total{api="messages",outcome="client_error"}'] == 1
     assert m["dflash_prompt_tokens_total"] == sum(prompts)
     assert m["dflash_prompt_cached_tokens_total"] == total("cache_n") > 0
     assert m["dflash_prompt_prefilled_tokens_total"] == total("prompt_n")
-    assert m["dflash_generated_tokens_total"] == total("predicted_n") == 12 + 9 + 10 + 7 + 8
+    assert m["dflash_generated_tokens_total"] == total("predicted_n") == 12 + 9 + 10 + 7 + 8 + 144
     assert m["dflash_draft_tokens_total"] == total("draft_n") > 0
     assert m["dflash_draft_accepted_tokens_total"] == total("draft_n_accepted")
     assert m["dflash_verify_cycles_total"] == total("cycles")
@@ -139,6 +152,7 @@ def test_metrics_add_up_to_what_the_replies_timings_reported(keyed):
     for w, (cycles, tokens) in widths.items():
         assert m[f'dflash_verify_width_cycles_total{{width="{w}"}}'] == cycles
         assert m[f'dflash_verify_width_tokens_total{{width="{w}"}}'] == tokens
+    assert batches, "the three requests sent at once decoded in batches"
     assert {k: v for k, v in m.items() if k.startswith("dflash_batch_cycles_total")} == {
         f'dflash_batch_cycles_total{{rows="{b}"}}': c for b, c in batches.items()
     }
