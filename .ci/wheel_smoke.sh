@@ -54,8 +54,10 @@ echo "  $url/health -> $(cat "$work/health.json")"
 for page in / /page/chat.js /page/markdown.js /page/chat.css; do
   curl -fsS "$url$page" > "$work/page" || { echo "GET $page failed"; exit 1; }
 done
-curl -fsS "$url/" | grep -q '/page/chat.js' || { echo "GET / is not the chat page"; exit 1; }
-curl -fsS "$url/metrics" | grep -q '^# TYPE dflash_requests_total counter' || { echo "no /metrics"; exit 1; }
+curl -fsS "$url/" > "$work/page"
+grep -q '/page/chat.js' "$work/page" || { echo "GET / is not the chat page"; exit 1; }
+curl -fsS "$url/metrics" > "$work/metrics"
+grep -q '^# TYPE dflash_requests_total counter' "$work/metrics" || { echo "no /metrics"; exit 1; }
 echo "  chat page, /metrics: ok"
 kill -INT "$server"; wait "$server" || true; server=""
 
