@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -272,3 +273,21 @@ def test_pull_fetches_the_target_and_its_registry_draft_with_progress(fake_hub, 
     out, err = text(unknown)
     assert unknown.returncode == 2 and err.count("\n") == 1, err
     assert "no model 'nobody/nothing' on the Hugging Face Hub" in err
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_rm_asks_first_in_a_terminal(hub, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    from .test_cli_serve import exe
+
+    cache = tmp_path / "hub"
+    shutil.copytree(hub[0], cache, symlinks=True)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    for answer, kept in (("n", True), ("y", False)):
+        child = pexpect.spawn(exe()[0], ["rm", PLAIN], env=env, timeout=60)
+        child.expect(re.escape(f"remove {PLAIN} ({human_size(hub[1][PLAIN])}) from the Hugging"))
+        child.sendline(answer)
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == (1 if kept else 0)
+        assert (cache / ("models--" + PLAIN.replace("/", "--"))).exists() == kept
