@@ -40,11 +40,12 @@ def scrape(base: str, key: str | None = KEY) -> dict[str, float]:
             continue
         if line.startswith("#"):
             continue
-        found = re.fullmatch(r'([a-z_]+)(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? (\S+)', line)
+        label = r'[a-z_]+="(?:[^"\\\n]|\\[\\"n])*"'
+        found = re.fullmatch(rf"([a-z_]+)(\{{{label}(?:,{label})*\}})? (\S+)", line)
         assert found, f"not an exposition line: {line!r}"
         family = re.sub(r"_(bucket|sum|count)$", "", found.group(1))
         assert found.group(1) in typed or family in typed, f"no # TYPE for {line!r}"
-        out[found.group(1) + (found.group(2) or "")] = float(found.group(4))
+        out[found.group(1) + (found.group(2) or "")] = float(found.group(3))
     return out
 
 
@@ -185,6 +186,15 @@ def test_a_stream_stopped_by_its_client_is_counted_cancelled(keyed):
     after = scrape(keyed.base)
     assert after.get(key, 0) == before.get(key, 0) + 1
     assert after["dflash_generated_tokens_total"] > before["dflash_generated_tokens_total"]
+
+
+def test_metrics_names_what_is_served_with_label_values_escaped(models_dir):
+    odd = 'my "model"\\v1'
+    with serving(models_dir, settings={"model_id": odd, "draft_id": "z-lab/d"}) as s:
+        m = scrape(s.base, key=None)
+    (info,) = [k for k in m if k.startswith("dflash_info{")]
+    assert info.startswith('dflash_info{model="my \\"model\\"\\\\v1",draft="z-lab/d",version="')
+    assert m[info] == 1
 
 
 def test_metrics_needs_the_key_when_the_server_has_one(keyed):

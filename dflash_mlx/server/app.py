@@ -282,11 +282,13 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     # HEAD: the same status and headers, no body (uvicorn sends none for HEAD).
     app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
+    info = {"model": settings.model_id, "draft": settings.draft_id or "", "version": __version__}
+
     @app.get("/metrics", include_in_schema=False)
     async def metrics_text() -> PlainTextResponse:
         """Prometheus' text format: requests, tokens, tau, widths, latencies, queue."""
         return PlainTextResponse(
-            metrics.render(engine.status()), media_type="text/plain; version=0.0.4"
+            metrics.render(engine.status(), info), media_type="text/plain; version=0.0.4"
         )
 
     @app.get("/", include_in_schema=False)

@@ -77,6 +77,11 @@ class Histogram:
         return out
 
 
+def _label(value: object) -> str:
+    """A label value as the text format writes it: backslash, quote and newline escaped."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
@@ -148,8 +153,9 @@ class Metrics:
         if decoded > 0 and t["predicted_ms"] > 0:
             self.per_token.observe(t["predicted_ms"] / 1000 / decoded, decoded)
 
-    def render(self, status: dict[str, Any]) -> str:
-        """The exposition: these counters, then the engine's `status` as gauges."""
+    def render(self, status: dict[str, Any], info: dict[str, Any] | None = None) -> str:
+        """The exposition: `info` (model, draft, version) as labels of `dflash_info`, these
+        counters, then the engine's `status` as gauges."""
         out: list[str] = []
 
         def family(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
@@ -157,6 +163,9 @@ class Metrics:
             out.append(f"# TYPE {name} {kind}")
             out.extend(f"{name}{labels} {_num(v)}" for labels, v in samples)
 
+        if info:
+            labels = ",".join(f'{k}="{_label(v)}"' for k, v in info.items())
+            family("dflash_info", "gauge", "What this server serves.", [(f"{{{labels}}}", 1)])
         with self.lock:
             family(
                 "dflash_requests_total",
