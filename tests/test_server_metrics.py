@@ -190,7 +190,7 @@ def test_a_stream_stopped_by_its_client_is_counted_cancelled(keyed):
 
 def test_metrics_names_what_is_served_with_label_values_escaped(models_dir):
     odd = 'my "model"\\v1'
-    with serving(models_dir, settings={"model_id": odd, "draft_id": "z-lab/d"}) as s:
+    with serving(models_dir, warm_up=False, settings={"model_id": odd, "draft_id": "z-lab/d"}) as s:
         m = scrape(s.base, key=None)
     (info,) = [k for k in m if k.startswith("dflash_info{")]
     assert info.startswith('dflash_info{model="my \\"model\\"\\\\v1",draft="z-lab/d",version="')
@@ -249,7 +249,7 @@ def test_same_origin_is_allowed_at_an_address_never_at_a_name(models_dir):
     assert not same_origin_ip("http://192.168.1.5:8080", "192.168.1.5:9090")
     assert not same_origin_ip("http://evil.example:8080", "evil.example:8080")
     assert not same_origin_ip("null", "192.168.1.5:8080")
-    with serving(models_dir, settings={"loopback_only": False, "api_key": KEY}) as s:
+    with serving(models_dir, warm_up=False, settings={"loopback_only": False, "api_key": KEY}) as s:
         auth = {"Authorization": f"Bearer {KEY}"}
 
         def models(host: str, origin: str) -> int:
