@@ -40,6 +40,7 @@ def serving(
         f"context {context} tokens" if context else "no context limit",
         f"batches of up to {batch} requests" if batch > 1 else "one request at a time",
         "API key required" if keyed else "no API key",
+        f"chat page http://{shown}:{port}/",
         f"docs http://{shown}:{port}/docs",
     ]
     _err().print(

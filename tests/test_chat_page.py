@@ -113,6 +113,7 @@ def send(driver, text: str, max_tokens: int) -> None:
 
 def test_the_page_streams_a_reply_with_its_stats_and_stops_one(browser):
     with serve("--demo") as server:
+        assert f"chat page {server.base}/" in "".join(server.log)  # the banner says where
         browser.get(server.base + "/")
         wait_for(browser, lambda d: "dflash-mlx-demo" in css(d, "#model")[0].text, "the model")
         assert "draft" in css(browser, "#model")[0].text
