@@ -71,8 +71,8 @@ def run(args) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
-    from dflash_mlx.draft import DFlashDraft
-    from dflash_mlx.tiny import (
+    from dflash_mlx.models.draft import DFlashDraft
+    from dflash_mlx.models.tiny import (
         build_draft,
         build_target,
         draft_config,
@@ -137,7 +137,7 @@ def run(args) -> None:
     if args.curves:
         import json
 
-        from dflash_mlx.adaptive import CostCurves
+        from dflash_mlx.speed.adaptive import CostCurves
 
         verify, drafting = json.loads(Path(args.curves).read_text())
         stale = CostCurves(tuple(verify), tuple(drafting))

@@ -50,8 +50,8 @@ from pathlib import Path
 
 import httpx
 
-from dflash_mlx.bench_concurrency import in_turn
-from dflash_mlx.bench_prompts import load_suite, read_prompts
+from dflash_mlx.bench.concurrency import in_turn
+from dflash_mlx.bench.prompts import load_suite, read_prompts
 
 MLX_LM = "mlx_lm.server"
 
@@ -212,7 +212,7 @@ def float32_copy(target: str, folder: Path) -> str | None:
     compute it in float32 here (else None)."""
     import mlx.core as mx
 
-    from dflash_mlx.loading import _optimized_blas
+    from dflash_mlx.models.loading import _optimized_blas
 
     if not _optimized_blas():
         return None

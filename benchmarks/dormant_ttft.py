@@ -65,9 +65,9 @@ def run(args) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import GenerateOptions, load_pair
-    from dflash_mlx.adaptive import WidthChooser
-    from dflash_mlx.decode import speculative_decode
     from dflash_mlx.demo import SHIPPED, demo_pair
+    from dflash_mlx.engine.decode import speculative_decode
+    from dflash_mlx.speed.adaptive import WidthChooser
 
     target_dir, draft_dir = demo_pair()
     pair, tok = load_pair(target_dir, draft_dir)

@@ -49,15 +49,15 @@ from pathlib import Path
 
 import dflash_mlx
 from dflash_mlx import GenerateOptions, PromptCache, stream_generate
-from dflash_mlx.prompt_store import PromptStore
+from dflash_mlx.cache.prompt_store import PromptStore
 
 SUFFIXES = ["\n\ndef first_request(x):\n", "\n\nclass SecondRequest:\n"]
 
 
 def large_pair() -> tuple[Path, Path]:
     from dflash_mlx.demo import demo_pair
+    from dflash_mlx.models.tiny import build_draft, build_target, draft_config, qwen3_config
     from dflash_mlx.paths import cache_dir
-    from dflash_mlx.tiny import build_draft, build_target, draft_config, qwen3_config
 
     folder = cache_dir() / "bench-large-pair-v1"
     if not (folder / "complete").exists():

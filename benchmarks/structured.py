@@ -22,8 +22,8 @@ import json
 import time
 
 from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
-from dflash_mlx.controls import compile_grammar
 from dflash_mlx.demo import demo_pair
+from dflash_mlx.engine.controls import compile_grammar
 
 SCHEMA = {
     "type": "object",
@@ -51,7 +51,7 @@ def main() -> None:
     pair = Pair(model, load_draft(str(draft)))
     lines = [json.loads(x)["prompt"] for x in open(target.parent / "heldout_prompts.jsonl")]
     prompts = lines[: args.prompts]
-    gen_module = importlib.import_module("dflash_mlx.generate")
+    gen_module = importlib.import_module("dflash_mlx.engine.generate")
 
     def unmasked(*a):
         return compile_grammar(*a, mask_drafts=False)

@@ -2,7 +2,7 @@
 
     python benchmarks/tiny_pair.py [--hidden 512 --layers 8 --vocab 320 --tokens 128]
 
-Builds a random Qwen3-style target and a random DFlash draft (`dflash_mlx.tiny`), then
+Builds a random Qwen3-style target and a random DFlash draft (`dflash_mlx.models.tiny`), then
 alternates, after a warm-up, between:
   * plain   - mlx-lm's own greedy decoding (`mlx_lm.generate.generate_step`);
   * dflash  - `dflash_mlx.generate` with the random draft at each verify width W, the
@@ -27,8 +27,14 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.tiny import (
+    build_draft,
+    build_target,
+    draft_config,
+    qwen3_config,
+    write_tokenizer,
+)
 
 
 class PerfectDraft(DFlashDraft):

@@ -52,7 +52,7 @@ class Finder:
                 name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
 sys.meta_path.insert(0, Finder)
 from pathlib import Path
-import dflash_mlx.train as T
+import dflash_mlx.train.trainer as T
 import dflash_mlx.cli.train as C
 out = Path(sys.argv[sys.argv.index("--out") + 1])
 timing = {"regenerate_s": 0.0, "eval_s": 0.0, "evals": 0, "step_s": []}
@@ -130,7 +130,7 @@ class Finder:
 sys.meta_path.insert(0, Finder)
 import mlx.core as mx
 import dflash_mlx
-import dflash_mlx.train as T
+import dflash_mlx.train.trainer as T
 from dflash_mlx.cli.train import default_mask_token
 model, tok = dflash_mlx.load(sys.argv[5])
 model.set_dtype(mx.float32)
@@ -235,7 +235,7 @@ def cmd_reference(args) -> None:
 
     import dflash_mlx
     from dflash_mlx.cli.train import default_mask_token
-    from dflash_mlx.train import (
+    from dflash_mlx.train.trainer import (
         Example,
         draft_config_for,
         init_draft,

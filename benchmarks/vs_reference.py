@@ -119,9 +119,9 @@ def run(args) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import GenerateOptions, generate, load_pair
-    from dflash_mlx.bench_prompts import load_suite
-    from dflash_mlx.loading import cpu_float32
-    from dflash_mlx.text import encode_prompt
+    from dflash_mlx.bench.prompts import load_suite
+    from dflash_mlx.engine.text import encode_prompt
+    from dflash_mlx.models.loading import cpu_float32
 
     if args.model or args.draft:
         if not (args.model and args.draft):

@@ -1,5 +1,5 @@
-"""`dflash-mlx bench`: options -> `dflash_mlx.benchmark.run_benchmark` -> `bench_ui`;
-with `--concurrency`, `dflash_mlx.bench_concurrency.run_concurrency` -> `bench_concurrency_ui`.
+"""`dflash-mlx bench`: options -> `dflash_mlx.bench.benchmark.run_benchmark` -> `bench_ui`;
+with `--concurrency`, `dflash_mlx.bench.concurrency.run_concurrency` -> `bench_concurrency_ui`.
 
 The library (and so mlx) is imported inside `run`, so the command line starts instantly.
 """
@@ -268,8 +268,8 @@ def run(
         raise BadArgument("--model is required (or --demo for the demonstration pair)")
 
     import dflash_mlx
-    from dflash_mlx.bench_prompts import QUICK, load_suite, read_prompts
-    from dflash_mlx.benchmark import run_benchmark
+    from dflash_mlx.bench.benchmark import run_benchmark
+    from dflash_mlx.bench.prompts import QUICK, load_suite, read_prompts
 
     # Refuses bad settings before anything loads.
     sampling = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p)
@@ -366,7 +366,7 @@ def run(
 
 def _concurrency(pair, tokenizer, prompts, levels, *, json_out: Path | None, **settings) -> int:
     """`--concurrency`: serial against batched, rendered; 1 when a batched request differed."""
-    from dflash_mlx.bench_concurrency import run_concurrency
+    from dflash_mlx.bench.concurrency import run_concurrency
 
     from . import bench_concurrency_ui
 

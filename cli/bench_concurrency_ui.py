@@ -19,7 +19,7 @@ from rich.text import Text
 from .bench_ui import _label, _out, _quant, _tps, count, mismatch_panel
 
 if TYPE_CHECKING:  # the library imports mlx: only for type checkers, never at run time
-    from dflash_mlx.bench_concurrency import ConcurrencyResult, ConcurrencyRow
+    from dflash_mlx.bench.concurrency import ConcurrencyResult, ConcurrencyRow
 
 COLUMNS = (
     "tok/s: every request's tokens over the time from their arrival (all N at once) to the "

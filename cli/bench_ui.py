@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:  # the library imports mlx: only for type checkers, never at run time
-    from dflash_mlx.bench_results import BenchResult, RunSummary, SuiteSummary
+    from dflash_mlx.bench.results import BenchResult, RunSummary, SuiteSummary
 
 BAR = 32  # characters of a full acceptance bar
 LISTED_MISMATCHES = 20

@@ -44,7 +44,7 @@ def show(
 ) -> None:
     """How many prompt blocks the folder holds, their size, first and last use."""
     with user_errors():
-        from dflash_mlx.prompt_store.disk import summary
+        from dflash_mlx.cache.prompt_store.disk import summary
 
         info = summary(_folder(folder))
         if as_json:
@@ -66,7 +66,7 @@ def clear(
 ) -> None:
     """Remove every prompt block from the folder (servers using it prefill again)."""
     with user_errors():
-        from dflash_mlx.prompt_store.disk import clear_folder, summary
+        from dflash_mlx.cache.prompt_store.disk import clear_folder, summary
 
         path = _folder(folder)
         info = summary(path)

@@ -2,7 +2,7 @@
 piped stdin.
 
 The conversation itself (messages, settings, state reuse across turns, statistics,
-transcripts) is `dflash_mlx.chat_session.ChatSession`; the loop and its slash commands are
+transcripts) is `dflash_mlx.chat.session.ChatSession`; the loop and its slash commands are
 `chat_repl.py`; the screen is `chat_ui.py`; line editing is `chat_input.py`. The library
 (and so mlx) and prompt_toolkit are imported inside the functions, so the command line
 starts instantly.
@@ -24,10 +24,10 @@ from . import options, serve, ui
 from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
-    from dflash_mlx.chat_session import ChatSession
+    from dflash_mlx.cache.prompt_store import PromptStore
+    from dflash_mlx.chat.session import ChatSession
     from dflash_mlx.options import GenerateOptions
     from dflash_mlx.pair import Pair as DFlashPair
-    from dflash_mlx.prompt_store import PromptStore
 
     from .chat_ui import ChatUI
 
@@ -167,7 +167,7 @@ def run(
     view = chat_ui.ChatUI(
         Console(highlight=False), Console(stderr=True, highlight=False), hide_thinking=hide_thinking
     )
-    from dflash_mlx.chat_session import CHAT_DEFAULTS
+    from dflash_mlx.chat.session import CHAT_DEFAULTS
 
     default_max_tokens = DEMO_MAX_TOKENS if demo else CHAT_DEFAULTS.max_tokens
     settings = CHAT_DEFAULTS.replace(  # bad values fail now, before anything loads
@@ -240,7 +240,7 @@ def resolve_pair(
     view: ChatUI,
 ) -> PairSource:
     """The target and draft to load: --demo, the default pair, the registry or as given."""
-    from dflash_mlx.registry import DEFAULT_TARGET
+    from dflash_mlx.models.registry import DEFAULT_TARGET
 
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")
@@ -294,7 +294,7 @@ def load_session(
 ) -> ChatSession:
     """Download (with progress), load, check and calibrate the pair; a fresh ChatSession."""
     import dflash_mlx
-    from dflash_mlx.chat_session import ChatSession
+    from dflash_mlx.chat.session import ChatSession
 
     fetch(pair.model, "target", None)
     with ui.loading("target", pair.label):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from dflash_mlx.chat_settings import choices, show_value
+from dflash_mlx.chat.settings import choices, show_value
 from dflash_mlx.errors import BadArgument
 
 from . import chat_ui
@@ -17,7 +17,7 @@ from .chat_input import quiet_keys
 from .options import SETTINGS, unicode_text
 
 if TYPE_CHECKING:
-    from dflash_mlx.chat_session import ChatSession
+    from dflash_mlx.chat.session import ChatSession
 
 EXIT_INTERRUPTED = 130  # as cli/chat.py
 
@@ -51,7 +51,7 @@ def answer_once(
         raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
     unicode_text("stdin", text)
     if json_out:
-        from dflash_mlx.generate import GenerationResult
+        from dflash_mlx.engine.generate import GenerationResult
 
         from .ui import result_json
 

@@ -19,7 +19,7 @@ from .chat_reply import ReplyView
 from .options import SETTINGS
 
 if TYPE_CHECKING:  # these import mlx: only for type checkers, never at run time
-    from dflash_mlx.chat_session import Reply
+    from dflash_mlx.chat.session import Reply
     from dflash_mlx.options import GenerateOptions
     from dflash_mlx.stats import Stats
 
@@ -117,7 +117,7 @@ SHOWN = [(s.name, s.field) for s in SETTINGS]
 
 def settings_summary(options: GenerateOptions) -> str:
     """Every chat setting: `temp 0 · top_p 1 · … · draft_window auto`."""
-    from dflash_mlx.chat_settings import show_value
+    from dflash_mlx.chat.settings import show_value
 
     return " · ".join(
         f"{name} {show_value(field, getattr(options, field))}" for name, field in SHOWN

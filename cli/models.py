@@ -1,6 +1,6 @@
 """`dflash-mlx ls / pull / rm`: the models on this machine (the Hugging Face cache and
 `--models-dir` folders), fetching a target with its DFlash draft, removing one.
-The finding and fetching is `dflash_mlx.models`; this module renders."""
+The finding and fetching is `dflash_mlx.models.hub`; this module renders."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def ls(
 ) -> None:
     """List the models here (Hugging Face cache, --models-dir): size, weights, DFlash draft."""
     with user_errors():
-        from dflash_mlx.models import hub_cache, human_size, list_models
+        from dflash_mlx.models.hub import hub_cache, human_size, list_models
 
         models = list_models(models_dir or [])
         if as_json:
@@ -80,8 +80,8 @@ def pull(
     """Download a target and its DFlash draft (the registry's, or --draft), with progress."""
     with user_errors():
         from dflash_mlx.errors import BadArgument
-        from dflash_mlx.models import download, human_size, plan_pull
-        from dflash_mlx.registry import find_draft
+        from dflash_mlx.models.hub import download, human_size, plan_pull
+        from dflash_mlx.models.registry import find_draft
 
         if draft is not None and no_draft:
             raise BadArgument("--draft and --no-draft: give one")
@@ -110,7 +110,7 @@ def rm(
     """Remove a model from the Hugging Face cache (every revision) or --models-dir."""
     with user_errors():
         from dflash_mlx.errors import BadArgument
-        from dflash_mlx.models import find, human_size, remove
+        from dflash_mlx.models.hub import find, human_size, remove
 
         model = find(name, models_dir or [])
         where = "the Hugging Face cache" if model.source == "hf-cache" else str(model.path)

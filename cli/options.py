@@ -25,8 +25,8 @@ def finite(value: float | None) -> float | None:
 
 def unicode_text(option: str, value: str) -> str:
     """`value` if it is valid Unicode, else a `BadArgument` naming `option` and the position
-    (the library's one rule: `dflash_mlx.text.check_text`)."""
-    from dflash_mlx.text import check_text
+    (the library's one rule: `dflash_mlx.engine.text.check_text`)."""
+    from dflash_mlx.engine.text import check_text
 
     return check_text(option, value)
 

@@ -1,7 +1,7 @@
 """Which draft goes with a target: the one lookup `generate`, `chat`, `serve` and `bench` make.
 
 `--draft DRAFT` is used as given; `--no-draft` decodes with the target alone; with neither,
-the registry of published drafts (`dflash_mlx.registry`) names the draft for the target
+the registry of published drafts (`dflash_mlx.models.registry`) names the draft for the target
 (conversions such as `mlx-community/Qwen3-4B-4bit` included). A target with no known draft
 is decoded plainly, with one note saying how to add a draft: never an error. Knows names
 only: loads nothing, and imports the library inside the function (`--help` stays free of
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from dflash_mlx.errors import BadArgument
 
 if TYPE_CHECKING:
-    from dflash_mlx.registry import DraftEntry
+    from dflash_mlx.models.registry import DraftEntry
 
 NO_DRAFT = "no draft: the target decodes alone, without speculation"
 
@@ -41,7 +41,7 @@ def no_known_draft(model: str) -> str:
 
 def choose_draft(model: str, draft: str | None, no_draft: bool) -> DraftChoice:
     """The draft for `model`: as given, none (--no-draft), or the registry's published one."""
-    from dflash_mlx.registry import find_draft
+    from dflash_mlx.models.registry import find_draft
 
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")

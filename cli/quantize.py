@@ -80,7 +80,7 @@ def draft_command(
         if check and target is None:
             raise BadArgument("--check needs --target (the model the draft was built for)")
         import dflash_mlx
-        from dflash_mlx.loading import resolve
+        from dflash_mlx.models.loading import resolve
         from dflash_mlx.quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
         from dflash_mlx.quantize.draft import check_settings
 

@@ -234,8 +234,8 @@ def prompt_store(folder: Path | None, disk_gb: float, memory_gb: float):
     """`(PromptStore, note)`: the server's store, on disk under `folder` (`DEFAULT_DIR`: the
     cache folder's prompt-cache; None: memory only), and the line saying where (shown once
     the server listens, so that a refusal before is one `error:` line alone)."""
+    from dflash_mlx.cache.prompt_store import GB, PromptStore
     from dflash_mlx.paths import cache_dir
-    from dflash_mlx.prompt_store import GB, PromptStore
 
     if folder == DEFAULT_DIR:
         folder = cache_dir() / "prompt-cache"

@@ -1,4 +1,4 @@
-"""`dflash-mlx train`: options -> `dflash_mlx.train` -> a rich progress bar and summary.
+"""`dflash-mlx train`: options -> `dflash_mlx.train.trainer` -> a rich progress bar and summary.
 
 Nothing heavy is imported until the command runs.
 """
@@ -47,9 +47,9 @@ def run(
     settings: dict,
 ) -> None:
     import dflash_mlx
-    from dflash_mlx.config import DraftConfig
-    from dflash_mlx.draft import DFlashDraft
-    from dflash_mlx.train import (
+    from dflash_mlx.models.config import DraftConfig
+    from dflash_mlx.models.draft import DFlashDraft
+    from dflash_mlx.train.trainer import (
         TrainSettings,
         draft_config_for,
         init_draft,

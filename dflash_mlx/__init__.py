@@ -17,26 +17,26 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .batch import BatchDecoder
-    from .controls import TokenLogprob, check_grammar
-    from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
-    from .generate import (
+    from .cache.prompt_cache import PromptCache
+    from .cache.prompt_store import PromptStore
+    from .engine.batch import BatchDecoder
+    from .engine.controls import TokenLogprob, check_grammar
+    from .engine.generate import (
         GenerationResponse,
         GenerationResult,
         batch_generate,
         generate,
         stream_generate,
     )
-    from .loading import LoadError, load, load_draft
+    from .errors import BadArgument, BadCheckpoint, ContextTooLong, UserError
+    from .models.loading import LoadError, load, load_draft
     from .options import GenerateOptions
     from .pair import Pair, load_pair
-    from .prompt_cache import PromptCache
-    from .prompt_store import PromptStore
     from .stats import Stats
 
 _API = {
-    "BatchDecoder": ".batch",
-    "batch_generate": ".generate",
+    "BatchDecoder": ".engine.batch",
+    "batch_generate": ".engine.generate",
     "BadArgument": ".errors",
     "BadCheckpoint": ".errors",
     "ContextTooLong": ".errors",
@@ -45,17 +45,17 @@ _API = {
     "Pair": ".pair",
     "load_pair": ".pair",
     "Stats": ".stats",
-    "GenerationResponse": ".generate",
-    "GenerationResult": ".generate",
-    "generate": ".generate",
-    "stream_generate": ".generate",
-    "LoadError": ".loading",
-    "load": ".loading",
-    "load_draft": ".loading",
-    "PromptCache": ".prompt_cache",
-    "PromptStore": ".prompt_store",
-    "TokenLogprob": ".controls",
-    "check_grammar": ".controls",
+    "GenerationResponse": ".engine.generate",
+    "GenerationResult": ".engine.generate",
+    "generate": ".engine.generate",
+    "stream_generate": ".engine.generate",
+    "LoadError": ".models.loading",
+    "load": ".models.loading",
+    "load_draft": ".models.loading",
+    "PromptCache": ".cache.prompt_cache",
+    "PromptStore": ".cache.prompt_store",
+    "TokenLogprob": ".engine.controls",
+    "check_grammar": ".engine.controls",
 }
 
 __all__ = [

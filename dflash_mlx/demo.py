@@ -1,6 +1,6 @@
 """The random demonstration pair behind `dflash-mlx bench --demo`: built once, then cached.
 
-A tiny random Qwen3-style target and a random DFlash draft, built with `dflash_mlx.tiny`,
+A tiny random Qwen3-style target and a random DFlash draft, built with `dflash_mlx.models.tiny`,
 so the bench can run end to end without downloads. Their text is gibberish and the draft
 is never right (tau ~ 1): not a useful model, and no measure of what DFlash gains with a
 trained draft. Knows nothing about the bench itself.
@@ -50,7 +50,7 @@ NOTICE = (
 def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
     """(target folder, draft folder) of the demo pair: the shipped trained pair, or (when
     the package has none, or `root` is given) a random pair built once under `root`."""
-    from .tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
+    from .models.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
 
     if root is None and TRAINED:
         return SHIPPED / "target", SHIPPED / "draft"

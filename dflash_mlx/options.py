@@ -16,8 +16,8 @@ from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any
 
+from .engine.sampling import SamplingParams
 from .errors import BadArgument
-from .sampling import SamplingParams
 
 # Old names that still work, with a DeprecationWarning.
 ALIASES = {"block_size": "verify_width"}

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import mlx.nn as nn
 
-from .adaptive import CostCurves, WidthChooser
-from .draft import DFlashDraft, DraftState, TargetHead
+from .engine.tree import BRANCH as TREE_BRANCH
 from .errors import BadArgument, ContextTooLong
+from .models.draft import DFlashDraft, DraftState, TargetHead
+from .models.target import TargetAdapter
 from .options import GenerateOptions
-from .target import TargetAdapter
-from .tree import BRANCH as TREE_BRANCH
+from .speed.adaptive import CostCurves, WidthChooser
 
 # Fallback verify-width cap for quantized targets, before anything is measured on the
 # device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
@@ -34,7 +34,7 @@ class Pair:
     """A target model and (optionally) a DFlash draft built for it."""
 
     def __init__(self, model: nn.Module, draft: DFlashDraft | None = None):
-        from .calibrate import Calibration
+        from .speed.calibrate import Calibration
 
         self.model = model
         self.draft = draft
@@ -220,7 +220,7 @@ def check_fit(draft: DFlashDraft, target: TargetAdapter) -> None:
             f"{target.num_layers}-layer target"
         )
     if problems:
-        from .loading import LoadError
+        from .models.loading import LoadError
 
         raise LoadError(f"draft does not fit target {target.model_type!r}: " + "; ".join(problems))
 
@@ -228,7 +228,7 @@ def check_fit(draft: DFlashDraft, target: TargetAdapter) -> None:
 def load_pair(target: str | Path, draft: str | Path | None = None):
     """`(Pair, tokenizer)` for a target and (optionally) a draft, each a Hub id or a local
     folder: loaded, checked against each other, bound."""
-    from .loading import load, load_draft
+    from .models.loading import load, load_draft
 
     model, tokenizer = load(target)
     return Pair(model, load_draft(draft) if draft is not None else None), tokenizer

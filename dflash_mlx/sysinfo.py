@@ -21,7 +21,7 @@ def system_info() -> dict[str, str]:
     """Ordered name -> value pairs; importing MLX is the only side effect."""
     import mlx.core as mx
 
-    from .conv import use_metal_kernel
+    from .models.conv import use_metal_kernel
 
     metal = mx.metal.is_available()
     return {

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import mlx.nn as nn
 
 from dflash_mlx import Pair
-from dflash_mlx.bench_prompts import load_suite
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.text import encode_prompt
-from dflash_mlx.train import held_out_tau
+from dflash_mlx.bench.prompts import load_suite
+from dflash_mlx.engine.text import encode_prompt
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.train.trainer import held_out_tau
 
 from .draft import parameter_bytes
 

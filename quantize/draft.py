@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.errors import BadArgument
+from dflash_mlx.models.draft import DFlashDraft
 
 # Supported (bits, group sizes) per MLX quantization mode.
 MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {

@@ -105,7 +105,7 @@ def stage_target(args, work: Path) -> None:
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
-    from dflash_mlx.tiny import write_tokenizer
+    from dflash_mlx.models.tiny import write_tokenizer
 
     held_out, train_files = split_files()
     texts = [f.read_text(errors="replace") for f in train_files]

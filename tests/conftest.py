@@ -1,6 +1,6 @@
 """Session fixtures: tiny models built inside the test session, no downloads, no hub.
 
-The builders live in `dflash_mlx.tiny` (shared with demos and benchmarks).
+The builders live in `dflash_mlx.models.tiny` (shared with demos and benchmarks).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx.tiny import (  # noqa: F401  (re-exported for the test modules)
+from dflash_mlx.models.tiny import (
     VOCAB,
     build_draft,
     build_target,

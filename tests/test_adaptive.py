@@ -9,9 +9,9 @@ import mlx.core as mx
 import pytest
 
 import dflash_mlx
-import dflash_mlx.calibrate as calibrate
+import dflash_mlx.speed.calibrate as calibrate
 from dflash_mlx import Pair
-from dflash_mlx.adaptive import CostCurves, WidthChooser
+from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
 BLOCK = 16
 
@@ -513,7 +513,7 @@ def test_probes_keep_within_a_budget_per_request():
 def decode_with(model, d, ids, n, chooser):
     """`model`: a target model, or a Pair (then `d` is its draft)."""
     from dflash_mlx import GenerateOptions
-    from dflash_mlx.decode import speculative_decode
+    from dflash_mlx.engine.decode import speculative_decode
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     cycles = speculative_decode(
@@ -537,8 +537,8 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     reads them); one that expects to speculate: prefill projects the whole prompt."""
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import decode
-    from dflash_mlx.prefill import SPLIT_BEFORE_WINDOW
+    from dflash_mlx.engine import decode
+    from dflash_mlx.engine.prefill import SPLIT_BEFORE_WINDOW
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * repeats)

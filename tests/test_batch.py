@@ -13,13 +13,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import GenerateOptions, Pair, batch_cache, batch_draft, generate, load
-from dflash_mlx import batch_cycle as batch_mod
-from dflash_mlx.batch import BatchDecoder, batch_curves, batch_generate
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.costs import CostCurves
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.sampling import PositionKeys, propose
+from dflash_mlx import GenerateOptions, Pair, generate, load
+from dflash_mlx.engine import batch_cache, batch_draft
+from dflash_mlx.engine import batch_cycle as batch_mod
+from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
+from dflash_mlx.engine.sampling import PositionKeys, propose
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.speed.costs import CostCurves
 
 from .test_decode import target_greedy
 
@@ -446,7 +447,7 @@ def auto_rows(n: int, base) -> list:
 
 
 def flat_chooser():
-    from dflash_mlx.adaptive import WidthChooser
+    from dflash_mlx.speed.adaptive import WidthChooser
 
     # A verify of 16 rows x 16 tokens costs what a plain one does: speculating pays.
     return WidthChooser(CostCurves([1e-3] * 16, [1e-4] * 16), 16)
@@ -610,7 +611,7 @@ def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, mode
     batched draft pass cannot serve (a penalty's per-row history; a grammar), which draft
     one by one inside the batch: each stays its own."""
     from dflash_mlx import load_draft
-    from dflash_mlx.tiny import build_draft, draft_config
+    from dflash_mlx.models.tiny import build_draft, draft_config
 
     model, tok = target
     folder = models_dir / "draft2-batch"
@@ -725,7 +726,7 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
     """DFlash 2 rows (issue 34): one draft pass for the batch, each row's conv rows
     (carried across blocks) and selector walk its own: proposals, their `q` and the conv
     rows each row keeps equal what the row's own pass gives."""
-    from dflash_mlx.tiny import draft_config
+    from dflash_mlx.models.tiny import draft_config
 
     model, tok = target
     mx.random.seed(3)

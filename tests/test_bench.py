@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx.bench_prompts import SUITES, BenchPrompt, load_suite, read_prompts
-from dflash_mlx.benchmark import BASELINE, at_context, quantization, run_benchmark
+from dflash_mlx.bench.benchmark import BASELINE, at_context, quantization, run_benchmark
+from dflash_mlx.bench.prompts import SUITES, BenchPrompt, load_suite, read_prompts
 from dflash_mlx.cli.main import app
-from dflash_mlx.generate import encode_prompt
+from dflash_mlx.engine.generate import encode_prompt
 
 MAX_TOKENS = 8
 PROMPTS = [
@@ -244,8 +244,8 @@ def test_cli_demo_says_what_the_pair_is_and_runs(prompt_file, tmp_path, monkeypa
 
 
 def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
-    from dflash_mlx.bench_prompts import BenchPrompt
-    from dflash_mlx.benchmark import run_benchmark
+    from dflash_mlx.bench.benchmark import run_benchmark
+    from dflash_mlx.bench.prompts import BenchPrompt
 
     model, tok = target
     prompts = [BenchPrompt(suite="code", index=0, text="def add(a, b):", messages=None)]
@@ -264,7 +264,7 @@ def test_verify_widths_auto_runs_the_engines_own_choice(target, draft):
 
 
 def _records(run: str, speeds: list[float]):
-    from dflash_mlx.bench_results import RunRecord
+    from dflash_mlx.bench.results import RunRecord
 
     def stats(tps: float) -> dflash_mlx.Stats:
         return dflash_mlx.Stats(
@@ -280,7 +280,7 @@ def _records(run: str, speeds: list[float]):
 
 
 def test_auto_is_compared_with_every_fixed_choice_pairwise():
-    from dflash_mlx.bench_results import auto_comparisons
+    from dflash_mlx.bench.results import auto_comparisons
 
     jitter = [1.0, 1.04, 0.97, 1.02, 0.99, 1.01, 0.96, 1.03]
     base = [100.0 * (1 + i % 3) for i in range(8)]  # prompts differ far more than runs do
@@ -350,7 +350,7 @@ def test_a_prompt_is_padded_in_front_or_cut_to_a_context_keeping_its_end():
 def test_bench_at_given_contexts_runs_each_prompt_at_each_length(
     target, draft, monkeypatch, tmp_path
 ):
-    from dflash_mlx.adaptive import CostCurves
+    from dflash_mlx.speed.adaptive import CostCurves
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     block = draft.config.block_size

@@ -16,13 +16,13 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx import chat_session
-from dflash_mlx.chat_session import CHAT_DEFAULTS, ChatSession
+from dflash_mlx.chat import session as chat_session
+from dflash_mlx.chat.session import CHAT_DEFAULTS, ChatSession
 from dflash_mlx.cli import chat_repl
 from dflash_mlx.cli.chat_input import history_path, make_reader
 from dflash_mlx.cli.chat_ui import ChatUI, ReplyView
 from dflash_mlx.cli.main import app
-from dflash_mlx.registry import DEFAULT_TARGET, base_name, find_draft
+from dflash_mlx.models.registry import DEFAULT_TARGET, base_name, find_draft
 
 MAX_TOKENS = 6
 SETTING_NAMES = chat_repl.SET_NAMES

@@ -141,7 +141,7 @@ def test_block_size_is_a_deprecated_name_of_verify_width(pair):
 def test_an_internal_error_is_ours_exit_1_with_a_hint_not_a_traceback(pair, monkeypatch, error):
     """A failure inside the engine (even a plain ValueError) is not the user's fault: exit
     code 1 and one line saying so, never exit 2 or a traceback."""
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.models.target import TargetAdapter
 
     def broken(self, *args, **kwargs):
         raise error
@@ -268,7 +268,7 @@ def test_chat_and_serve_report_internal_errors_as_ours(monkeypatch, command):
 def test_draft_window_reaches_the_engine_and_bad_ones_exit_2(pair, target, draft, monkeypatch):
     import importlib
 
-    generate_module = importlib.import_module("dflash_mlx.generate")
+    generate_module = importlib.import_module("dflash_mlx.engine.generate")
     seen = []
     real = generate_module.stream_generate
 

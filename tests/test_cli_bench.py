@@ -58,7 +58,7 @@ def test_each_verdict_follows_its_interval(models_dir):
 
 def test_the_summary_says_what_the_intervals_say():
     """The issue's case: 1.39× [1.27–1.51] against mlx-lm is faster, not 'as fast'."""
-    from dflash_mlx.bench_results import Comparison
+    from dflash_mlx.bench.results import Comparison
     from dflash_mlx.cli import bench_ui
 
     def said(*comparisons):
@@ -76,7 +76,7 @@ def test_the_summary_says_what_the_intervals_say():
 def test_efficiency_above_100_percent_is_marked_and_explained(models_dir, prompt_file, monkeypatch):
     """eff. is a measured speedup over what the calibrated costs predict: above 100% means
     the costs and the run disagree, which the report says instead of showing 117% bare."""
-    from dflash_mlx import benchmark
+    from dflash_mlx.bench import benchmark
 
     monkeypatch.setattr(
         benchmark, "_cost_ratios", lambda pair, runs, depth: {"W=2": 0.1, "W=1": 1.0}

@@ -97,7 +97,7 @@ def test_a_row_per_concurrency_and_mode_with_its_figures_and_the_json(
 def test_a_batched_request_that_differs_from_its_serial_run_fails_loudly(
     models_dir, prompt_file, monkeypatch
 ):
-    from dflash_mlx import batch
+    from dflash_mlx.engine import batch
 
     real = batch.BatchDecoder.step
 
@@ -165,8 +165,8 @@ def test_help_lists_the_options():
 
 
 def test_the_suites_are_taken_in_turn_and_reused_when_too_few():
-    from dflash_mlx.bench_concurrency import in_turn
-    from dflash_mlx.bench_prompts import BenchPrompt
+    from dflash_mlx.bench.concurrency import in_turn
+    from dflash_mlx.bench.prompts import BenchPrompt
 
     prompts = [BenchPrompt(s, i, text=f"{s}{i}") for s in ("math", "code") for i in range(3)]
     assert [p.text for p in in_turn(prompts, 5)] == ["math0", "code0", "math1", "code1", "math2"]

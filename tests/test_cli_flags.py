@@ -14,7 +14,7 @@ import pytest
 import typer
 
 import dflash_mlx
-from dflash_mlx.chat_settings import NAMES
+from dflash_mlx.chat.settings import NAMES
 from dflash_mlx.cli import chat_repl
 from dflash_mlx.cli.main import app
 from dflash_mlx.cli.options import SETTINGS

@@ -17,8 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx.models import human_size
-from dflash_mlx.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
+from dflash_mlx.models.hub import human_size
+from dflash_mlx.models.tiny import (
+    build_draft,
+    build_target,
+    draft_config,
+    qwen3_config,
+    write_tokenizer,
+)
 
 from .test_cli_serve import dflash, text
 

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
-from dflash_mlx.chat_settings import parse_setting
+from dflash_mlx.chat.settings import parse_setting
 from dflash_mlx.cli.main import app
 
 PROMPT = "def add(a, b):"

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import dflash_mlx.controls as controls
-import dflash_mlx.decode as decode
+import dflash_mlx.engine.controls as controls
+import dflash_mlx.engine.decode as decode
 from dflash_mlx import BadArgument, GenerateOptions, Pair, check_grammar, generate, load
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.draft import DFlashDraft
 
 from .conftest import draft_config
 from .test_decode import ScriptedDraft
@@ -340,7 +340,7 @@ def test_constrained_greedy_is_the_targets_constrained_greedy(
     want, lps = reference(model, tok, ids, o, 120)
     compile_grammar = controls.compile_grammar
     monkeypatch.setattr(
-        importlib.import_module("dflash_mlx.generate"),
+        importlib.import_module("dflash_mlx.engine.generate"),
         "compile_grammar",
         lambda *a: compile_grammar(*a, mask_drafts=mask_drafts),
     )

@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import generate, load
-from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.models.draft import DFlashDraft
 
 PROMPTS = [
     "def add(a, b):",
@@ -276,8 +276,8 @@ def simulated_device(monkeypatch, cost) -> list[tuple[int, float]]:
     Returns the cycles charged, `(W, seconds)`."""
     import types
 
-    import dflash_mlx.bookkeeping as bookkeeping
-    import dflash_mlx.decode as decode
+    import dflash_mlx.engine.bookkeeping as bookkeeping
+    import dflash_mlx.engine.decode as decode
 
     now, charged = [0.0], []
     fake = types.SimpleNamespace(perf_counter=lambda: now[0])
@@ -297,7 +297,7 @@ def simulated_device(monkeypatch, cost) -> list[tuple[int, float]]:
 def flat_curves(block: int):
     """A calibration that says speculation is free: every verify costs a plain step's
     millisecond and the draft nothing (it never says W = 1 pays)."""
-    from dflash_mlx.adaptive import CostCurves
+    from dflash_mlx.speed.adaptive import CostCurves
 
     return CostCurves((1e-3,) * block, (0.0,) * block)
 
@@ -334,7 +334,7 @@ def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(
 def dormant_chooser(**kw):
     """A chooser on flat synthetic costs (wide verifies nearly free, so right drafts pay)
     that probes often enough for a short test and goes dormant between probes."""
-    from dflash_mlx.adaptive import CostCurves, WidthChooser
+    from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
     costs = CostCurves(tuple(1.0 + 0.05 * w for w in range(16)), (0.0,) + (0.1,) * 15)
     args = dict(probe_interval=4, max_probe_interval=16, window=4) | kw
@@ -356,7 +356,7 @@ def dormant_chooser(**kw):
 def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
     """`model`: a target model, or a Pair (then `d` must be its draft)."""
     from dflash_mlx import GenerateOptions, Pair
-    from dflash_mlx.decode import speculative_decode
+    from dflash_mlx.engine.decode import speculative_decode
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     assert pair.draft is d
@@ -423,8 +423,8 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     that only moves in target passes (1 + W units for W tokens) makes costs exact."""
     import types
 
-    import dflash_mlx.bookkeeping as bookkeeping
-    import dflash_mlx.decode as decode
+    import dflash_mlx.engine.bookkeeping as bookkeeping
+    import dflash_mlx.engine.decode as decode
     from dflash_mlx import Pair
 
     model, tok = target
@@ -463,7 +463,7 @@ def test_a_draft_window_stays_lossless_and_bounds_the_drafts_memory(models_dir, 
     """Windowed decoding past the point where old rows are dropped: the scripted draft
     checks that its context ends exactly at each anchor, the real one runs the attention."""
     from dflash_mlx import PromptCache
-    from dflash_mlx.draft import FORGET_SLACK
+    from dflash_mlx.models.draft import FORGET_SLACK
 
     model, tok = load(str(models_dir / name))
     ids = tok.encode(PROMPTS[0] * 6)
@@ -484,7 +484,7 @@ def test_a_draft_window_stays_lossless_and_bounds_the_drafts_memory(models_dir, 
 
 
 def test_prefill_projects_only_the_positions_the_window_shows(target, draft, monkeypatch):
-    from dflash_mlx.draft import DFlashDraft
+    from dflash_mlx.models.draft import DFlashDraft
 
     model, tok = target
     ids = tok.encode(PROMPTS[1] * 8)

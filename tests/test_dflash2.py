@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx import LoadError, generate, load_draft, sampling
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.conv import (
+from dflash_mlx import LoadError, generate, load_draft
+from dflash_mlx.engine import sampling
+from dflash_mlx.engine.sampling import SamplingParams, propose, selector_walk
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.conv import (
     CONV_KERNEL_SOURCE,
     dynamic_conv_metal,
     dynamic_conv_reference,
     use_metal_kernel,
 )
-from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.selector import CandidateSelector
 from dflash_mlx.pair import Pair
-from dflash_mlx.sampling import SamplingParams, propose, selector_walk
-from dflash_mlx.selector import CandidateSelector
 
 from .conftest import build_draft, draft_config
 from .test_decode import PROMPTS, target_greedy

@@ -6,9 +6,9 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import Pair, load
-from dflash_mlx.config import DraftConfig, default_target_layer_ids
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.models.config import DraftConfig, default_target_layer_ids
+from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.models.target import TargetAdapter
 
 from .conftest import draft_config
 
@@ -213,7 +213,7 @@ def test_binding_does_not_adopt_the_targets_weights(target, draft):
 
 def test_the_draft_holds_weights_only_and_never_samples(target, draft):
     """Request state lives in a DraftState; a loaded draft has none, and no sampling."""
-    import dflash_mlx.draft as draft_module
+    import dflash_mlx.models.draft as draft_module
 
     model, _ = target
     head = Pair(model, draft).head
@@ -233,7 +233,7 @@ def test_a_windowed_draft_drafts_as_if_given_only_its_window(target, draft):
     """A block under window N sees its anchor and the last N - 1 context rows, at their true
     distances, also after old rows were dropped (and across a gap): as a fresh context of
     just those rows placed at their positions would."""
-    from dflash_mlx.draft import FORGET_SLACK
+    from dflash_mlx.models.draft import FORGET_SLACK
 
     model, _ = target
     head = Pair(model, draft).head

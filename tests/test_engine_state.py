@@ -13,8 +13,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, PromptCache, generate, load, stream_generate
-from dflash_mlx.decode import speculative_decode
-from dflash_mlx.sampling import SamplingParams
+from dflash_mlx.engine.decode import speculative_decode
+from dflash_mlx.engine.sampling import SamplingParams
 
 from .test_decode import PROMPTS
 
@@ -87,7 +87,7 @@ def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, d
     tokens, never from what other requests taught the pair's chooser (their acceptance,
     their cycles timed on the wall clock). The curves are injected: a re-calibration that
     those timings can trigger on a busy machine must not decide the verdict."""
-    from dflash_mlx.adaptive import CostCurves
+    from dflash_mlx.speed.adaptive import CostCurves
 
     model, tok = target
     pair = Pair(model, draft)
@@ -139,7 +139,7 @@ def test_draws_follow_the_position_not_the_cycle(target, draft):
     """A draft the target always rejects: every token is then the target's own draw at its
     position (the residual is p without the proposal), so W = 1 and W = 4 must give the
     same tokens for one seed, although the draws fall in different cycles."""
-    from dflash_mlx.draft import DFlashDraft
+    from dflash_mlx.models.draft import DFlashDraft
 
     from .test_decode import target_greedy
 
@@ -189,8 +189,8 @@ def run_tokens(pair, tok, ids, pc, **kw):
 
 def injections(pair, tok):
     """Stage -> (patch installer, extra stream_generate arguments)."""
-    import dflash_mlx.decode as decode
-    from dflash_mlx.text import StopMatcher
+    import dflash_mlx.engine.decode as decode
+    from dflash_mlx.engine.text import StopMatcher
 
     adapter = pair.target
     detok = type(tok.detokenizer)
@@ -291,7 +291,7 @@ def test_a_late_commit_never_overwrites_a_newer_request():
 
 def test_the_owner_check_is_identity_not_equality(target, draft):
     """An `nn.Module` is a dict: `==` would compare weights. Two equal drafts are two."""
-    from dflash_mlx.draft import DFlashDraft
+    from dflash_mlx.models.draft import DFlashDraft
 
     model, tok = target
     twin = DFlashDraft(draft.config)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-import dflash_mlx.costs as costs
-from dflash_mlx.adaptive import WidthChooser
-from dflash_mlx.costs import Floor
+import dflash_mlx.speed.costs as costs
+from dflash_mlx.speed.adaptive import WidthChooser
+from dflash_mlx.speed.costs import Floor
 
 from .test_adaptive import BLAS, BLOCK, CPU, accepted_at, best_fixed_rate, true_cost
 

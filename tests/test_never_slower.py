@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-import dflash_mlx.calibrate as calibrate
+import dflash_mlx.speed.calibrate as calibrate
 from dflash_mlx import GenerateOptions, Pair
-from dflash_mlx.adaptive import CostCurves, WidthChooser
-from dflash_mlx.decode import speculative_decode
+from dflash_mlx.engine.decode import speculative_decode
+from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
 BLOCK = 16
 VERIFY = tuple(1.0 + 0.02 * w for w in range(1, BLOCK + 1))  # wide verifies nearly free

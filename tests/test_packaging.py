@@ -134,7 +134,7 @@ def test_the_public_api_names_functions_whichever_submodule_loads_first():
     """The API loads lazily; importing `dflash_mlx.generate` the module (as the benchmark
     does) must leave `dflash_mlx.generate` the function."""
     code = (
-        "import dflash_mlx.generate, dflash_mlx.benchmark, dflash_mlx\n"
+        "import dflash_mlx.engine.generate, dflash_mlx.bench.benchmark, dflash_mlx\n"
         "from dflash_mlx import generate, stream_generate, load, load_draft\n"
         "assert dflash_mlx.generate is generate and callable(generate), dflash_mlx.generate\n"
         "assert generate.__name__ == 'generate' and stream_generate.__name__ == 'stream_generate'\n"

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, PromptCache, load, stream_generate
-from dflash_mlx.prompt_store import PromptStore
+from dflash_mlx.cache.prompt_store import PromptStore
 
 from .test_prompt_cache import greedy
 
@@ -119,7 +119,7 @@ def test_bad_block_files_are_removed_and_answers_stay_right(
             f.write_bytes(contents[i][: len(contents[i]) // 2])
         else:  # another block's file under this block's name
             f.write_bytes(contents[(i + 1) % len(files)])
-    caplog.set_level(logging.WARNING, logger="dflash_mlx.prompt_store")
+    caplog.set_level(logging.WARNING, logger="dflash_mlx.cache.prompt_store")
     restarted = store(tmp_path)
     pc = PromptCache(store=restarted)
     out, cached = run(pair, tok, b, pc)
@@ -228,7 +228,7 @@ def test_two_chat_sessions_share_a_system_prompt_through_the_store(pair, target,
     """The chat REPL's session takes the store: a second conversation with the same system
     prompt, in this process or after a restart, prefills only what follows the stored
     prefix, and answers as a session with no store does."""
-    from dflash_mlx.chat_session import CHAT_DEFAULTS, ChatSession
+    from dflash_mlx.chat.session import CHAT_DEFAULTS, ChatSession
 
     tok = target[1]
     opts = CHAT_DEFAULTS.replace(max_tokens=8, verify_width=4, prefill_step=STEP)

@@ -12,8 +12,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from dflash_mlx.prompt_store import disk as disk_mod
-from dflash_mlx.prompt_store.disk import DiskTier, decode, encode
+from dflash_mlx.cache.prompt_store import disk as disk_mod
+from dflash_mlx.cache.prompt_store.disk import DiskTier, decode, encode
 
 ROWS = 64
 
@@ -43,7 +43,7 @@ def test_a_round_trip_and_each_kind_of_bad_file(tmp_path, caplog):
     key, data = block(3)
     assert tier.write(key, data) and seed_of(tier.read(key)) == 3
     other_key, other = block(4)
-    caplog.set_level(logging.WARNING, logger="dflash_mlx.prompt_store")
+    caplog.set_level(logging.WARNING, logger="dflash_mlx.cache.prompt_store")
     bad = {
         "truncated": data[: len(data) // 2],
         "garbage": bytes(len(data)),
@@ -125,7 +125,7 @@ import sys, random
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_prompt_store_disk import block, seed_of
-from dflash_mlx.prompt_store.disk import DiskTier
+from dflash_mlx.cache.prompt_store.disk import DiskTier
 tier = DiskTier(Path({folder!r}), {budget})
 rng = random.Random({who})
 for _ in range(150):

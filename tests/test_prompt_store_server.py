@@ -7,10 +7,10 @@ import json
 
 from typer.testing import CliRunner
 
+from dflash_mlx.cache.prompt_cache import common_prefix
+from dflash_mlx.cache.prompt_store import PromptStore
 from dflash_mlx.cli.main import app as cli_app
-from dflash_mlx.generate import encode_prompt
-from dflash_mlx.prompt_cache import common_prefix
-from dflash_mlx.prompt_store import PromptStore
+from dflash_mlx.engine.generate import encode_prompt
 
 from .test_server import MODEL, reference, serving
 
@@ -58,7 +58,7 @@ def test_serve_refuses_a_folder_and_no_folder_at_once(models_dir, tmp_path):
 
 
 def test_the_cache_command_shows_and_clears_a_folder(tmp_path):
-    from dflash_mlx.prompt_store.disk import DiskTier
+    from dflash_mlx.cache.prompt_store.disk import DiskTier
 
     from .test_prompt_store_disk import block
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import Pair, generate, load, load_draft
 from dflash_mlx.cli.main import app
-from dflash_mlx.conv import DynamicConv
+from dflash_mlx.models.conv import DynamicConv
 from dflash_mlx.quantize import compare_drafts, quantize_draft, quantize_target, save_draft
 
 from .conftest import build_draft, draft_config

@@ -13,12 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import dflash_mlx.decode as decode
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.draft import DFlashDraft
+import dflash_mlx.engine.decode as decode
+from dflash_mlx.engine.sampling import SamplingParams, probabilities, rejection_accept
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.draft import DFlashDraft
 from dflash_mlx.options import GenerateOptions
 from dflash_mlx.pair import Pair
-from dflash_mlx.sampling import SamplingParams, probabilities, rejection_accept
 
 from .conftest import draft_config, qwen3_config
 

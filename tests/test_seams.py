@@ -114,9 +114,9 @@ def test_block_size_is_a_deprecated_alias_of_verify_width(target, draft):
     with pytest.raises(BadArgument, match="disagree"), pytest.warns(DeprecationWarning):
         GenerateOptions.from_kwargs(block_size=3, verify_width=4)
     with pytest.warns(DeprecationWarning, match="Pair"):
-        assert isinstance(dflash_mlx.loading.bind_draft(draft, model), Pair)
+        assert isinstance(dflash_mlx.models.loading.bind_draft(draft, model), Pair)
     with pytest.warns(DeprecationWarning, match="Stats"):
-        from dflash_mlx.generate import DecodeStats
+        from dflash_mlx.engine.generate import DecodeStats
     assert DecodeStats is Stats
 
 
@@ -163,11 +163,11 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
     with pytest.warns(DeprecationWarning, match="context_limit"):
         assert dflash_mlx.server.context_length(model) == Pair(model).context_limit
     with pytest.warns(DeprecationWarning, match="Pair"):
-        assert dflash_mlx.target.TargetAdapter.of(model).model is model
-    calibrate = importlib.import_module("dflash_mlx.calibrate")
+        assert dflash_mlx.models.target.TargetAdapter.of(model).model is model
+    calibrate = importlib.import_module("dflash_mlx.speed.calibrate")
     with pytest.warns(DeprecationWarning, match="costs"):
         assert calibrate.load_or_measure(model, draft) == Pair(model, draft).costs()
-    chat = importlib.import_module("dflash_mlx.chat_session")
+    chat = importlib.import_module("dflash_mlx.chat.session")
     with pytest.warns(DeprecationWarning, match="GenerateOptions"):
         settings = chat.ChatSettings(temperature=0.5, block_size=4)
     assert (settings.temperature, settings.verify_width, settings.max_tokens) == (0.5, 4, 2048)

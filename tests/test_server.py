@@ -29,10 +29,10 @@ import pytest
 from typer.testing import CliRunner
 
 import dflash_mlx
+from dflash_mlx.cache.prompt_cache import common_prefix
 from dflash_mlx.cli.main import app as cli_app
 from dflash_mlx.cli.serve import exposure_warning
-from dflash_mlx.generate import encode_prompt
-from dflash_mlx.prompt_cache import common_prefix
+from dflash_mlx.engine.generate import encode_prompt
 from dflash_mlx.server import Engine, ServerSettings, create_server
 
 MODEL = "tiny"

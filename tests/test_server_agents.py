@@ -28,7 +28,13 @@ import openai
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.tiny import build_draft, draft_config, qwen3_config, save_model, write_tokenizer
+from dflash_mlx.models.tiny import (
+    build_draft,
+    draft_config,
+    qwen3_config,
+    save_model,
+    write_tokenizer,
+)
 
 from .test_server import MODEL, TIMEOUT, serving
 
@@ -562,7 +568,7 @@ def test_docs_work_offline(agent):
 
 
 def test_user_errors_are_4xx_and_ours_are_generic_500s(agent, monkeypatch):
-    from dflash_mlx.batch import BatchDecoder
+    from dflash_mlx.engine.batch import BatchDecoder
     from dflash_mlx.errors import ContextTooLong
     from dflash_mlx.server import engine as engine_module
 

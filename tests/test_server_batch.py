@@ -21,10 +21,10 @@ import openai
 import pytest
 
 import dflash_mlx
-from dflash_mlx import batch as batch_module
-from dflash_mlx import batch_cache
-from dflash_mlx.generate import Reply, encode_prompt
-from dflash_mlx.prompt_cache import CachedState
+from dflash_mlx.cache.prompt_cache import CachedState
+from dflash_mlx.engine import batch as batch_module
+from dflash_mlx.engine import batch_cache
+from dflash_mlx.engine.generate import Reply, encode_prompt
 from dflash_mlx.server import batching
 from dflash_mlx.server.engine import Job
 from dflash_mlx.server.prompt_pool import PromptCachePool

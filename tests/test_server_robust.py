@@ -19,11 +19,11 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from dflash_mlx import calibrate
-from dflash_mlx.adaptive import WidthChooser
-from dflash_mlx.costs import CostCurves
 from dflash_mlx.server import create_server
 from dflash_mlx.server.engine import EngineClosed, EngineDown, QueueFull
+from dflash_mlx.speed import calibrate
+from dflash_mlx.speed.adaptive import WidthChooser
+from dflash_mlx.speed.costs import CostCurves
 
 from . import test_server
 from .test_server import MODEL, TIMEOUT, serving

@@ -23,9 +23,15 @@ import openai
 import pytest
 
 import dflash_mlx
+from dflash_mlx.models.tiny import (
+    build_draft,
+    build_target,
+    draft_config,
+    qwen3_config,
+    write_tokenizer,
+)
 from dflash_mlx.server.errors import APIError
 from dflash_mlx.server.structured import tool_grammar
-from dflash_mlx.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
 
 from .test_server import MODEL, TIMEOUT, WIDTH, serving
 
@@ -194,7 +200,7 @@ def test_a_grammar_is_built_once_off_the_engine_thread(client, monkeypatch):
 
 
 def test_a_grammar_too_costly_to_build_is_a_400_naming_the_format(client, monkeypatch):
-    from dflash_mlx import controls
+    from dflash_mlx.engine import controls
     from dflash_mlx.server import structured
 
     real = controls.check_grammar
@@ -219,7 +225,7 @@ def test_a_grammar_too_costly_to_build_is_a_400_naming_the_format(client, monkey
 
 
 def test_compiled_grammars_are_copies_that_never_share_their_state(tokenizer_and_vocab):
-    from dflash_mlx.controls import compile_grammar
+    from dflash_mlx.engine.controls import compile_grammar
 
     tok, vocab = tokenizer_and_vocab
     opts = dflash_mlx.GenerateOptions(json_schema={"type": "object"})

@@ -1,4 +1,4 @@
-"""Draft training (`dflash_mlx.train`, `dflash-mlx train`) on a tiny target."""
+"""Draft training (`dflash_mlx.train.trainer`, `dflash-mlx train`) on a tiny target."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from dflash_mlx import Pair, generate, load_draft
 from dflash_mlx.cli.main import app
 from dflash_mlx.cli.train import _regenerator
-from dflash_mlx.tiny import CORPUS
-from dflash_mlx.train import (
+from dflash_mlx.models.tiny import CORPUS
+from dflash_mlx.train.trainer import (
     Example,
     TrainSettings,
     draft_config_for,

@@ -1,6 +1,6 @@
 """`dflash-mlx train`'s defaults against a minimal reference distillation loop (issue 28).
 
-The reference is written here, apart from `dflash_mlx.train`: the same draft initialisation,
+The reference is written here, apart from `dflash_mlx.train.trainer`: the same draft initialisation,
 the target's greedy replies as data, anchors at random reply positions, loss = weighted
 cross-entropy against the target's own greedy tokens, AdamW (MLX's) with warm-up and
 cosine. Both train a fresh draft on the demo pair's target for the same steps, seed and data
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx.cli.train import _regenerator
-from dflash_mlx.tiny import CORPUS
-from dflash_mlx.train import (
+from dflash_mlx.models.tiny import CORPUS
+from dflash_mlx.train.trainer import (
     TrainSettings,
     block_targets,
     draft_config_for,
@@ -74,7 +74,7 @@ def fresh(model):
 
 
 def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
-    """The plain recipe, a few dozen lines (not `dflash_mlx.train`'s code)."""
+    """The plain recipe, a few dozen lines (not `dflash_mlx.train.trainer`'s code)."""
     draft, L = pair.draft, pair.draft.config.block_size
     warm = max(1, int(0.04 * steps))
     sched = optim.join_schedules(
@@ -159,7 +159,7 @@ def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp
 def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
     """The training step's faster layout (a sequence's blocks share its context) computes the
     logits `DFlashDraft.training_logits` does, sliding and causal layers included."""
-    from dflash_mlx.train_blocks import grouped_blocks, grouped_logits
+    from dflash_mlx.train.blocks import grouped_blocks, grouped_logits
 
     model, tok = target
     for extra in (

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import dflash_mlx.decode as decode
-import dflash_mlx.target as target_module
-import dflash_mlx.tree as tree_module
+import dflash_mlx.engine.decode as decode
+import dflash_mlx.engine.tree as tree_module
+import dflash_mlx.models.target as target_module
 from dflash_mlx import GenerateOptions, Pair, generate, load
-from dflash_mlx.config import DraftConfig
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.tree import Tree, accept_sampled, build
+from dflash_mlx.engine.tree import Tree, accept_sampled, build
+from dflash_mlx.models.config import DraftConfig
+from dflash_mlx.models.draft import DFlashDraft
 
 from .conftest import draft_config
 from .test_decode import PROMPTS, target_greedy

@@ -22,7 +22,7 @@ def __getattr__(name: str):
     if name == "context_length":
         import warnings
 
-        from ..target import TargetAdapter
+        from ..models.target import TargetAdapter
 
         warnings.warn(
             "dflash_mlx.server.context_length is deprecated: use Pair.context_limit",

@@ -23,9 +23,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..batch import BatchDecoder
-from ..batch_cache import batchable
-from ..generate import GenerationResponse
+from ..engine.batch import BatchDecoder
+from ..engine.batch_cache import batchable
+from ..engine.generate import GenerationResponse
 from ..pair import Pair
 
 if TYPE_CHECKING:

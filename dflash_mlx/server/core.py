@@ -27,10 +27,10 @@ from jinja2 import TemplateError
 from mlx_lm.generate import make_text_state_machine
 from starlette.concurrency import run_in_threadpool
 
+from ..engine.text import encode_prompt
 from ..errors import BadArgument, ContextTooLong
 from ..options import GenerateOptions
 from ..pair import check_context
-from ..text import encode_prompt
 from . import structured
 from .engine import Engine
 from .errors import APIError, as_api_error

@@ -29,13 +29,13 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..generate import GenerationResponse, stream_generate
+from ..cache.prompt_cache import PromptCache
+from ..cache.prompt_store import PromptStore
+from ..engine.generate import GenerationResponse, stream_generate
+from ..engine.text import encode_prompt
 from ..options import GenerateOptions
 from ..pair import Pair
-from ..prompt_cache import PromptCache
-from ..prompt_store import PromptStore
 from ..stats import SEPARATOR, stats_fields
-from ..text import encode_prompt
 from . import batching
 from .prompt_pool import PromptCachePool
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlx_lm.generate import TextStateMachine
 
-from ..generate import GenerationResponse
+from ..engine.generate import GenerationResponse
 from ..stats import Stats
 from . import metrics
 from .engine import Job

@@ -25,8 +25,8 @@ from mlx_lm.tokenizer_utils import (
     _byte_decoder,
 )
 
-from ..controls import TokenLogprob
-from ..generate import GenerationResponse
+from ..engine.controls import TokenLogprob
+from ..engine.generate import GenerationResponse
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-from ..prompt_cache import PromptCache, common_prefix
-from ..prompt_store import PromptStore
+from ..cache.prompt_cache import PromptCache, common_prefix
+from ..cache.prompt_store import PromptStore
 
 
 def fork(pc: PromptCache) -> PromptCache:

@@ -12,9 +12,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.text import check_text
 from ..errors import BadArgument
 from ..options import GenerateOptions
-from ..text import check_text
 from .errors import APIError
 
 # Below this, a temperature is greedy decoding: 1/T overflows float32 long before T = 0.

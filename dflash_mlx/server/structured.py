@@ -165,7 +165,7 @@ def check(options: Any, tokenizer: Any, vocab: int | None, param: str) -> None:
     """Build `options`' grammar and refuse an invalid schema or grammar as a 400 naming
     `param`, before streaming; one that takes longer than `BUILD_SECONDS` to build is a 400
     too, and a 503 when the builds of earlier requests still hold every builder."""
-    from .. import controls
+    from ..engine import controls
 
     try:
         build = _BUILDS.submit(controls.check_grammar, options, tokenizer, vocab)

@@ -1,0 +1,1 @@
+"""`dflash-mlx bench`: the benchmark runs, their prompts and results."""

@@ -1,0 +1,1 @@
+"""The chat session behind `dflash-mlx chat` and its settings."""

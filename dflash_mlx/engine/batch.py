@@ -1,0 +1,427 @@
+"""Continuous batching with DFlash on (SPEC 8): requests join and leave between cycles.
+
+`BatchDecoder` runs the decode cycle of `decode.py` for several requests at once: each row
+is a `prefill.Request` of its own (draft state, sampling keys, controls, committed tokens),
+drafts and accepts with the same step functions a request alone does (`make_drafts`,
+`accept`, `commit_draft`), and the rows' blocks are verified in **one** target pass over a
+batch cache (`batch_cache`: each row its own positions, length and rewind). Rows of
+different widths are padded at their end; padding is rewound with the rejected drafts.
+
+A request arriving while others decode is prefilled alone, in chunks, with one cycle of
+the running rows between chunks (a long prompt never stalls them for more than a chunk;
+with `on_output` set, their responses are handed out between the chunks too), then joins.
+One row decodes on its own caches, as a request alone does; the batch cache is made when
+a second joins and undone when one is left.
+
+Widths: a request that fixes its width keeps it; the others share a width chosen per
+cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs
+(`batch_cycle.batch_curves`: the calibrated target cost at all rows' tokens, a draft pass
+per row; then the wall time of the batched cycles it ran), so under load widths narrow, or
+go plain, where extra verified rows stop coming free. Alone, a row uses the pair's own
+chooser. The cycle's steps are `batch_cycle.py`'s.
+Rows that verify trees (SPEC 7) do so in the same pass as the others' chains, each row
+masked as its shape says.
+Knows nothing about HTTP: `server/engine.py` and `batch_generate` drive it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..cache.prompt_cache import PromptCache
+from ..options import GenerateOptions
+from ..pair import Pair
+from ..speed.adaptive import WidthChooser
+from . import batch_cycle as bc
+from .batch_cache import add_row, batchable, join, keep_rows, take_row
+from .batch_cycle import Row, batch_curves
+from .bookkeeping import clear_cache_every, cut_at_eos
+from .controls import compile_grammar, read_logprobs
+from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
+from .generate import GenerationResponse, Reply, batch_generate
+from .prefill import open_request, prefill_prompt
+from .text import encode_prompt
+from .tree import ShapeChooser, tree_mode
+
+__all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
+
+# A plain cycle's step: it commits its one position, so nothing is rewound or captured.
+PLAIN = _Step(None, None, None, NOTHING_SAVED, 1, 0.0, True)
+
+
+class _Ahead(NamedTuple):
+    """A plain pass launched before the cycle it belongs to."""
+
+    rows: list[Row]  # the rows it runs for, in the batch's order when launched
+    top: mx.array  # each row's next token, on the device
+    tic: float  # when it was launched
+
+
+class BatchDecoder:
+    """Decodes up to `max_batch` requests together; more wait, in arrival order."""
+
+    def __init__(self, pair: Pair, tokenizer: Any, *, max_batch: int = 8):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch {max_batch!r} must be an integer >= 1")
+        self.pair = pair
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.waiting: deque[Row] = deque()
+        self.active: list[Row] = []
+        self.cache: list | None = None  # the batch's target cache (None: one row or none)
+        # Per batch size >= 2: (the pair's chooser it reads, the size's own chooser).
+        self.choosers: dict[int, tuple[WidthChooser, WidthChooser]] = {}
+        self._outbox: list[tuple[Row, GenerationResponse | BaseException]] = []
+        self.sizes: dict[int, int] = {}  # batch size -> cycles run at it
+        # Where the running rows' responses go as soon as a cycle between the chunks of an
+        # admission made them (a server hands them to their clients then); without it they
+        # are returned by the `step` that admits.
+        self.on_output: Callable[[list[tuple[Row, Any]]], None] | None = None
+        self._ahead: _Ahead | None = None  # the next plain pass, launched before its turn
+        self._planned: tuple | None = None  # the next cycle's widths, decided in advance
+        self._synced = 0.0  # when the last cycle's result reached the host
+        self.chained = 0  # plain passes launched before the last result reached the host
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Any,
+        options: GenerateOptions | None = None,
+        *,
+        handle: Any = None,
+        prompt_cache: PromptCache | None = None,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Row:
+        """Queue a request (text, ids or messages); its settings are checked now."""
+        opts = options or GenerateOptions()
+        ids = encode_prompt(self.tokenizer, prompt)
+        self.pair.check_context(len(ids))
+        row = Row(ids, opts, handle, prompt_cache, progress)
+        row.grammar = compile_grammar(opts, self.tokenizer, self.pair.target.logits_width)
+        row.plan = self.pair.plan(opts)  # once: it refuses widths the pair cannot run
+        row.eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """Stop a request between cycles (waiting ones never start)."""
+        row.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def step(self) -> list[tuple[Row, GenerationResponse | BaseException]]:
+        """Admit the next waiting request when there is room (in arrival order; prefilled
+        with a cycle of the running rows between its chunks), or else run one cycle of
+        every active one, and return what each row produced meanwhile, in order: responses, or
+        the exception that ended a row (the others go on)."""
+        self._drop_cancelled()
+        if self.waiting and len(self.active) < self.max_batch:
+            # One at a time, so that each first token goes out as soon as its own prompt
+            # is prefilled; the cycle runs once no request waits for room.
+            self._admit(self.waiting.popleft())
+        elif self.active:
+            self._cycle()
+        out, self._outbox = self._outbox, []
+        return out
+
+    def close(self) -> None:
+        """End every row (as cancelled), committing their prompt caches."""
+        for row in list(self.active) + list(self.waiting):
+            row.cancelled = True
+        self.waiting.clear()
+        self._drop_cancelled()
+
+    # -- membership -----------------------------------------------------------------------
+
+    def _admit(self, row: Row) -> None:
+        if row.cancelled:
+            row.done = True
+            return
+        try:
+            self._prefill(row)
+        except Exception as e:  # noqa: BLE001 - the row ends with its error, the rest go on
+            self._fail(row, e, joined=False)
+            return
+        if row.done:
+            self._finish(row, joined=False)
+            return
+        self._join(row)
+
+    def _prefill(self, row: Row) -> None:
+        pair, opts = self.pair, row.options
+        width, rows, chooser = row.plan
+        row.fixed = None if chooser is not None else (width, rows)
+        row.rows, row.chooser = rows, chooser
+        speculate = pair.draft is not None and (width > 1 or chooser is not None)
+        draft = pair.draft if speculate else None
+        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
+        if row.prompt_cache is not None:
+            row.lease, saved = row.prompt_cache.take(pair.model, draft)
+        else:
+            saved = None
+        mx.reset_peak_memory()
+        row.reply = Reply(self.tokenizer, opts, len(row.prompt), row.eos, chooser, speculate, width)
+        cached = row.prompt_cache is not None
+        req = open_request(pair, draft, row.prompt, opts, seed, saved, row.grammar, cached)
+        row.req = req
+        why = batchable(req.cache)
+        if why is not None:
+            raise NotImplementedError(f"this target cannot decode in a batch: {why}")
+        req.trees = tree_mode(req, opts, chooser, opts.seed is None)
+        if chooser is not None and not self.active:
+            # Alone, a request starts as it does in `stream_generate`; joining others, the
+            # acceptance every row has taught stays (the batch's width rides on it).
+            chooser.begin_request()
+
+        last = [req.reused]
+
+        def between_chunks(done: int, total: int) -> None:
+            if row.progress is not None:
+                row.progress(done, total)
+            if done < total and done - last[0] >= opts.prefill_step and self.active:
+                # The running rows go on between the chunks of a long prompt, and what they
+                # produced goes out now, not when the admission ends.
+                last[0] = done
+                if not row.cancelled:
+                    self._drop_cancelled()
+                    self._cycle()
+                    self._hand_out()
+
+        progress = between_chunks
+        if row.prompt_cache is not None:
+            progress = row.prompt_cache.watch(between_chunks)
+        with mx.stream(generation_stream):
+            logits = prefill_prompt(req, opts.prefill_step, progress)
+            anchor, lp = first_token(req, logits)
+            if req.controls is not None:
+                req.controls.commit(anchor)
+        tok = anchor.item()
+        if row.grammar is not None:
+            row.grammar.consume([tok])
+        req.generated.append(tok)
+        row.anchor = anchor
+        cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
+        self._respond(row, cyc)
+
+    def _join(self, row: Row) -> None:
+        # A new request in the batch: what the batch's choosers decided about what was left
+        # of the requests before (no probe can pay back any more, the probe budget spent)
+        # is no longer so. Their acceptance is read from the pair's chooser every cycle.
+        for _, chooser in self.choosers.values():
+            chooser.begin_request()
+        if self.active:
+            with mx.stream(generation_stream):
+                if self.cache is None:  # one row so far: its own caches become the batch's
+                    self.cache = join([self.active[0].req.cache, row.req.cache])
+                else:
+                    self.cache = add_row(self.cache, row.req.cache)
+                mx.eval([c.state for c in self.cache])
+        self.active.append(row)
+
+    def _leave(self, rows: list[Row]) -> None:
+        """Take `rows` out of the batch; their own caches are handed back to them."""
+        gone = {id(r) for r in rows}
+        if self.cache is not None:
+            for b, r in enumerate(self.active):
+                if id(r) in gone:
+                    r.req.cache = take_row(self.cache, b)
+        stay = [b for b, r in enumerate(self.active) if id(r) not in gone]
+        if self.cache is not None:
+            if len(stay) > 1:
+                keep_rows(self.cache, stay)
+            elif stay:
+                self.active[stay[0]].req.cache = take_row(self.cache, stay[0])
+        self.active = [self.active[b] for b in stay]
+        if len(self.active) <= 1:
+            self.cache = None
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(row)
+            row.done = True
+        ending = [r for r in self.active if r.cancelled]
+        if ending:
+            self._leave(ending)
+            for row in ending:
+                self._commit_prompt_cache(row)
+                row.done = True
+
+    def _finish(self, row: Row, joined: bool = True) -> None:
+        if joined:
+            self._leave([row])
+        self._commit_prompt_cache(row)
+        row.done = True
+
+    def _fail(self, row: Row, error: BaseException, joined: bool = True) -> None:
+        """End `row` with `error` (its prompt cache is left as it was: never half-written)."""
+        if joined and row in self.active:
+            self._leave([row])
+        row.done, row.error = True, error
+        self._outbox.append((row, error))
+
+    def _commit_prompt_cache(self, row: Row) -> None:
+        req = row.req
+        if row.prompt_cache is None or req is None or not req.generated:
+            return
+        if req.keep_snapshots:
+            fed = len(req.prompt) + len(req.generated) - 1
+            req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+        row.prompt_cache.commit(row.lease, req.saved())
+
+    def _hand_out(self) -> None:
+        """Give what the rows produced so far to `on_output`, when there is one."""
+        if self.on_output is not None and self._outbox:
+            out, self._outbox = self._outbox, []
+            self.on_output(out)
+
+    def _respond(self, row: Row, cyc: Cycle) -> None:
+        response = row.reply.feed(cyc)
+        self._outbox.append((row, response))
+        if response.finish_reason is not None:
+            row.done = True
+
+    # -- the cycle ------------------------------------------------------------------------
+
+    def _cycle(self) -> None:
+        """One cycle of every active row (`batch_cycle`), then each row's response."""
+        rows = [r for r in self.active if not r.done]
+        ahead, self._ahead = self._ahead, None
+        planned, self._planned = self._planned, None
+        if ahead is not None:
+            ran = {id(r): b for b, r in enumerate(ahead.rows)}
+            if rows and all(id(r) in ran for r in rows):
+                # This cycle's pass already runs, chained on the last cycle's tokens.
+                self._plain_cycle(rows, None, ahead.top, [ran[id(r)] for r in rows], ahead.tic)
+                return
+            # A request joined since: the chained pass is committed for the rows it ran
+            # for (and still run), then every row cycles.
+            old = [r for r in rows if id(r) in ran]
+            if old:
+                index = [ran[id(r)] for r in old]
+                self._plain_cycle(old, None, ahead.top, index, ahead.tic, chain=False)
+            rows = [r for r in self.active if not r.done]
+            planned = None
+        size = len(rows)
+        if not size:
+            return
+        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
+        if planned is not None and planned[0] == [id(r) for r in rows]:
+            widths, captures = planned[1]  # decided when the last cycle chained nothing
+        else:
+            widths, captures = bc.plan(rows, chooser)
+        if bc.plain(self.pair.target, rows, widths, captures):
+            self._plain_cycle(rows, chooser)
+            return
+        caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
+        tic = time.perf_counter()
+        cache = self.cache if size > 1 else rows[0].req.cache
+        target = self.pair.target
+        with mx.stream(generation_stream):
+            drafted = bc.draft(rows, widths, captures)
+            logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
+            steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
+        bc.rewind(target, rows, steps, results, cache, width)
+        spent = time.perf_counter() - tic
+        bc.learn(chooser, rows, widths, results, width, spent, caught_up)
+        for r, s, (n, _) in zip(rows, steps, results):
+            if isinstance(r.req.trees, ShapeChooser) and s.width >= 3:
+                r.req.trees.observe(s.tree is not None, n + 1, spent)
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        self._commit_rows(rows, steps, results, size)
+
+    def _commit_rows(
+        self, rows: list[Row], steps: list, results: list, size: int, plain: bool = False
+    ) -> None:
+        """Each row's tokens of the cycle committed and handed out (`plain`: its draft told
+        that no draft ran); rows that ended or failed leave the batch."""
+        finished = []
+        for r, s, (n, new) in zip(rows, steps, results):
+            if r.error is None:
+                try:
+                    if plain:
+                        commit_draft(r.req, s, n)
+                    self._commit_row(r, s, n, new, size)
+                except Exception as e:  # noqa: BLE001 - this row ends with its error
+                    r.error = e
+            if r.error is not None:
+                r.done = True
+                self._outbox.append((r, r.error))
+            if r.done:
+                finished.append(r)
+        if finished:
+            self._leave(finished)
+            for r in finished:
+                if r.error is None:
+                    self._commit_prompt_cache(r)
+
+    def _plain_cycle(
+        self,
+        rows: list[Row],
+        chooser: WidthChooser | None,
+        top: mx.array | None = None,
+        index: list[int] | None = None,
+        tic: float = 0.0,
+        chain: bool = True,
+    ) -> None:
+        """A plain cycle of every row: its pass (`top`, already launched, the rows at
+        `index` of it; else launched now), and, while every row stays plain, the next
+        cycle's pass launched on the device tokens before this one's reach the host, as
+        mlx-lm chains its steps. What a chained pass feeds a row that ends here is never
+        read. `chooser`: the batch's (None: looked up for these rows)."""
+        size = len(rows)
+        target = self.pair.target
+        cache = self.cache if size > 1 else rows[0].req.cache
+        if top is None:
+            tic = time.perf_counter()
+            top = bc.plain_pass(target, rows, mx.concatenate([r.anchor for r in rows]), cache)
+        elif top.shape[0] != size:  # rows left since it was launched (the order stays)
+            top = top[mx.array(index)]
+        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+        if chooser is None and auto:
+            chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser)
+        if (
+            chain
+            and not self.waiting
+            and all(r.options.max_tokens - r.generated >= 2 and not r.cancelled for r in rows)
+        ):
+            widths, captures = bc.plan(rows, chooser)  # the next cycle's, decided now
+            if bc.plain(target, rows, widths, captures):
+                nxt = bc.plain_pass(target, rows, top, cache)
+                self._ahead = _Ahead(rows, nxt, time.perf_counter())
+            else:
+                self._planned = ([id(r) for r in rows], (widths, captures))
+        tokens = top.tolist()
+        now = time.perf_counter()
+        spent = now - max(tic, self._synced)
+        self._synced = now
+        results = [(0, [t]) for t in tokens]
+        bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
+        self.sizes[size] = self.sizes.get(size, 0) + 1
+        self.chained += self._ahead is not None
+        self._commit_rows(rows, [PLAIN] * size, results, size, plain=True)
+
+    def _commit_row(self, r: Row, s: _Step, n: int, new: list[int], size: int) -> None:
+        req = r.req
+        new, _ = cut_at_eos(new, r.eos)
+        if r.grammar is not None:
+            r.grammar.consume(new)
+        clear_cache_every(len(req.generated), len(new))
+        req.generated.extend(new)
+        r.anchor = mx.array(new[-1:], dtype=mx.int32)
+        lp = read_logprobs(s.logprobs, range(len(new)), new)
+        batch = size if size > 1 else 0
+        tree = s.tree is not None
+        self._respond(r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch))
+        if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
+            r.done = True

@@ -1,0 +1,365 @@
+"""One cycle of a batch (SPEC 8): choose -> draft -> one verify pass -> accept -> rewind.
+
+The steps of `decode.py`'s cycle, for every active row of a `batch.BatchDecoder` at once:
+`plan` picks each row's width (fixed rows keep theirs; the others share the width a
+`WidthChooser` for the batch's size picks, priced by `batch_curves`), `draft` proposes (one
+draft pass for the rows that can share it, `batch_draft`; the single-request step for the
+others), `verify` runs the target once over every row's block (rows padded at their end),
+`accept` decides per row (greedy rows without processors together, one host read), and
+`commit` rewinds each row to what it accepted. A row whose own steps fail ends with its
+error (`Row.error`) and rides along the pass empty; the others go on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ..cache.prompt_cache import PromptCache
+from ..options import GenerateOptions
+from ..speed.adaptive import WidthChooser
+from ..speed.costs import CostCurves
+from . import batch_draft
+from .batch_cache import RowsKVCache, rewind_rows
+from .bookkeeping import follow_capture
+from .decode import _Step, accept, commit, commit_draft, make_drafts, result
+from .generate import Reply
+from .prefill import Request
+from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
+
+
+@dataclass(eq=False)
+class Row:
+    """One request of a batch, from `submit` to its last response."""
+
+    prompt: list[int]
+    options: GenerateOptions
+    handle: Any = None  # the caller's own (the server's job)
+    prompt_cache: PromptCache | None = None
+    progress: Any = None  # progress(done, total) of its prefill
+    reply: Reply | None = None
+    req: Request | None = None
+    fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
+    plan: tuple[int, int, WidthChooser | None] | None = None  # `Pair.plan`, made at submit
+    rows: int = 1  # the draft block L of an automatic row
+    grammar: Any = None
+    eos: frozenset[int] = frozenset()
+    anchor: mx.array | None = None  # the last committed token, on the device
+    chooser: WidthChooser | None = None  # an automatic row's width chooser when alone
+    lease: int = 0
+    done: bool = False
+    cancelled: bool = False
+    error: BaseException | None = None  # what ended the row, if something failed
+
+    @property
+    def generated(self) -> int:
+        return len(self.req.generated) if self.req is not None else 0
+
+
+def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
+    """What a cycle of `rows` requests at width W costs, priced before it is measured: the
+    target on `rows * W` tokens (the calibrated curve, extended along its last segment) and
+    one draft pass per row."""
+
+    def verify(curve: list[float]) -> list[float]:
+        def at(tokens: int) -> float:
+            if tokens <= len(curve):
+                return curve[tokens - 1]
+            slope = curve[-1] - curve[-2] if len(curve) > 1 else curve[-1]
+            return curve[-1] + max(slope, 0.0) * (tokens - len(curve))
+
+        return [at(rows * w) for w in range(1, len(curve) + 1)]
+
+    def draft(curve: list[float]) -> list[float]:
+        return [rows * t for t in curve]
+
+    return CostCurves(
+        verify(curves.verify),
+        draft(curves.draft),
+        curves.depths,
+        tuple((verify(v), draft(d)) for v, d in curves.deeper),
+        curves.context,
+        curves.lazy,
+    )
+
+
+def batch_chooser(
+    known: dict[int, tuple[WidthChooser, WidthChooser]], size: int, base: WidthChooser
+) -> WidthChooser:
+    """The width chooser for cycles of `size` rows (alone: `base`, the pair's own). A batch's
+    prices its own costs (`batch_curves`) but reads the acceptance `base` has learnt.
+    `known`: the decoder's, `{size: (base, chooser)}`."""
+    if size == 1:
+        return base
+    kept = known.get(size)
+    if kept is None or kept[0] is not base:
+        # A batched cycle is `size` rows' evidence of what speculating costs here: one
+        # that lost is enough to budget the next probes at what it really lost.
+        chooser = WidthChooser(
+            batch_curves(base.costs, size),
+            base.block,
+            draft_block=base.draft_block,
+            floor_evidence=1.0,
+        )
+        kept = known[size] = (base, chooser)
+    chooser = kept[1]
+    chooser.read_acceptance(base)
+    return chooser
+
+
+def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool]]:
+    """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft."""
+    auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
+    if chooser is not None:
+        budget = max(r.options.max_tokens - r.generated for r in auto)
+        depth = max(len(r.prompt) + r.generated for r in auto)
+        w_auto, l_auto = chooser.choose(limit=budget, depth=depth)
+    out = []
+    for r in rows:
+        if r.req.draft is None:
+            w, length = 1, 1
+        elif r.fixed is not None:
+            w, length = r.fixed
+        else:
+            w, length = w_auto, l_auto
+        left = r.options.max_tokens - r.generated
+        # A tree's budget may exceed the block; a chain's is cut to it when drafted.
+        block = length if length > 1 and not r.req.trees else w
+        out.append((max(1, min(w, left, block)), length))
+    captures = [
+        r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
+        for r in rows
+    ]
+    return out, captures
+
+
+def plain(target, rows: list[Row], widths: list, captures: list[bool]) -> bool:
+    """Whether the cycle `plan`ned is a plain pass that can be chained on the device: every
+    row decodes plainly (W = 1, no features for its draft) and greedily, without logits
+    processors or recurrent state to keep."""
+    return (
+        not target.recurrent
+        and all(w == 1 for w, _ in widths)
+        and not any(captures)
+        and all(
+            r.error is None
+            and r.req.params.greedy
+            and r.req.controls is None
+            and not r.req.keep_snapshots
+            for r in rows
+        )
+    )
+
+
+def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.array:
+    """The target on each row's anchor `(B,)`, launched: each row's next token `(B,)`."""
+    with mx.stream(generation_stream):
+        for r in rows:
+            if r.req.draft is not None:  # dormant: its context stops at the last capture
+                follow_capture(r.req, False, len(r.req.prompt) + r.generated - 1)
+        logits, _ = target.forward(anchors.reshape(-1, 1), cache, None)
+        top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+    mx.async_eval(top)
+    return top
+
+
+def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
+    """Each row's `(drafts, q, masks, shape)`: rows whose cycle verifies a tree (SPEC 7)
+    get its nodes after the anchor as `drafts` and `shape` `(tokens, parents, depths,
+    seen)`; the others a chain (`shape` None). Rows of one draft block without processors
+    share one draft pass, trees and chains alike."""
+    out: list = [None] * len(rows)
+    for b, r in enumerate(rows):
+        if r.req.draft is not None:
+            follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
+    shaped: dict[int, bool] = {}  # a shape chooser decides once a cycle for its rows
+    trees = [False] * len(rows)
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        mode = r.req.trees
+        if isinstance(mode, ShapeChooser) and w >= 3 and id(mode) not in shaped:
+            shaped[id(mode)] = mode.tree_next()
+        if w >= 3 and (mode is True or shaped.get(id(mode), False)):
+            trees[b] = True
+        elif w > length > 1:  # a tree's budget asked for where this cycle verifies a chain
+            widths[b] = (length, length)
+    groups: dict[int, list[int]] = {}
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        if w > 1 and batch_draft.batchable(r.req):
+            groups.setdefault(length, []).append(b)
+    for length, members in groups.items():
+        if len(members) < 2:
+            continue
+        wide = any(trees[b] for b in members)
+        most = length - 1 if wide else max(widths[b][0] for b in members) - 1
+        anchors = [rows[b].anchor for b in members]
+        hidden, logits = batch_draft.block_rows(
+            [rows[b].req for b in members], anchors, length, most
+        )
+        for k, b in enumerate(members):
+            r, w = rows[b], widths[b][0]
+            if trees[b]:
+                shape = propose_tree(r.req, r.anchor, w, length, logits[k])
+                out[b] = (shape[0][1:], None, None, shape)
+            else:
+                start = r.generated - 1
+                got = batch_draft.chain(r.req, logits[k], start, w, hidden[k], r.anchor)
+                out[b] = (*got, None, None)
+    for b, (r, (w, length)) in enumerate(zip(rows, widths)):
+        if out[b] is not None:
+            continue
+        try:
+            if trees[b]:
+                shape = propose_tree(r.req, r.anchor, w, length)
+                out[b] = (shape[0][1:], None, None, shape)
+            else:
+                out[b] = (*make_drafts(r.req, r.anchor, r.generated - 1, w, length), None)
+        except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
+            r.error = e
+            out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
+            widths[b] = (1, 1)
+    return out
+
+
+def verify(target, rows: list[Row], drafted: list, cache: list, captures: list[bool]):
+    """One target pass over every row's `[anchor, drafts]`, padded to the widest (trees
+    and chains together, each row masked as its shape says, `tree.batch_mask`):
+    `(logits, feats, width, (snapshot, calls))`."""
+    width = max(d.size + 1 for d, _, _, _ in drafted)
+    tokens = []
+    for r, (drafts, _, _, _) in zip(rows, drafted):
+        seq = mx.concatenate([r.anchor, drafts])
+        tokens.append(mx.pad(seq, [(0, width - seq.size)]) if width > seq.size else seq)
+    ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
+    before = target.snapshot(cache)
+    shapes = [d[3] for d in drafted]
+    if any(s is not None for s in shapes):
+        first = cache[0]
+        lengths = first.lengths if isinstance(first, RowsKVCache) else [first.offset]
+        seen = [None if s is None else (s[3], s[2]) for s in shapes]
+        mask, depths = batch_mask(seen, lengths, width)
+        logits, feats = target.forward_tree(mx.stack(tokens), cache, mask, depths, ids)
+    else:
+        logits, feats = target.forward(mx.stack(tokens), cache, ids)
+    return logits, feats, width, (before, target.recorded_calls())
+
+
+def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures) -> tuple:
+    """Each row's `_Step` and `(accepted, emitted tokens)`, read from the device once.
+    Greedy rows without logits processors are accepted together (one argmax); the others
+    as a request alone is (`decode.accept`)."""
+    together = [
+        b
+        for b, r in enumerate(rows)
+        if r.error is None
+        and r.req.params.greedy
+        and r.req.controls is None
+        and drafted[b][3] is None
+    ]
+    steps = []
+    for b, (r, (drafts, q, masks, shape)) in enumerate(zip(rows, drafted)):
+        w = drafts.size + 1
+        f = feats[b : b + 1] if feats is not None and captures[b] else None
+        if shape is not None and r.error is None:  # a tree: walked on the host (`result`)
+            out = node_outputs(r.req, logits[b, :w])
+            steps.append(_Step(None, out, f, saved, w, 0.0, False, None, shape[:3], []))
+            continue
+        if b in together:
+            steps.append(_Step(None, None, f, saved, w, 0.0, False))
+            continue
+        try:
+            if r.error is not None:
+                raise r.error
+            if callable(masks):
+                masks = masks()
+            n, out, lp = accept(r.req, drafts, q, logits[b, :w], r.generated - 1, masks)
+        except Exception as e:  # noqa: BLE001 - this row ends, the others go on
+            r.error = e
+            n, out, lp = mx.array(0), logits[b, :1].argmax(-1), None
+        steps.append(_Step(n, out, f, saved, w, 0.0, False, lp))
+    shown = [
+        a
+        for s in steps
+        if s.n is not None or s.tree is not None
+        for a in (s.n, s.out, *(s.logprobs or ()), *(s.tree or ()))
+        if a is not None
+    ]
+    top = proposed = None
+    if together:
+        top = mx.argmax(logits, axis=-1)
+        if width > 1:
+            proposed = mx.stack(
+                [mx.pad(drafted[b][0], [(0, width - 1 - drafted[b][0].size)]) for b in together]
+            )
+    mx.async_eval(*shown, *(a for a in (top, proposed) if a is not None))
+    top = top.tolist() if top is not None else None
+    proposed = proposed.tolist() if proposed is not None else None
+    results = []
+    for b, (r, s) in enumerate(zip(rows, steps)):
+        if r.error is not None:
+            results.append((0, [0]))
+        elif s.n is None and s.tree is None:  # accepted with the others: the longest prefix
+            got, n = top[b], 0
+            if proposed is not None:
+                mine = proposed[together.index(b)]
+                while n < s.width - 1 and mine[n] == got[n]:
+                    n += 1
+            results.append((n, got[: n + 1]))
+        else:
+            results.append(result(r.req, s))
+    return steps, results
+
+
+def rewind(target, rows: list[Row], steps: list, results: list, cache: list, width: int):
+    """Each row keeps what it accepted: the batch's caches per row (one row alone: its own,
+    as a request alone rewinds); the drafts get their features."""
+    with mx.stream(generation_stream):
+        if len(rows) > 1:
+            keeps = [n + 1 for n, _ in results]
+            paths = [s.path if s.tree is not None else None for s in steps]
+            for c in cache:
+                if isinstance(c, RowsKVCache):
+                    c.move_paths(paths, width)
+            before, calls = steps[0].saved
+            rewind_rows(target, cache, keeps, width, before, calls)
+            for r, s, (n, _) in zip(rows, steps, results):
+                if r.error is None:
+                    commit_draft(r.req, s, n)
+        elif rows[0].error is None:
+            commit(rows[0].req, steps[0], results[0][0])
+
+
+def learn(
+    chooser,
+    rows: list[Row],
+    widths: list,
+    results: list,
+    width: int,
+    spent: float,
+    caught_up: bool = True,
+):
+    """The chooser learns the pass's cost (when it chose every row's width) and each
+    automatic row's acceptance (also into the pair's chooser, which every size reads).
+    `caught_up`: every row's draft was up to date before the cycle (it followed a
+    speculative one), so its time is the cycle's own, not also a catch-up's."""
+    if chooser is None:
+        return
+    if all(r.fixed is None for r in rows):
+        chooser.observe(width, spent)
+        if width > 1 and len(rows) > 1 and caught_up and chooser.plain_measured:
+            # Against plain batched decoding as measured now (a plain pass commits a token a
+            # row; not the calibration's price of it, which leaves out the batch's own host
+            # work): while speculating at this size has lately lost, it only probes.
+            chooser.settle(sum(len(new) for _, new in results) / len(rows), spent)
+    if len(rows) > 1:
+        # Every row's text at once: one row's short first cycle must not drop what the
+        # others' texts taught (the batch would go plain on the prior alone).
+        for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
+            c.pooled()
+    for r, (w, _), (n, _) in zip(rows, widths, results):
+        if r.fixed is None and w > 1 and r.error is None:
+            chooser.update(w, n)  # its probes' bookkeeping
+            if chooser is not r.chooser:
+                r.chooser.update(w, n)

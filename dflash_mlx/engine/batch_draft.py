@@ -1,0 +1,179 @@
+"""The draft's blocks for several requests in one forward pass (SPEC 8).
+
+Each request keeps its own `DraftState` (context rows, gaps, window). For one pass the rows'
+context K/V of each draft layer are gathered side by side (padded, each row seeing its own
+rows only), each block at its own RoPE position: the view `DFlashDraft` training already
+takes (`BlockContext`: many blocks, each with its own context and anchor). What comes out
+for row `b` is what `sampling.propose` gives for that request alone.
+
+Batched here: DFlash 1 and DFlash 2 drafts (each row's conv rows carried per row, its
+selector walk its own), requests without logits processors (their drafts walk row by row,
+`walks.py`). The others draft one by one (`decode.make_drafts`).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..models.conv import ConvRows
+from ..models.draft import BlockContext, DFlashDraft, narrowest
+from .prefill import Request
+from .sampling import PositionKeys, probabilities, sample_rows, selector_walk
+
+
+class RowsContext(BlockContext):
+    """One draft layer's context for a batch of blocks: `keys`/`values` `(B, Hkv, S, Dh)`,
+    row `b` holding `counts[b]` context rows (its window already applied), its block at
+    RoPE position `positions[b]`."""
+
+    def __init__(self, keys: mx.array, values: mx.array, positions: mx.array, counts: mx.array):
+        super().__init__(keys, values, positions)
+        self.counts = counts
+
+    def visible(self, window: int | None) -> mx.array:
+        return mx.arange(self.keys.shape[2])[None] < self.counts[:, None]
+
+
+def batchable(req: Request) -> bool:
+    """Whether this request's drafts can come from a batched draft pass (a draft class
+    that computes its blocks its own way drafts alone)."""
+    draft = req.draft
+    return (
+        draft is not None
+        and req.controls is None
+        and type(draft).block_logits is DFlashDraft.block_logits
+        and type(draft).hidden is DFlashDraft.hidden
+    )
+
+
+def propose_rows(
+    reqs: list[Request],
+    anchors: list[mx.array],
+    starts: list[int],
+    widths: list[int],
+    length: int,
+) -> list[tuple[mx.array, mx.array | None]]:
+    """For each request `b`: its `widths[b] - 1` proposals after `anchors[b]` (at generated
+    index `starts[b]`) and, when it samples, their distributions `q`, from one pass of the
+    draft over blocks of `length` rows (`decode.make_drafts` for a batch)."""
+    hidden, logits = block_rows(reqs, anchors, length, max(widths) - 1)
+    return [
+        chain(req, logits[b], starts[b], widths[b], hidden[b], anchors[b])
+        for b, req in enumerate(reqs)
+    ]
+
+
+def block_rows(
+    reqs: list[Request], anchors: list[mx.array], length: int, rows: int
+) -> tuple[mx.array, mx.array]:
+    """One pass of the draft over each request's block of `length` rows after its anchor:
+    the final normed hidden states `(B, rows, D)` and logits `(B, rows, V)` float32 of
+    block indices `1..rows` (row `b` what `DFlashDraft.block_hidden` / `block_logits`
+    give that request alone; a DFlash 2 draft's conv rows are each request's own)."""
+    draft = reqs[0].draft
+    for req in reqs:
+        req.feed_draft()
+    block = mx.full((len(reqs), length), draft.config.mask_token_id, dtype=mx.int32)
+    block[:, 0] = mx.concatenate([a.reshape(1) for a in anchors]).astype(mx.int32)
+    head = reqs[0].state.head
+    x = head.embed(block)
+    positions = mx.array([r.state.caches[0].position for r in reqs])
+    convs = [_RowsConv([r.state.conv[k] for r in reqs]) for k in range(len(reqs[0].state.conv))]
+    for i, layer in enumerate(draft.layers):
+        context = _context(layer, [r.state.caches[i] for r in reqs], positions)
+        x = layer(x, context, convs[2 * i : 2 * i + 2] or None)
+    for c in convs:
+        c.hand_back()
+    for req in reqs:
+        req.lazy_rows = 0
+    h = draft.norm(x)[:, 1 : rows + 1]
+    return h, draft.logits(h, head).astype(mx.float32)
+
+
+class _RowsConv(ConvRows):
+    """The cross-block rows of one DFlash 2 conv for a batch's pass: each request's
+    `x_{-1}` side by side (zeros where it has none, which is what none means), and the
+    pass's inputs handed back to each request's own rows after it."""
+
+    def __init__(self, rows: list[ConvRows]):
+        super().__init__()
+        self.rows = rows
+        for which in (0, 1):
+            states = [r.state[which] for r in rows]
+            ref = next((a for a in states if a is not None), None)
+            if ref is not None:
+                self.state[which] = mx.concatenate(
+                    [a if a is not None else mx.zeros_like(ref) for a in states]
+                )
+
+    def hand_back(self) -> None:
+        for which in (0, 1):
+            if self.last[which] is not None:
+                for b, r in enumerate(self.rows):
+                    r.last[which] = self.last[which][b : b + 1]
+
+
+def chain(
+    req: Request,
+    logits: mx.array,
+    start: int,
+    width: int,
+    hidden: mx.array | None = None,
+    anchor: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
+    """A chain's `width - 1` proposals from one row's block `logits` (the anchor at
+    generated index `start`), and their distributions `q` when it samples; a DFlash 2
+    draft walks its selector over them (`hidden`: the block's, `anchor`: the row's)."""
+    n = width - 1
+    draft = req.draft
+    if "candidate_selector" in draft:
+        keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, start + 1, n)
+        return selector_walk(
+            draft.candidate_selector,
+            logits[:n],
+            hidden[:n],
+            anchor,
+            req.params.temperature,
+            keys,
+        )
+    if req.params.greedy:
+        return mx.argmax(logits[:n], axis=-1).astype(mx.int32), None
+    q = probabilities(logits[:n], req.params)
+    keys = req.keys(PositionKeys.DRAFT, start + 1, n)
+    return sample_rows(q, keys).astype(mx.int32), q
+
+
+def _context(layer, caches: list, positions: mx.array) -> RowsContext:
+    """The rows' context of one draft layer, side by side (each within its windows)."""
+    attn = layer.self_attn
+    keys, values, counts = [], [], []
+    for c in caches:
+        if c.offset == 0:
+            keys.append(None)
+            values.append(None)
+            counts.append(0)
+            continue
+        k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        window = narrowest(attn.window, c.window)
+        if window is not None:
+            k, v = k[..., -(window - 1) :, :], v[..., -(window - 1) :, :]
+        keys.append(k)
+        values.append(v)
+        counts.append(k.shape[2])
+    most = max(counts)
+    ref = next((k for k in keys if k is not None), None)
+    if ref is None:
+        empty = mx.zeros((len(caches), attn.n_kv_heads, 0, attn.k_norm.weight.shape[0]))
+        return RowsContext(empty, empty, positions, mx.array(counts))
+
+    def padded(a: mx.array | None) -> mx.array:
+        if a is None:
+            return mx.zeros((1, *ref.shape[1:2], most, ref.shape[3]), dtype=ref.dtype)
+        return mx.pad(a, [(0, 0), (0, 0), (0, most - a.shape[2]), (0, 0)])
+
+    return RowsContext(
+        mx.concatenate([padded(k) for k in keys]),
+        mx.concatenate([padded(v) for v in values]),
+        positions,
+        mx.array(counts),
+    )

@@ -1,0 +1,77 @@
+"""Bookkeeping beside the decode cycle (`decode._cycles`): where a reply ends at EOS, the
+recurrent states kept for a prompt cache, MLX's buffer cache, a dormant draft's context,
+and the wall time each cycle is charged for the width chooser.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from ..speed.adaptive import WidthChooser
+    from .decode import _Step
+    from .prefill import Request
+
+# MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
+# buffers of a long decode (growing caches, verify passes of every width) are returned.
+CLEAR_CACHE_EVERY = 256
+
+
+def cut_at_eos(new: list[int], eos_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """The tokens up to the first EOS, and whether committed tokens followed it."""
+    for j, t in enumerate(new):
+        if t in eos_ids:
+            return new[: j + 1], j + 1 < len(new)
+    return new, False
+
+
+def snapshot(req: Request, fed: int) -> None:
+    """Recurrent targets with a prompt cache: their state after `fed` tokens, to resume at."""
+    if req.keep_snapshots:
+        req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+
+
+def clear_cache_every(generated: int, new: int) -> None:
+    """Return MLX's cached buffers every `CLEAR_CACHE_EVERY` generated tokens."""
+    if (generated + new) // CLEAR_CACHE_EVERY > generated // CLEAR_CACHE_EVERY:
+        mx.clear_cache()
+
+
+def follow_capture(req: Request, capture: bool, position: int) -> None:
+    """Dormancy: while plain steps capture no features the draft's context stays behind
+    (the prompt, say); when capture resumes, at the anchor's `position`, the skipped
+    stretch becomes a gap (`DraftState.skip_to`: RoPE keeps the true distances)."""
+    if not capture:
+        if not req.stale:
+            req.feed_draft()
+        req.stale = True
+    elif req.stale:
+        req.state.skip_to(position)
+        req.stale = False
+
+
+class Clock:
+    """What each cycle cost, host sync to host sync, with each launch counted for the cycle
+    it built (a chained launch falls in the interval before its own), for the chooser."""
+
+    def __init__(self, chooser: WidthChooser | None):
+        self.chooser = chooser
+        self.synced = 0.0
+
+    def sync(self) -> None:
+        self.synced = time.perf_counter()
+
+    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> float | None:
+        """Charge `step` its seconds (returned; None when not measured). A tree's are not
+        a chain's of its width: the width chooser learns chains only."""
+        now, spent = time.perf_counter(), None
+        if self.chooser is not None and prev_w:
+            spent = now - self.synced + (step.built if step.chained else 0.0)
+            spent -= nxt.built if nxt is not None else 0.0
+            if step.tree is None:
+                self.chooser.observe(step.width, spent)
+        self.synced = now
+        return spent

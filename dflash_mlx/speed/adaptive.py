@@ -1,0 +1,505 @@
+"""Choosing the verify width W and draft block L each cycle (SPEC 5.4).
+
+The expected speed of a cycle is `E[accepted + 1 | W] / (t_draft(L) + t_verify(W))`, with
+`W = 1` (plain decoding, no draft pass) always a candidate, so speculation is only used when
+it is expected to pay. Both costs depend on the width and on the context depth.
+
+Costs: the calibration (`calibrate.py`, measured at a few depths and interpolated) is the
+prior. The wall time of every cycle as the engine really runs it (sync to sync) is learnt
+per width and per depth bucket (a decayed mean) and replaces the prior width by width;
+widths not measured follow the *shape* of the measured ones (interpolated between them
+along the calibrated curve, or along the last measured segment beyond them), not a stale
+absolute, and while only one speculative width has been measured, wider ones are priced
+optimistically (no dearer than it), so one cycle finds out. A stale calibration (another
+BLAS, Low Power Mode) is thus unlearnt within a few dozen cycles; when the measured costs
+keep disagreeing with it, `recalibrate` says so.
+
+Acceptance comes from running, exponentially decayed per-position statistics. When plain
+decoding wins, a speculative cycle is re-tried now and then (a probe, priced at the current
+depth): the interval doubles after each probe that confirms the loss, up to the point where
+probes cost at most `probe_budget` of the decoding time; within one request probes lose at
+most `request_budget` of that request's time, so a short request at a long context is not
+eaten by them. A probe is priced with everything it costs: its cycle's loss and catching the
+draft's context up first (the rows decoded plainly since, a dormant prefill's window:
+`CatchUp`, learnt from what catch-ups measure), both counted in that budget; and it is not
+made at all when even a perfect draft could not win that back in what is left of the
+request. Meanwhile plain steps stop capturing features for the draft until a window before
+the next probe (none when no probe can come before the request ends). Pure Python on a
+few floats per cycle: no device work and no host syncs. Knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..engine.tree import ShapeChooser
+from .costs import (
+    CatchUp,
+    CostCurves,
+    Curve,
+    Floor,
+    _Bucket,
+    _depth_key,
+    depth_bucket,
+    measured_curve,
+    nearest,
+)
+
+__all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
+
+# Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
+REQUEST_MEMORY = 4.0
+# Plain decisions that stand without being recomputed while dormant, far from a probe.
+COAST = 16
+
+
+class WidthChooser:
+    """Picks `(W, L)` for the next cycle and learns from each cycle's cost and acceptance."""
+
+    def __init__(
+        self,
+        costs: CostCurves,
+        block: int,
+        *,
+        draft_block: int | None = None,
+        decay: float = 0.95,
+        prior: float = 0.5,
+        prior_strength: float = 2.0,
+        probe_interval: int = 8,
+        max_probe_interval: int = 4096,
+        probe_budget: float = 0.005,
+        request_budget: float = 0.03,
+        window: int = 32,
+        smoothing: float = 0.2,
+        floor_evidence: float = 4.0,
+    ):
+        if len(costs.verify) < block:
+            raise ValueError(f"cost curves cover {len(costs.verify)} widths, need {block}")
+        if draft_block is not None and not 2 <= draft_block <= block:
+            raise ValueError(f"draft_block {draft_block} must be in 2..{block}")
+        self.costs = costs
+        self.block = block
+        self.draft_block = draft_block  # fixed L (DFlash 2 always drafts its whole block)
+        self.decay = decay
+        self.prior = prior
+        self.prior_strength = prior_strength
+        self.trials = [0.0] * block  # index j: drafted position j (1..block-1)
+        self.hits = [0.0] * block
+        self.base_probe = probe_interval
+        self.probe_interval = probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.probe_budget = probe_budget  # fraction of decoding time probes may lose
+        self.request_budget = request_budget  # the same, within one request
+        self.since_probe = 0
+        self.probing = False
+        self.probes = 0  # probes made, over the chooser's life
+        # After a probe whose drafts were all accepted, the next cycle probes again at
+        # twice the width (0: no such follow-up due): a few cycles tell a good stretch.
+        self.follow_up = 0
+        # Whether the next cycle must capture target features for the draft. Plain steps
+        # far from the next probe skip it (the draft's context then restarts from the
+        # last `window` positions before that probe): a draft that is not used costs nothing.
+        self.window = window
+        self.capture = True
+        self.smoothing = smoothing  # weight of each new cycle in a width's measured cost
+        self.depth = 0  # context depth of the latest decision
+        # Chain or tree at the widths chosen here, for requests that leave it open.
+        self.shapes = ShapeChooser()
+        self._buckets: dict[int, _Bucket] = {}
+        self._version = 0  # bumped when what the cost model sees changes
+        self._curve_memo: tuple | None = None
+        self._cal_memo: tuple | None = None
+        self._rates: tuple | None = None  # ((depth key, version, acceptance version), rates)
+        self._acc_version = 0
+        self._plain_seen = 0  # plain observations since the curve was last recomputed
+        self._plain_ratio = 0.0  # the plain steps' measured / calibrated cost then
+        # How far measured costs sit from the calibration (log ratio, decayed): persistent
+        # disagreement means the calibration was taken under other conditions.
+        self.disagreement = 0.0
+        self._spec_seen = 0
+        self.req_time = 0.0  # seconds the current request's cycles are expected to take
+        self.req_lost = 0.0  # seconds its probes were expected to lose
+        # No speculation can pay back its cost in what is left of this request: no more
+        # probes, and plain steps capture nothing for the draft.
+        self.req_done = False
+        self.carried = False  # acceptance evidence from earlier requests only, so far
+        self.catch_up = CatchUp(costs, block)  # what waking the draft's context costs
+        # What speculation really gave against plain, lately (`floor_evidence`: decayed
+        # speculative cycles it takes to judge; a batch's cycle is every row's evidence).
+        self.floor = Floor(evidence=floor_evidence)
+        self._coast = 0  # plain decisions left that stand without being recomputed
+        self._coast_cost = 0.0
+
+    # -- acceptance ------------------------------------------------------------------------
+
+    def read_acceptance(self, base: WidthChooser) -> None:
+        """Take the acceptance `base` has learnt as this chooser's (a batch's chooser prices
+        its own costs, but acceptance belongs to the draft and the texts, not to the batch
+        size): pooled over several texts, so no row's first cycle drops it (`pooled`)."""
+        self.trials, self.hits = list(base.trials), list(base.hits)
+        self.pooled()
+        self._acc_version += 1
+
+    def pooled(self) -> None:
+        """What `update` is taught next comes from several texts at once (a batch's rows):
+        one of them falling short of what earlier texts promised says that its text
+        differs, not that the others' evidence is stale, so nothing carried is dropped."""
+        self.carried = False
+
+    def acceptance(self) -> list[float]:
+        """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.
+
+        Each position is smoothed towards the estimate of the position before it, or the
+        pooled estimate of all positions when that is higher: positions little tried
+        borrow the evidence optimistically, so that one unlucky estimate does not keep the
+        width below them forever (wider cycles then try them, and their own evidence wins).
+        """
+        s = self.prior_strength
+        pooled = (sum(self.hits) + s * self.prior) / (sum(self.trials) + s)
+        alphas, prev = [], self.prior
+        for j in range(1, self.block):
+            anchor = prev if j == 1 else max(prev, pooled)
+            a = (self.hits[j] + s * anchor) / (self.trials[j] + s)
+            alphas.append(a)
+            prev = a
+        return alphas
+
+    def expected_tokens(self) -> list[float]:
+        """`E[accepted + 1 | W]` for W = 1..block."""
+        out, reach, total = [1.0], 1.0, 1.0
+        for a in self.acceptance():
+            reach *= a
+            total += reach
+            out.append(total)
+        return out
+
+    # -- costs -----------------------------------------------------------------------------
+
+    def _draft_block(self, w: int, depth: int | None = None) -> int:
+        return self._calibration(self.depth if depth is None else depth)[1][w - 1]
+
+    def _calibration(self, depth: int) -> tuple[list[float], list[int]]:
+        """Calibrated seconds per cycle of each width at `depth` and the cheapest draft
+        block for it (index w - 1)."""
+        key = _depth_key(depth)
+        if self._cal_memo is not None and self._cal_memo[0] == key:
+            return self._cal_memo[1]
+        verify, draft = self.costs.at(depth)
+        cost, blocks = [verify[0]], [0]
+        for w in range(2, self.block + 1):
+            n = self.draft_block or min(range(w, self.block + 1), key=lambda n: draft[n - 1])
+            cost.append(verify[w - 1] + draft[n - 1])
+            blocks.append(n)
+        self._cal_memo = (key, (cost, blocks))
+        return cost, blocks
+
+    def calibrated(self, depth: int) -> list[float]:
+        """Calibrated seconds per cycle of each width at `depth` (index w - 1)."""
+        return self._calibration(depth)[0]
+
+    def _nearest(self, b: int, test) -> _Bucket | None:
+        return nearest(self._buckets, b, test)
+
+    def curve(self, depth: int | None = None, optimistic: bool = True) -> list[float]:
+        """Expected seconds per cycle of each width at `depth` (index w - 1): measured where
+        measured, else the measured widths' shape over the calibrated curve. Not
+        `optimistic`: widths beyond the only measured one follow the calibrated shape
+        (what a probe is priced at: its loss is paid from a budget)."""
+        depth = self.depth if depth is None else depth
+        key = (_depth_key(depth), self._version, optimistic)
+        if self._curve_memo is not None and self._curve_memo[0] == key:
+            return self._curve_memo[1]
+        out = measured_curve(self.calibrated(depth), self._buckets, depth_bucket(depth), optimistic)
+        self._curve_memo = (key, out)
+        return out
+
+    def context_cost(self, rows: int, lazy: int = 0, depth: int | None = None) -> float:
+        """Seconds to catch the draft's context up on `rows` rows (`CatchUp`) at `depth`."""
+        return self.catch_up.cost(rows, lazy, self.depth if depth is None else depth)
+
+    def observe_context(self, rows: int, lazy: int, seconds: float) -> None:
+        """A catch-up of `rows` rows (`lazy` positions computed then) took `seconds`."""
+        self.catch_up.observe(rows, lazy, seconds, self.depth)
+        self.floor.charge(seconds)
+
+    def settle(self, tokens: int, seconds: float) -> float:
+        """A speculative cycle (chain or tree) committed `tokens` in `seconds`, sync to
+        sync: settled against plain decoding as measured here now (`Floor`). Returns the
+        seconds it saved (negative: lost)."""
+        return self.floor.settle(tokens, seconds, self.plain_cost())
+
+    def saving(self, tokens: int | None, perfect: bool = False) -> float:
+        """Seconds speculating could save against plain decoding over the next `tokens`
+        tokens (None: unbounded), at the best width as the acceptance stands (`perfect`:
+        were every draft accepted, the most any speculation could save)."""
+        if tokens is None:
+            return math.inf
+        if tokens <= 1:
+            return 0.0
+        curve, plain = self.curve(optimistic=not perfect), self.plain_cost()
+        exp = self.expected_tokens()
+        top = min(tokens, self.draft_block or self.block)
+        per_token = max(
+            (plain - curve[w - 1] / (w if perfect else exp[w - 1]) for w in range(2, top + 1)),
+            default=0.0,
+        )
+        return max(per_token, 0.0) * tokens
+
+    @property
+    def plain_measured(self) -> bool:
+        """Whether a plain step has been timed near the latest depth (else `plain_cost` is
+        the calibration's)."""
+        return self._nearest(depth_bucket(self.depth), lambda k: k.seen[1]) is not None
+
+    def plain_cost(self, depth: int | None = None) -> float:
+        """Seconds per plain decoding step: as measured, else as calibrated."""
+        return self.curve(depth)[0]
+
+    def cycle_cost(self, w: int, depth: int | None = None) -> float:
+        """Expected seconds per cycle of width `w` at `depth` (default: the latest)."""
+        return self.curve(depth)[w - 1]
+
+    def rates(
+        self, depth: int | None = None, optimistic: bool = True
+    ) -> dict[int, tuple[float, int]]:
+        """Expected tokens per second and draft block for every width."""
+        depth = self.depth if depth is None else depth
+        key = (_depth_key(depth), self._version, self._acc_version, optimistic)
+        if self._rates is not None and self._rates[0] == key:
+            return self._rates[1]
+        exp = self.expected_tokens()
+        curve = self.curve(depth, optimistic)
+        blocks = self._calibration(depth)[1]
+        out = {1: (1.0 / curve[0], 0)}
+        for w in range(2, (self.draft_block or self.block) + 1):
+            out[w] = (exp[w - 1] / curve[w - 1], blocks[w - 1])
+        self._rates = (key, out)
+        return out
+
+    def observe(self, width: int, seconds: float, depth: int | None = None) -> None:
+        """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
+        step chained after another plain step), at context `depth` (default: the latest).
+
+        The first observation of a width in a depth bucket counts within a factor of three
+        of what was expected; later ones at most a factor of two from its estimate, so a
+        stalled cycle (GC, a busy machine) is a small nudge, not a new truth.
+        """
+        if seconds <= 0 or not 1 <= width <= self.block:
+            return
+        depth = self.depth if depth is None else depth
+        cal = self.calibrated(depth)[width - 1]
+        expect = self.cycle_cost(width, depth)
+        b = self._buckets.setdefault(depth_bucket(depth), _Bucket(self.block))
+        if not b.seen[width]:
+            b.ratio[width] = min(max(seconds, expect / 3.0), 3.0 * expect) / cal
+            b.seen[width] = True
+        else:
+            est = b.ratio[width] * cal
+            seconds = min(max(seconds, 0.5 * est), 2.0 * est)
+            b.ratio[width] += self.smoothing * (seconds / cal - b.ratio[width])
+        b.count[width] += 1
+        if width == 1:
+            # Plain steps come every step while dormant: the curve is recomputed when their
+            # cost moved by more than 1%, or every 16 steps.
+            self._plain_seen += 1
+            moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
+            if self._plain_seen < 16 and not moved:
+                return
+            self._plain_seen, self._plain_ratio = 0, b.ratio[1]
+        else:
+            rp = self._nearest(depth_bucket(depth), lambda k: k.seen[1])
+            scale = rp.ratio[1] if rp is not None else 1.0
+            gap = math.log(max(seconds, 1e-12) / (scale * cal))
+            self._spec_seen += 1
+            self.disagreement += (gap - self.disagreement) / min(self._spec_seen, 64)
+        self._version += 1
+
+    @property
+    def recalibrate(self) -> bool:
+        """Whether measured cycles have persistently disagreed with the calibration (by more
+        than a factor of two, over at least 64 speculative cycles, or 64 plain steps at one
+        depth): worth measuring again. Plain steps count because where the calibration says
+        speculation cannot pay, no speculative cycle ever runs to contradict it (on curves
+        taken with another BLAS, not one probe in 40 short requests: 0.23x the best fixed
+        width); a plain step twice as fast or slow as calibrated says the conditions
+        changed, and what it says of speculation is not to be trusted either."""
+        if self._spec_seen >= 64 and abs(self.disagreement) > math.log(2.0):
+            return True
+        return any(
+            b.count[1] >= 64 and abs(math.log(max(b.ratio[1], 1e-12))) > math.log(2.0)
+            for b in self._buckets.values()
+        )
+
+    # -- decisions -------------------------------------------------------------------------
+
+    def expects_plain(self, depth: int) -> bool:
+        """Whether, as things stand, decoding at `depth` would start plainly (the draft
+        dormant): then a prompt's draft context need not be built during prefill."""
+        rates = self.rates(depth)
+        return max(rates, key=lambda w: rates[w][0]) == 1
+
+    def begin_request(self) -> None:
+        """A new request starts: its own probe budget starts empty, and what earlier
+        requests showed of the draft's acceptance stays only as a prior worth
+        `REQUEST_MEMORY` cycles, with probes at the base interval again. Costs belong to
+        the device and carry over whole; acceptance belongs to the text, and one prompt's
+        useless drafts say little about the next prompt's (on the demo pair τ at W=16 runs
+        from 1.1 to 14 across six stretches of standard-library code). So the request's
+        first speculative cycle, on that prior alone, may lose no more than half its probe
+        budget were every draft wrong, and when it falls well short of the prior, the
+        prior goes (`update`)."""
+        self.req_time = 0.0
+        self.req_lost = 0.0
+        self.req_done = False
+        self._coast = 0
+        seen = self.trials[1] if self.block > 1 else 0.0
+        if seen > REQUEST_MEMORY:
+            keep = REQUEST_MEMORY / seen
+            self.trials = [t * keep for t in self.trials]
+            self.hits = [h * keep for h in self.hits]
+            self._acc_version += 1
+        self.carried = seen > 0  # until this request's first speculative cycle
+        self.follow_up = 0  # what the last request's good probe promised was its text's
+        if self.probe_interval > self.base_probe and not self.floor.losing:
+            # While speculation keeps losing on this device (measured), the interval keeps
+            # what probes grew it to: a new text is looked at, but no more often.
+            self.probe_interval = self.base_probe
+            self.since_probe = 0
+
+    def choose(
+        self,
+        limit: int | None = None,
+        depth: int | None = None,
+        context: tuple[int, int] = (0, 0),
+    ) -> tuple[int, int]:
+        """`(W, L)` for the next cycle; `limit` caps W (tokens left in the request), `depth`
+        is the context depth the cycle runs at (default: the latest given), `context` the
+        `(rows, lazy)` a speculative cycle must first catch the draft's context up on
+        (see `context_cost`; (0, 0) when the draft is up to date)."""
+        if depth is not None:
+            self.depth = depth
+        if self._coast:
+            # Dormant and far from the next probe: the last decision stands for these few
+            # steps (what plain steps teach meanwhile cannot make speculation win), and a
+            # plain step pays nothing for it (the full decision cost it ~50 us of host time).
+            self._coast -= 1
+            self.since_probe += 1
+            self.req_time += self._coast_cost
+            return 1, 0
+        rates = self.rates()
+        widths = [w for w in rates if limit is None or w <= limit]
+        best = max(widths, key=lambda w: rates[w][0])
+        self.probing = False
+        if best > 1 and self.carried and limit is not None:
+            # Nothing of this request's text seen yet, only earlier texts': were every draft
+            # of its first cycle wrong, it loses no more than half the request's probe
+            # budget (of the request decoded plainly); the probes keep theirs, so that a
+            # good stretch later in the request is still found.
+            curve = self.curve()
+            room = 0.5 * self.request_budget * limit * curve[0]
+            safe = [w for w in widths if w == 2 or 1 < w and curve[w - 1] - curve[0] <= room]
+            best = max(safe, key=lambda w: rates[w][0])
+        if best > 1 and self.floor.losing and not self.follow_up:
+            # Speculation has lately lost against plain decoding as measured, whatever the
+            # cost model expects: only probes (budgeted at what cycles really lost) until
+            # one pays.
+            best = 1
+        # Priced only where it decides something (plain steps far from a probe are most).
+        if best > 1 and any(context) and self.saving(limit) <= self.context_cost(*context):
+            # Waking the draft costs more than it is expected to save in what is left of
+            # the request (and ever less is left): plain to its end.
+            best, self.req_done = 1, True
+        elif best == 1 and len(widths) > 1 and not self.req_done:
+            self.since_probe += 1
+            if self.since_probe >= self.probe_interval:
+                best = self._probe(widths, limit, self.context_cost(*context))
+        # Plain steps capture features for the draft only within a window before a probe
+        # that can still come in this request.
+        due = self.probe_interval - self.since_probe
+        self.capture = best > 1 or (
+            not self.req_done and due <= self.window and (limit is None or due < limit)
+        )
+        self.req_time += self.cycle_cost(best)
+        if best == 1 and not self.capture:
+            self._coast_cost = self.cycle_cost(1)
+            self._coast = COAST if self.req_done else max(0, min(COAST, due - self.window - 1))
+        return best, rates[best][1]
+
+    def _probe(self, widths: list[int], limit: int | None, catch_up: float) -> int:
+        """The width of a probe due now, or 1 when it is put off (or, when it can no longer
+        pay back in what is left of the request, given up for the request)."""
+        safe = self.rates(optimistic=False)
+        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
+        if self.follow_up:
+            w = max(w, min(self.follow_up, max(widths)))
+        # Everything it costs: the catch-up of the draft's context and the cycle's loss
+        # (as predicted, or as speculative cycles have lately really lost, if more).
+        loss = max(self.probe_loss(w), self.floor.cycle_loss()) + catch_up
+        left = None if limit is None else limit - w
+        if self._spec_seen and not self.follow_up and self.saving(left, perfect=True) <= loss:
+            # Even were every draft accepted from here on, it would not pay back (by costs
+            # measured: until one speculative cycle is, the calibration may be stale).
+            self.req_done = True
+            return 1
+        t1 = self.plain_cost()
+        short = self.req_lost + loss - self.request_budget * (self.req_time + loss)
+        # A follow-up of a probe whose drafts were all accepted is not held back by the
+        # budget: by the latest evidence it loses nothing.
+        if short <= 0 or self.follow_up:
+            self.probing = True
+            self.probes += 1
+            self.since_probe = 0
+            self.req_lost += loss
+            return w
+        # This request cannot afford it yet: wait the steps that pay for it (dormant
+        # meanwhile, awake a window before); none, when the request ends first.
+        wait = math.ceil(short / (self.request_budget * t1))
+        if left is not None and wait >= left:
+            self.req_done = True
+        self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
+        return 1
+
+    def update(self, width: int, accepted: int) -> None:
+        """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
+        if width <= 1:
+            return
+        if self.carried:
+            # The request's first speculative cycle: when it falls well short of what
+            # earlier requests' texts promised, this text is not theirs; what they taught
+            # goes (the prior remains), instead of a cycle of loss at a time.
+            self.carried = False
+            if accepted < 0.5 * (self.expected_tokens()[width - 1] - 1.0):
+                self.trials, self.hits = [0.0] * self.block, [0.0] * self.block
+        self._acc_version += 1
+        d = self.decay
+        self.trials = [t * d for t in self.trials]
+        self.hits = [h * d for h in self.hits]
+        for j in range(1, min(accepted + 1, width - 1) + 1):
+            self.trials[j] += 1.0
+            if j <= accepted:
+                self.hits[j] += 1.0
+        if accepted < width - 1:
+            self.follow_up = 0  # a rejected draft since: no follow-up promised
+        if self.probing:
+            rates = self.rates()
+            if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
+                self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
+            else:
+                self.probe_interval = self.base_probe
+            self.follow_up = 0
+            if accepted == width - 1 and width < self.block:
+                self.follow_up = min(2 * width, self.block)
+                self.since_probe = self.probe_interval  # the next plain choice probes
+
+    def probe_loss(self, width: int) -> float:
+        """Seconds a probe of `width` is expected to lose against plain decoding, at the
+        current depth."""
+        curve = self.curve(optimistic=False)
+        return max(curve[width - 1] - self.expected_tokens()[width - 1] * curve[0], 0.0)
+
+    def probe_cap(self, width: int) -> int:
+        """The longest interval between probes of `width`: just long enough that what a
+        probe loses against plain decoding is at most `probe_budget` of the time between."""
+        loss = max(self.probe_loss(width), self.floor.cycle_loss()) + self.context_cost(self.window)
+        steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
+        return max(self.base_probe, min(steps, self.max_probe_interval))

@@ -1,0 +1,1 @@
+"""`dflash-mlx train`: training a DFlash draft for a target."""
