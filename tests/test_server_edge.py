@@ -1,0 +1,109 @@
+"""Client input that once passed the server's checks and failed inside a request (issue 43):
+JSON schemas whose grammar builds but fails at the reply's first token, and `logit_bias`
+keys that are digits to `str.isdigit` but not to `int`. Each must be a 400 naming the field,
+through a real uvicorn server on loopback, and the server must serve normally afterwards.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dflash_mlx.server.request import MAX_SCHEMA_STRING, pattern_size, schema_too_large
+
+from .test_server import MODEL, TIMEOUT, serving
+from .test_server_agents import scripted_dir  # noqa: F401  (the tool-capable pair)
+
+# The six schemas of the issue: each passed the grammar's build and failed (500) when the
+# reply's first token was consumed.
+BAD_SCHEMAS = {
+    "$ref to itself": {"$ref": "#"},
+    "$defs looping": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    "$defs looping in two": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+        "$ref": "#/$defs/a",
+    },
+    "pattern a{1000000}": {"type": "string", "pattern": "^a{1000000}$"},
+    "pattern (x{1000}){1000}": {"type": "string", "pattern": "^(x{1000}){1000}$"},
+    "1 MB const": {"const": "a" * 1_000_000},
+}
+# Keys that are no token id: digits to `isdigit` only, beyond Python's int digits, not ASCII
+# decimal, and ids beyond the vocabulary.
+BAD_BIAS_KEYS = ["²", "¹", "1" * 5000, "٣", "-1", " 1", "1e3", "0x10", "", "99999999"]
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server(scripted_dir):  # noqa: F811
+    pair = dict(target="scripted", draft="scripted-draft", verify_width=4)
+    with serving(scripted_dir, **pair) as s:
+        yield s
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base}{path}", json=body, timeout=TIMEOUT)
+
+
+def refused(response: httpx.Response, field: str) -> str:
+    """The error message of a 400 whose `param` names `field` (or a part of it)."""
+    assert response.status_code == 400, (response.status_code, response.text[:400])
+    error = response.json()["error"]
+    assert error["param"] and error["param"].startswith(field), error
+    return error["message"]
+
+
+@pytest.mark.parametrize("name", list(BAD_SCHEMAS))
+def test_schemas_failing_at_the_first_token_are_400s_naming_their_field(server, name):
+    schema = BAD_SCHEMAS[name]
+    chat = {"model": MODEL, "messages": USER, "max_tokens": 4}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    message = refused(post(server, "/v1/chat/completions", {**chat, "response_format": fmt}),
+                      "response_format")  # fmt: skip
+    assert "$ref" in message or f"{MAX_SCHEMA_STRING:,}" in message, message
+    responses = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
+    text = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+    refused(post(server, "/v1/responses", {**responses, "text": text}), "text.format")
+    # The same schema as a forced tool's parameters: the tool field, or the tool choice
+    # whose grammar holds it.
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    answer = post(
+        server, "/v1/chat/completions", {**chat, "tools": [tool], "tool_choice": "required"}
+    )
+    assert answer.status_code == 400, answer.text[:400]
+    assert answer.json()["error"]["param"].startswith(("tools", "tool_choice")), answer.text
+    # Nothing was left broken: a valid schema is served.
+    ok = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["a", "b"]}}}
+    answer = post(server, "/v1/chat/completions", {**chat, "response_format": ok, "max_tokens": 8})
+    assert answer.status_code == 200, answer.text[:400]
+    assert answer.json()["choices"][0]["message"]["content"] in ('"a"', '"b"')
+
+
+@pytest.mark.parametrize("key", BAD_BIAS_KEYS, ids=lambda k: repr(k[:12]))
+def test_logit_bias_keys_are_ascii_token_ids_within_the_vocabulary(server, key):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "logit_bias": {key: 1}}
+    message = refused(post(server, "/v1/chat/completions", body), "logit_bias")
+    assert len(message) < 400, message  # a 5000-digit key is not echoed whole
+    completion = {"model": MODEL, "prompt": "def", "max_tokens": 2, "logit_bias": {key: 1}}
+    refused(post(server, "/v1/completions", completion), "logit_bias")
+
+
+def test_a_valid_logit_bias_key_is_served(server):
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "logit_bias": {"7": 1}}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+
+
+def test_pattern_size_multiplies_counted_repetitions():
+    assert pattern_size("^a{1000000}$") > MAX_SCHEMA_STRING
+    assert pattern_size("^(x{1000}){1000}$") > MAX_SCHEMA_STRING
+    assert pattern_size("^a{0,1000000}$") > MAX_SCHEMA_STRING
+    assert pattern_size("a{99999999999}") > MAX_SCHEMA_STRING  # Python refuses the count
+    assert pattern_size("(?<n>x{1000}){1000}") > MAX_SCHEMA_STRING  # another dialect
+    assert pattern_size(r"^\d{3}-\d{4}$") == 10
+    assert pattern_size("a|bcd") == 3
+    assert pattern_size(r"^[a-z]{1,64}@[a-z]{1,255}\.[a-z]{2,63}$") < 400
+    # Ordinary schemas pass; a long name or value anywhere is named.
+    assert schema_too_large({"type": "object", "properties": {"a": {"pattern": "^x+$"}}}) is None
+    problem = schema_too_large({"type": "object", "properties": {"a" * 70_000: {}}})
+    assert problem and "70,000 characters" in problem
+    problem = schema_too_large({"patternProperties": {"^(x{1000}){1000}$": {}}})
+    assert problem and "'patternProperties'" in problem
