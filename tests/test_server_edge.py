@@ -1,16 +1,28 @@
-"""Client input that once passed the server's checks and failed inside a request (issue 43):
-JSON schemas whose grammar builds but fails at the reply's first token, and `logit_bias`
-keys that are digits to `str.isdigit` but not to `int`. Each must be a 400 naming the field,
-through a real uvicorn server on loopback, and the server must serve normally afterwards.
+"""The server's edge (issue 43), through a real uvicorn server on loopback.
+
+Client input that once passed the server's checks and failed inside a request: JSON schemas
+whose grammar builds but fails at the reply's first token, and `logit_bias` keys that are
+digits to `str.isdigit` but not to `int`. Each must be a 400 naming the field, and the
+server must serve normally afterwards. And the real `serve` command stopped by SIGINT or
+SIGTERM mid-stream: each API's error event ends every stream, then exit code 130 / 143.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+
 import httpx
 import pytest
 
+from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
 from dflash_mlx.server.request import MAX_SCHEMA_STRING, pattern_size, schema_too_large
 
+from .test_cli_serve import exe
 from .test_server import MODEL, TIMEOUT, serving
 from .test_server_agents import scripted_dir  # noqa: F401  (the tool-capable pair)
 
@@ -107,3 +119,98 @@ def test_pattern_size_multiplies_counted_repetitions():
     assert problem and "70,000 characters" in problem
     problem = schema_too_large({"patternProperties": {"^(x{1000}){1000}$": {}}})
     assert problem and "'patternProperties'" in problem
+
+
+# -- signals: every stream ends with its API's error event, then the documented exit code --
+
+STREAMS = {  # path -> a streamed request that is still decoding when the signal comes
+    "/v1/chat/completions": {"messages": USER, "max_tokens": 100_000, "stream": True},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 100_000, "stream": True},
+    "/v1/messages": {"messages": USER, "max_tokens": 100_000, "stream": True},
+}
+
+
+def last_event(lines: list[str]) -> tuple[str | None, dict]:
+    """The last server-sent event of a stream (its `event:` name and JSON data), [DONE] aside."""
+    name, data = None, {}
+    for i, line in enumerate(lines):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            before = lines[i - 1] if i else ""
+            name = before[len("event: ") :] if before.startswith("event: ") else None
+            data = json.loads(line[len("data: ") :])
+    return name, data
+
+
+@pytest.mark.slow  # two real `serve --demo` processes: ~12 s each here
+@pytest.mark.parametrize(
+    "sig, code, inherited",
+    [
+        # Started from a script's background job, which ignores SIGINT: it exited 0.
+        (signal.SIGINT, EXIT_INTERRUPTED, signal.SIG_IGN),
+        (signal.SIGTERM, EXIT_TERMINATED, signal.SIG_DFL),  # it died by the signal
+    ],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_signal_ends_every_stream_with_an_error_event_and_exits_128_plus_it(sig, code, inherited):
+    proc = subprocess.Popen(
+        [*exe(), "serve", "--demo", "--port", "0", "--no-prompt-cache-dir"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, inherited),
+    )
+    log: list[str] = []
+    try:
+        base = None
+        for line in proc.stdout:
+            log.append(line)
+            found = re.search(r"serving (http://127\.0\.0\.1:\d+)/v1", line)
+            if found:
+                base = found.group(1)
+                break
+        assert base, "".join(log)
+        threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+        deadline = time.monotonic() + TIMEOUT
+        while httpx.get(f"{base}/health", timeout=TIMEOUT).json()["status"] != "ok":
+            assert time.monotonic() < deadline, "".join(log)
+            time.sleep(0.05)
+        streams: dict[str, list[str]] = {path: [] for path in STREAMS}
+        started = threading.Barrier(len(STREAMS) + 1, timeout=TIMEOUT)
+
+        def read(path: str) -> None:
+            body = {"model": "demo", **STREAMS[path]}
+            with httpx.stream("POST", f"{base}{path}", json=body, timeout=TIMEOUT) as r:
+                lines = r.iter_lines()
+                for line in lines:  # up to the first token's event
+                    streams[path].append(line)
+                    if '"delta"' in line or "output_text.delta" in line:
+                        break
+                started.wait()
+                streams[path].extend(lines)
+
+        readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in STREAMS]
+        for t in readers:
+            t.start()
+        started.wait()  # every stream is decoding
+        proc.send_signal(sig)
+        for t in readers:
+            t.join(timeout=TIMEOUT)
+        assert proc.wait(timeout=TIMEOUT) == code, "".join(log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=TIMEOUT)
+    # Each API's own error event, last: OpenAI chat `{"error": {...}}`; Responses an `error`
+    # event whose type is "error" (it was "server_error", the error object's own type);
+    # Anthropic `event: error` with `{"type": "error", "error": {type, message}}`.
+    name, data = last_event(streams["/v1/chat/completions"])
+    assert set(data) == {"error"} and data["error"]["message"], data
+    assert set(data["error"]) == {"message", "type", "param", "code"}, data
+    name, data = last_event(streams["/v1/responses"])
+    assert name == "error" and data["type"] == "error", (name, data)
+    assert {"code", "message", "param", "sequence_number"} <= set(data), data
+    assert data["message"] and data["code"], data
+    name, data = last_event(streams["/v1/messages"])
+    assert name == "error" and data["type"] == "error", (name, data)
+    assert data["error"]["type"] and data["error"]["message"], data
