@@ -104,6 +104,29 @@ def test_a_valid_logit_bias_key_is_served(server):
     assert post(server, "/v1/chat/completions", body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "host, allowed",
+    [
+        ("[::1]evil.com", False),  # passed: the address between brackets was read alone
+        ("[::1]:80evil.com", False),
+        ("[::1", False),
+        ("localhost.evil.com", False),
+        ("127.0.0.1:8080:9", False),
+        ("localhost:", False),
+        ("[::1]:8080", True),
+        ("[::1]", True),
+        ("localhost:8080", True),
+        ("127.0.0.1", True),
+    ],
+)
+def test_the_host_check_parses_the_whole_header(server, host, allowed):
+    r = httpx.get(f"{server.base}/v1/models", headers={"Host": host}, timeout=TIMEOUT)
+    if allowed:
+        assert r.status_code == 200, r.text
+    else:
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+
+
 def test_pattern_size_multiplies_counted_repetitions():
     assert pattern_size("^a{1000000}$") > MAX_SCHEMA_STRING
     assert pattern_size("^(x{1000}){1000}$") > MAX_SCHEMA_STRING
