@@ -9,12 +9,15 @@ SIGTERM mid-stream: each API's error event ends every stream, then exit code 130
 
 from __future__ import annotations
 
+import gc
 import json
+import os
 import re
 import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -237,3 +240,46 @@ def test_a_signal_ends_every_stream_with_an_error_event_and_exits_128_plus_it(si
     name, data = last_event(streams["/v1/messages"])
     assert name == "error" and data["type"] == "error", (name, data)
     assert data["error"]["type"] and data["error"]["message"], data
+
+
+# -- memory: flat over many requests ---------------------------------------------------------
+
+
+def rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+@pytest.mark.slow  # 1500 requests: ~30 s here
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads RSS from /proc")
+def test_memory_stays_flat_over_many_short_requests(server):
+    """RSS grew ~150 KB per short request (issue 43): each request of a conversation chained
+    the draft's context rows onto a lazy graph over the previous request's. After 500
+    requests of warm-up, 1000 more (repeated and new conversations, streamed and not, all
+    four APIs) must grow the server's process by less than 5 MB."""
+    bodies = [
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 3, "stream": True}),
+        ("/v1/completions", {"prompt": "def", "max_tokens": 2}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+        ("/v1/messages", {"messages": USER, "max_tokens": 2}),
+    ]
+
+    def requests(n: int, start: int) -> None:
+        with httpx.Client(timeout=TIMEOUT) as client:
+            for i in range(start, start + n):
+                path, body = bodies[i % len(bodies)]
+                body = {"model": MODEL, "temperature": 0, **body}
+                if "messages" in body and i % 7 == 0:  # now and then another conversation
+                    body["messages"] = [{"role": "user", "content": f"n{i % 5}"}]
+                r = client.post(f"{server.base}{path}", json=body)
+                assert r.status_code == 200, r.text
+
+    requests(500, 0)
+    server.wait_idle()
+    gc.collect()
+    before = rss_mb()
+    requests(1000, 500)
+    server.wait_idle()
+    gc.collect()
+    grown = rss_mb() - before
+    assert grown < 5.0, f"RSS grew {grown:.1f} MB over 1000 requests after warm-up"
