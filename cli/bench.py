@@ -15,6 +15,7 @@ from dflash_mlx.errors import BadArgument
 
 from . import bench_ui, options, ui
 from .errors import user_errors
+from .paths import writable_file
 
 EXIT_NOT_LOSSLESS = 1  # the bench ran, but a DFlash run differed from the target's tokens
 # (or, with --concurrency, a batched request from its serial run)
@@ -266,6 +267,8 @@ def run(
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
     if not demo and model is None:
         raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    if json_out is not None:
+        writable_file(json_out, "--json")  # not after the whole bench ran
 
     import dflash_mlx
     from dflash_mlx.bench.benchmark import run_benchmark
@@ -306,6 +309,7 @@ def run(
         with ui.loading("draft", draft):
             drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
+    _contexts_fit(contexts, max_tokens, pair.context_limit)
     if calibrate:
         progress = bench_ui.BenchProgress()
         try:
@@ -362,6 +366,17 @@ def run(
     if json_out is not None:
         bench_ui.json_written(json_out)
     return EXIT_NOT_LOSSLESS if result.lossless is False else 0
+
+
+def _contexts_fit(contexts: list[int] | None, max_tokens: int, limit: int | None) -> None:
+    """Every `--context` must leave the target room for `--max-tokens` (as `generate`
+    refuses a prompt too long at once, not after a prefill of minutes)."""
+    for n in contexts or ():
+        if limit is not None and n + max_tokens > limit:
+            raise BadArgument(
+                f"--context {n}: {n} prompt tokens and --max-tokens {max_tokens} need "
+                f"{n + max_tokens} positions; the target holds {limit}"
+            )
 
 
 def _concurrency(pair, tokenizer, prompts, levels, *, json_out: Path | None, **settings) -> int:

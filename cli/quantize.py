@@ -15,6 +15,7 @@ from dflash_mlx.errors import BadArgument
 
 from . import ui
 from .errors import user_errors
+from .paths import writable_folder
 
 app = typer.Typer(
     help="Quantize a DFlash draft or a target (one tool for both halves of a pair).",
@@ -52,6 +53,7 @@ def _render_check(result, bits: int) -> None:
 
 
 def _prepare_out(out: Path, force: bool) -> None:
+    writable_folder(out, "--out")  # before anything loads
     if out.exists():
         if not force:
             raise BadArgument(f"output folder {out} exists; pass --force to replace it")
@@ -79,6 +81,7 @@ def draft_command(
     with user_errors():
         if check and target is None:
             raise BadArgument("--check needs --target (the model the draft was built for)")
+        writable_folder(out, "--out")  # before anything loads
         import dflash_mlx
         from dflash_mlx.models.loading import resolve
         from dflash_mlx.quantize import compare_drafts, parameter_bytes, quantize_draft, save_draft
@@ -115,9 +118,9 @@ def target_command(
 ) -> None:
     """Quantize a target with mlx-lm's converter, into a folder `dflash_mlx.load` reads."""
     with user_errors():
+        _prepare_out(out, force)
         from dflash_mlx.quantize import quantize_target
 
-        _prepare_out(out, force)
         with ui.loading("target", source):
             quantize_target(source, out, bits=bits, group_size=group_size, mode=mode)
         ui.note(f"saved {out} ({bits}-bit {mode}, group {group_size})")

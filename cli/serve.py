@@ -6,13 +6,20 @@ instantly. All terminal output goes through `serve_ui.py`.
 
 from __future__ import annotations
 
+import signal
 import socket
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
+from dflash_mlx.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    EXIT_USER,
+    BadArgument,
+    UserError,
+)
 
 from . import options, serve_ui, ui
 from .errors import internal
@@ -442,3 +449,8 @@ def run(
             "(many HTTP clients only send ASCII header values)"
         )
     server.run(sockets=[sock])
+    # uvicorn shut down cleanly on a signal: exit as the shell reports that signal.
+    if server.stopped_by == signal.SIGTERM:
+        raise typer.Exit(EXIT_TERMINATED)
+    if server.stopped_by == signal.SIGINT:
+        raise typer.Exit(EXIT_INTERRUPTED)

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_mlx.errors import BadArgument
 
 from . import ui
+from .paths import writable_folder
 
 MASK_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]")
 
@@ -31,6 +32,42 @@ def default_mask_token(tokenizer) -> int:
     raise BadArgument("no mask token found in the tokenizer; pass --mask-token-id")
 
 
+def check_data(data: Path, regenerate: bool) -> None:
+    """Refuse `--data` that cannot train anything, before any model loads: missing, a
+    folder without JSONL files, unreadable or not UTF-8, or without one line that could be
+    an example (a JSON object with "text", "messages", or "prompt" with --regenerate).
+    Lines are read up to the first such one; the rest are checked when tokenized."""
+    if not data.exists():
+        raise BadArgument(f"--data {data}: no such file or folder")
+    files = sorted(data.glob("*.jsonl")) if data.is_dir() else [data]
+    if not files:
+        raise BadArgument(f"--data {data}: the folder holds no .jsonl file")
+    keys = ("text", "messages", "prompt") if regenerate else ("text", "messages")
+    lines = 0
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                for line in fh:
+                    if not line.strip():
+                        continue
+                    lines += 1
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict) and any(obj.get(k) for k in keys):
+                        return
+        except (OSError, UnicodeDecodeError) as e:
+            raise BadArgument(f"--data {f}: cannot be read ({e})") from None
+    if not lines:
+        raise BadArgument(f"--data {data}: empty (no JSONL lines)")
+    wanted = ", ".join(f'"{k}"' for k in keys)
+    hint = "" if regenerate else ' ({"prompt"} lines need --regenerate)'
+    raise BadArgument(
+        f"--data {data}: none of its {lines} lines is a JSON object with {wanted}{hint}"
+    )
+
+
 def run(
     *,
     target: str,
@@ -46,6 +83,13 @@ def run(
     force: bool,
     settings: dict,
 ) -> None:
+    # Before anything heavy loads: where the draft goes, and data that can be used at all.
+    writable_folder(out, "--out")
+    if out.exists() and any(out.iterdir()) and not (resume or force):
+        raise BadArgument(f"output folder {out} is not empty; pass --resume or --force")
+    if resume and not (out / "config.json").is_file():
+        raise BadArgument(f"--resume: {out} holds no draft to resume (no config.json)")
+    check_data(data, regenerate)
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
     from dflash_mlx.models.draft import DFlashDraft
@@ -59,8 +103,6 @@ def run(
     )
 
     st = TrainSettings(**settings)
-    if out.exists() and any(out.iterdir()) and not (resume or force):
-        raise BadArgument(f"output folder {out} is not empty; pass --resume or --force")
     with ui.loading("target", target):
         model, tokenizer = dflash_mlx.load(target)
     regen = None

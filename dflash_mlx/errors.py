@@ -17,6 +17,7 @@ EXIT_OK = 0
 EXIT_INTERNAL = 1  # a bug of ours: short traceback hint, please report
 EXIT_USER = 2  # bad input: options that do not fit, a model that cannot load
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+EXIT_TERMINATED = 143  # 128 + SIGTERM: `serve` stopped by `kill` (after a clean shutdown)
 
 
 class UserError(ValueError):

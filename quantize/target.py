@@ -34,4 +34,10 @@ def quantize_target(
             )
     except (ValueError, FileNotFoundError) as e:
         raise BadCheckpoint(f"target {source!r}: {e}") from e
+    except RuntimeError as e:
+        # MLX's loaders say "[load_safetensors] ... incomplete download or corrupt file":
+        # the checkpoint's fault, not ours.
+        if not str(e).startswith(("[load", "[safetensors", "[gguf")):
+            raise
+        raise BadCheckpoint(f"target {source!r} has unreadable weights: {e}") from e
     return log.getvalue()

@@ -133,6 +133,40 @@ def test_bad_block_files_are_removed_and_answers_stay_right(
     assert run(pair, tok, b, again)[1] > 0 and again.sources[1] > 0
 
 
+@pytest.mark.parametrize("forgery", ["re-keyed", "narrower", "not finite", "other model"])
+def test_forged_block_files_are_rejected_and_counted(target, draft, tmp_path, forgery):
+    """A file whose checksum and key are right but whose contents are not what the key says
+    (issue 43): another block re-keyed, a head size one less, NaNs, another model's claim.
+    Removed and counted; the answer is a cold one."""
+    from dflash_mlx.cache.prompt_store.disk import decode, encode
+
+    model, tok = target
+    pair = Pair(model, draft)
+    _, a, b = prompts(tok)
+    s = store(tmp_path)
+    run(pair, tok, a, PromptCache(store=s))
+    assert s.flush(timeout=30)
+    files = sorted(tmp_path.rglob("*.block"))
+    decoded = [decode(f.read_bytes(), f.stem) for f in files]
+    for i, (f, (layers, meta)) in enumerate(zip(files, decoded)):
+        if forgery == "re-keyed":  # the next file's whole contents, its key made this one's
+            layers, meta = decoded[(i + 1) % len(files)]
+        elif forgery == "narrower":
+            layers[0].values = layers[0].values[..., :-1]
+        elif forgery == "not finite":
+            layers[-1].keys = layers[-1].keys * mx.array(float("nan"), layers[-1].keys.dtype)
+        else:
+            meta = {**meta, "model": "0" * 64}
+        f.write_bytes(encode(layers, {**meta, "key": f.stem}))
+    restarted = store(tmp_path)
+    pc = PromptCache(store=restarted)
+    out, cached = run(pair, tok, b, pc)
+    assert out == greedy(model, tok, b), f"{forgery} blocks changed the answer"
+    assert cached == 0 and pc.sources == (0, 0)
+    counts = restarted.stats()
+    assert counts["rejected_blocks"] >= 1 and counts["disk_removed_bad"] >= 1, counts
+
+
 def test_a_block_key_holds_the_model_and_its_dtype(models_dir, target, draft, tmp_path):
     """Blocks of one model are never taken by another one whose caches have the same shapes:
     its 4-bit quantization, or the same weights in another dtype."""

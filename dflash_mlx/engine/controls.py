@@ -116,6 +116,14 @@ def compile_grammar(
     matcher = llguidance.LLMatcher(ll_tok, source, log_level=0)
     if matcher.is_error():
         raise BadArgument(f"grammar is invalid: {matcher.get_error()}")
+    # The first token's mask, on a copy, as the engine's first use computes it: some
+    # grammars build and fail only there (a schema whose `$ref`s loop without end).
+    try:
+        Grammar(matcher.deep_copy(), vocab).mask()
+    except RuntimeError as e:
+        what = "json_schema" if options.json_schema is not None else "grammar"
+        error = str(e).removeprefix("grammar matcher failed: ").strip().splitlines()[0]
+        raise BadArgument(f"{what} cannot start a reply: {error} (a $ref loop?)") from None
     with _COMPILED_LOCK:
         _COMPILED[key] = (ll_tok, matcher)  # kept unconsumed: requests get copies
         while len(_COMPILED) > KEEP_COMPILED:

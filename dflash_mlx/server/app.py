@@ -11,7 +11,8 @@ from __future__ import annotations
 import copy
 import html
 import time
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,20 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
 class _Server(uvicorn.Server):
     engine: Engine
+    # The signal that stopped it (SIGINT, SIGTERM), or None: the command's exit code says
+    # which (130 / 143) instead of uvicorn raising it again once it has shut down (which
+    # exits 0 where SIGINT is ignored, as in a shell's background job, and lets SIGTERM
+    # kill the process without a status of ours).
+    stopped_by: int | None = None
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None) or []
+            if captured:
+                self.stopped_by = captured[0]
+                captured.clear()  # not raised again: the caller exits by `stopped_by`
 
     async def shutdown(self, sockets=None) -> None:
         # End running and queued requests now (503 / an error event) rather than letting

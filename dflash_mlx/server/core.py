@@ -241,13 +241,16 @@ class Service:
                 )
             options = options.replace(grammar=self._tool_grammar(req, ids))
             param = "tool_choice"
+            tools = req.template_tools()
+        else:
+            tools = None
         if options.constrained:
             # Built with the engine's tokenizer (only read: llguidance copies what it needs)
             # over the logits row the engine masks, so that the engine's own compile for this
             # request is a copy of this build.
             engine = self.engine
             width = engine.pair.target.logits_width
-            structured.check(options, engine.tokenizer, width, param)
+            structured.check(options, engine.tokenizer, width, param, tools)
         return options
 
     def _tool_grammar(self, req: Request, ids: list[int]) -> str:

@@ -22,6 +22,10 @@ from .structured import ResponseFormat
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the engine's too)
 
 
+# The most digits a `logit_bias` key may have (its range is checked against the vocabulary).
+MAX_TOKEN_ID_DIGITS = 9
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
 
@@ -57,8 +61,12 @@ class _Request(Strict):
     @classmethod
     def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit():
-                raise unsupported_value(f"key {key!r} is not a token id (an integer >= 0)")
+            # ASCII decimal only ("²" is a digit to `isdigit`, not to `int`), and short: no
+            # vocabulary has 10 digits of ids (Python refuses to parse 4300).
+            if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+                raise unsupported_value(
+                    f"key {key[:40]!r} is not a token id (an integer >= 0, in ASCII digits)"
+                )
             if not -100 <= value <= 100:
                 raise unsupported_value(f"the bias of token {key} is {value}, not in [-100, 100]")
         return bias

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .request import schema_problem
+from .request import schema_problem, schema_too_large
 
 
 class Strict(BaseModel):
@@ -44,6 +44,11 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     if problem is not None:
         raise PydanticCustomError(
             "invalid_schema", "not a JSON Schema: {problem}", {"problem": problem}
+        )
+    problem = schema_too_large(schema)
+    if problem is not None:
+        raise PydanticCustomError(
+            "invalid_schema", "a JSON Schema too large to serve: {problem}", {"problem": problem}
         )
     return schema
 

@@ -276,8 +276,11 @@ def routes(service: core.Service, model_name) -> APIRouter:
                     for s in builder.add(e):
                         yield s
             except Exception as exc:  # headers are sent: the error travels as an event
+                # OpenAI's `error` event: its own `type`, the error's code, message, param.
                 err = error_body(core.as_api_error(exc))["error"]
-                yield builder.event("error", **err)
+                yield builder.event(
+                    "error", code=err["code"], message=err["message"], param=err["param"]
+                )
 
         return streamed(stream())
 

@@ -28,12 +28,18 @@ from .core import APIError
 LOOPBACK_ORIGIN = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
 
 
+# A Host header: `[IPv6]` or a name / IPv4 address, then an optional `:port`; nothing else
+# (`[::1]evil.com` is no loopback name). A bare IPv6 address (`::1`) is read as one.
+_HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^\[\]:]+))(?::\d{1,5})?")
+
+
 def is_loopback_host(host: str) -> bool:
     host = host.strip().lower()
-    if host.startswith("["):  # [::1]:8080
-        host = host[1 : host.find("]")] if "]" in host else host[1:]
-    elif host.count(":") == 1:  # name:port
-        host = host.split(":")[0]
+    parsed = _HOST.fullmatch(host)
+    if parsed is not None:
+        host = parsed.group("v6") or parsed.group("name")
+    elif host.startswith("[") or host.count(":") < 2:
+        return False  # neither a host[:port] nor a bare IPv6 address
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:

@@ -161,14 +161,31 @@ BUILD_SECONDS = 5.0
 _BUILDS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-grammar")
 
 
-def check(options: Any, tokenizer: Any, vocab: int | None, param: str) -> None:
+def check(
+    options: Any, tokenizer: Any, vocab: int | None, param: str, tools: list | None = None
+) -> None:
     """Build `options`' grammar and refuse an invalid schema or grammar as a 400 naming
     `param`, before streaming; one that takes longer than `BUILD_SECONDS` to build is a 400
-    too, and a 503 when the builds of earlier requests still hold every builder."""
+    too, and a 503 when the builds of earlier requests still hold every builder.
+
+    `tools`: a forced call's tools, whose parameter schemas are each checked alone as well
+    (within the same time): a schema that fails where the call's arguments start (a `$ref`
+    loop) lets the call's grammar start, and would fail mid-reply."""
     from ..engine import controls
 
+    builds = [(options, param)]
+    for tool in tools or []:
+        schema = tool["function"].get("parameters") or {"type": "object"}
+        builds.append((options.replace(grammar=None, json_schema=schema), "tools"))
+    building: list[str] = []  # the field whose grammar is being built
+
+    def build_all() -> None:
+        for each, at in builds:
+            building[:] = [at]
+            controls.check_grammar(each, tokenizer, vocab)
+
     try:
-        build = _BUILDS.submit(controls.check_grammar, options, tokenizer, vocab)
+        build = _BUILDS.submit(build_all)
         try:
             build.result(timeout=BUILD_SECONDS)
         except FutureTimeout:
@@ -179,12 +196,14 @@ def check(options: Any, tokenizer: Any, vocab: int | None, param: str) -> None:
                     code="grammar_builders_busy",
                     headers={"Retry-After": str(math.ceil(BUILD_SECONDS))},
                 ) from None
+            at = building[0] if building else param
             raise APIError(
                 400,
-                f"Invalid '{param}': its grammar takes longer than {BUILD_SECONDS:g} s to "
+                f"Invalid '{at}': its grammar takes longer than {BUILD_SECONDS:g} s to "
                 "build; simplify it (fewer alternatives, shorter patterns, fewer properties)",
-                param=param,
+                param=at,
                 code="invalid_value",
             ) from None
     except BadArgument as e:
-        raise APIError(400, f"Invalid '{param}': {e}", param=param, code="invalid_value") from None
+        at = building[0] if building else param
+        raise APIError(400, f"Invalid '{at}': {e}", param=at, code="invalid_value") from None

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.generate import generate
 from ..engine.text import encode_prompt
+from ..errors import BadArgument
 from ..models.config import DraftConfig, default_target_layer_ids
 from ..models.draft import DFlashDraft
 from ..options import GenerateOptions
@@ -169,7 +170,7 @@ def read_examples(
     tokens, so that a long prompt still leaves room for the reply."""
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
-        raise ValueError(f"training data {path}: no JSONL file found")
+        raise BadArgument(f"training data {path}: no JSONL file found")
     if regenerate is not None and not 0 <= reply_room < seq_len:
         raise ValueError(f"reply room {reply_room} tokens must be below seq_len {seq_len}")
     pending: list[tuple[str, Example]] = []
@@ -201,7 +202,7 @@ def read_examples(
             continue
         examples.append(ex)
     if not examples:
-        raise ValueError(f"training data {path}: no usable example ({len(skipped)} skipped)")
+        raise BadArgument(f"training data {path}: no usable example ({len(skipped)} skipped)")
     return examples, skipped
 
 

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 
 # Bump when what a block file holds, or how it is laid out, changes: older files are then
 # never looked up again (their keys differ) and age out of the disk budget.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: a block file's metadata says what it claims to hold (checked on read)
 # Elements read from each parameter for the fingerprint (evenly spaced, first and last).
 SAMPLES = 256
 

@@ -55,6 +55,9 @@ class Block:
     key: str
     layers: list[Any]
     snapshot: bool = False  # the recurrent layers' state at its end is kept
+    # What its file says it is (model, previous key, first position, tokens), checked when
+    # it is read back; empty for a block read from disk.
+    claims: dict[str, str] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +135,13 @@ class PromptStore:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._roots: dict[tuple, bytes] = {}
         self._disk_snapshots: set[str] = set()  # keys this process wrote with a state
-        self.counts = {"memory_tokens": 0, "disk_tokens": 0, "kept_blocks": 0}
+        self._layouts: dict[tuple, list[Any]] = {}
+        self.counts = {
+            "memory_tokens": 0,
+            "disk_tokens": 0,
+            "kept_blocks": 0,
+            "rejected_blocks": 0,  # block files whose contents were not what they claimed
+        }
 
     @property
     def folder(self) -> Path | None:
@@ -202,21 +211,103 @@ class PromptStore:
 
     # -- resume -----------------------------------------------------------------------------
 
-    def _load(self, key: str, fresh: list[Any]) -> Block | None:
-        """A block from disk, checked against the target's layers (None: missing or bad)."""
+    def _load(
+        self,
+        key: str,
+        fresh: list[Any],
+        target: TargetAdapter,
+        parent: str,
+        tokens: list[int],
+        lo: int,
+    ) -> Block | None:
+        """A block from disk, checked against what it claims and what this request expects
+        (None: missing, or bad and removed): the model, the positions `lo`.., the block
+        before it (`parent`: its key, the root's for the first) and its `tokens`, the layer
+        count and kinds, and each array's shape and dtype, as this target's own cache has
+        them. A file whose checksum and key are right but whose contents are not (forged,
+        or another model's) is never used."""
         got = self.disk.read(key)
         if got is None:
             return None
         layers, meta = got
-        if len(layers) != len(fresh) or any(
-            isinstance(c, KVCache) != isinstance(f, KVCache) for c, f in zip(layers, fresh)
-        ):
-            self.disk.remove_bad(self.disk.path(key), "its layers do not match the target's")
+        problem = self._problem(layers, meta, target, fresh, parent, tokens, lo)
+        if problem is None:
+            mx.eval([a for c in layers for a in _arrays(c)])
+            if not all(mx.isfinite(a).all().item() for c in layers for a in _arrays(c)):
+                problem = "it holds values that are not finite"
+        if problem is not None:
+            self.disk.remove_bad(self.disk.path(key), problem)
+            with self._lock:
+                self.counts["rejected_blocks"] += 1
             return None
-        mx.eval([a for c in layers for a in _arrays(c)])
         if meta.get("snapshot") == "1":
             self._disk_snapshots.add(key)
         return Block(key, layers, meta.get("snapshot") == "1")
+
+    def _problem(self, layers, meta, target, fresh, parent, tokens, lo) -> str | None:
+        """Why a block read from disk cannot serve this request, or None."""
+        if meta.get("model") != keys_mod.fingerprint(target.model):
+            return "it was computed by another model"
+        if meta.get("parent") != parent or meta.get("start") != str(lo):
+            return "it extends another prefix (its previous block or position differ)"
+        if meta.get("tokens") != _tokens_text(tokens):
+            return "it holds other tokens than its key's"
+        if len(layers) != len(fresh) or any(
+            isinstance(c, KVCache) != isinstance(f, KVCache) for c, f in zip(layers, fresh)
+        ):
+            return "its layers do not match the target's"
+        expected = self._layout(target, fresh)
+        snapshot = meta.get("snapshot") == "1"
+        for i, (c, want) in enumerate(zip(layers, expected)):
+            if isinstance(c, KVCache):
+                (kshape, kdtype), (vshape, vdtype) = want
+                rows = (kshape[0], kshape[1], self.block, kshape[3])
+                got_rows = (vshape[0], vshape[1], self.block, vshape[3])
+                if c.offset != self.block or c.keys is None or c.values is None:
+                    return f"layer {i} holds {c.offset} positions, not {self.block}"
+                if (tuple(c.keys.shape), c.keys.dtype) != (rows, kdtype) or (
+                    tuple(c.values.shape),
+                    c.values.dtype,
+                ) != (got_rows, vdtype):
+                    return (
+                        f"layer {i}'s keys/values are {tuple(c.keys.shape)} {c.keys.dtype} / "
+                        f"{tuple(c.values.shape)} {c.values.dtype}, not {rows} {kdtype} / "
+                        f"{got_rows} {vdtype}"
+                    )
+            else:
+                if len(c.cache) != len(want):
+                    return f"layer {i} holds {len(c.cache)} states, not {len(want)}"
+                for a, shape_dtype in zip(c.cache, want):
+                    if a is None:
+                        if snapshot:
+                            return f"layer {i} lacks the recurrent state its block claims"
+                    elif shape_dtype is None or (tuple(a.shape), a.dtype) != shape_dtype:
+                        return f"layer {i}'s state is {tuple(a.shape)} {a.dtype}, not {shape_dtype}"
+        return None
+
+    def _layout(self, target: TargetAdapter, fresh: list[Any]) -> list[Any]:
+        """Each layer's arrays as this target's cache holds them after one token: a KV
+        layer's (shape, dtype) of keys and of values, a recurrent layer's (shape, dtype) of
+        each state (None where it holds none). Once per model (one token's forward)."""
+        ident = (id(target.model), tuple(type(c).__name__ for c in fresh))
+        with self._lock:
+            known = self._layouts.get(ident)
+        if known is not None:
+            return known
+        scratch = target.make_cache()
+        target.model(mx.array([[0]]), cache=scratch)
+        mx.eval([a for c in scratch for a in _arrays(c)])
+        layout: list[Any] = []
+        for c in scratch:
+            if isinstance(c, KVCache):
+                layout.append(
+                    ((tuple(c.keys.shape), c.keys.dtype), (tuple(c.values.shape), c.values.dtype))
+                )
+            else:
+                layout.append([None if a is None else (tuple(a.shape), a.dtype) for a in c.cache])
+        with self._lock:
+            self._layouts[ident] = layout
+        return layout
 
     def _restore(
         self, link: Link, target: TargetAdapter, prompt: list[int], cache: list, bound: int
@@ -233,11 +324,14 @@ class PromptStore:
         if run * self.block <= bound:
             return 0
         found: list[tuple[Block, bool]] = []  # (block, from disk)
-        for key in keys[:run]:
+        root = self.root(target, cache).hex()
+        for i, key in enumerate(keys[:run]):
             b = self._get(key)
             from_disk = b is None
             if from_disk and self.disk is not None:
-                b = self._load(key, cache)
+                lo = i * self.block
+                parent = keys[i - 1] if i else root
+                b = self._load(key, cache, target, parent, prompt[lo : lo + self.block], lo)
                 if b is not None:
                     self._put(b)
             if b is None:
@@ -298,6 +392,12 @@ class PromptStore:
             b = self._get(key)
             if b is None or (snap is not None and not b.snapshot):
                 b = self._cut(target, cache, key, i * self.block, end, snap)
+                b.claims = {
+                    "model": keys_mod.fingerprint(target.model),
+                    "parent": keys[i - 1] if i else self.root(target, cache).hex(),
+                    "start": str(i * self.block),
+                    "tokens": _tokens_text(prompt[i * self.block : end]),
+                }
                 fresh.append(b)
                 self._put(b)
             if self._seen_before(key) or worth:
@@ -336,7 +436,10 @@ class PromptStore:
         for i, b in enumerate(blocks):
             if disk.has(b.key) and (not b.snapshot or b.key in self._disk_snapshots):
                 continue
-            data = encode(b.layers, {"key": b.key, "snapshot": "1" if b.snapshot else "0"})
+            if not b.claims:  # read from disk: already written
+                continue
+            meta = {"key": b.key, "snapshot": "1" if b.snapshot else "0", **b.claims}
+            data = encode(b.layers, meta)
             total += len(data)
             if total > disk.budget:  # the chain's start is worth more than its end
                 blocks = blocks[:i]
@@ -375,6 +478,10 @@ class PromptStore:
             with self.disk._lock:
                 out.update({f"disk_{k}": v for k, v in self.disk.counts.items()})
         return out
+
+
+def _tokens_text(tokens: list[int]) -> str:
+    return ",".join(str(int(t)) for t in tokens)
 
 
 def _arrays(c: Any) -> list[mx.array]:
