@@ -759,3 +759,30 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
         for c, want in zip(r.state.conv, kept[b]):
             np.testing.assert_allclose(np.array(c.last[0]), want, atol=1e-4)
     assert got[0][0].tolist() != got[1][0].tolist(), "rows must differ for this to mean much"
+
+
+def test_a_seeded_reply_is_one_however_it_is_decoded(case, draft):
+    """Issue 43 item 7: a seeded sampled request gets the reply plain decoding with that
+    seed gives, alone or among others, at any width, with trees or without, with or
+    without a draft: each token is the target's Gumbel-max draw keyed by (seed, position),
+    and drafts are accepted when they equal it (`sampling.coupled_accept`)."""
+    name, model, tok, ids, refs, lookup = case
+    opts = [options(i, None, temperature=0.9, seed=40 + i) for i in range(4)]
+    plain = [generate(model, None, tok, ids[i], opts[i]).tokens for i in range(4)]
+    # A draft that knows each plain reply, wrong from a position-dependent index: cycles
+    # accept different numbers of drafts, and agree with the target where it is right.
+    knowing = LookupDraft(draft, [i + p for i, p in zip(ids, plain)])
+    pair = Pair(model, knowing)
+    taus = []
+    for width, tree in ((2, False), (5, False), (None, False), (8, True), (None, None)):
+        alone = generate(pair, tok, ids[0], opts[0].replace(verify_width=width, tree=tree))
+        assert alone.tokens == plain[0], f"{name} W={width} tree={tree}: not the seeded reply"
+        taus.append(alone.stats.tau)
+        got = batch_generate(
+            pair, tok, ids, [o.replace(verify_width=width, tree=tree) for o in opts]
+        )
+        assert [r.tokens for r in got] == plain, f"{name} W={width} tree={tree}: batched"
+        assert max(max(r.stats.batches, default=0) for r in got) >= 2
+    assert max(taus) > 1.5, f"drafts must be accepted for this to mean much: {taus}"
+    other = generate(model, None, tok, ids[0], opts[0].replace(seed=41))
+    assert other.tokens != plain[0], "another seed must sample differently"

@@ -296,17 +296,19 @@ def exact_joint(model, t, top_k, top_p, n=JOINT) -> dict[tuple[int, ...], float]
     return probs
 
 
-def joint_counts(model, draft, params, draws) -> tuple[dict, list[int]]:
+def joint_counts(model, draft, params, draws, seeded=False) -> tuple[dict, list[int]]:
     """Counts of the first `JOINT` tokens over `draws` seeds (width 4), and how many drafts
-    the first cycle accepted, by count 0..3."""
+    the first cycle accepted, by count 0..3. `seeded`: each request's options carry its
+    seed (the coupled rule, `sampling.coupled_accept`), else rejection sampling."""
     pair = Pair(model, draft)
     counts: dict[tuple[int, ...], int] = {}
     by_accepted = [0, 0, 0, 0]
     for seed in range(draws):
+        opts = as_options(params, JOINT)
         cycles = decode.speculative_decode(
             pair,
             PROMPT,
-            as_options(params, JOINT),
+            opts.replace(seed=seed) if seeded else opts,
             seed=seed,
             width=4,
             draft_block=4,
@@ -427,3 +429,28 @@ def test_rejections_draw_from_the_residual_not_from_p():
 
     counts, _ = counts_after_rejection(from_p)
     assert chi_square_rejects(counts, residual), "drawing from p after a rejection not caught"
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_seeded_requests_keep_the_targets_joint_distribution(table_pair):
+    """Seeded requests accept drafts equal to the target's Gumbel-max draw at each position
+    (issue 43): the first `JOINT` tokens over many seeds still follow the target's law."""
+    model, draft = table_pair
+    counts, by_accepted = joint_counts(model, draft, JOINT_PARAMS, 3000, seeded=True)
+    assert min(by_accepted) > 100, f"every acceptance length must occur: {by_accepted}"
+    assert not joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_the_seeded_joint_test_catches_noise_shared_between_positions(table_pair, monkeypatch):
+    """A broken coupled rule: every position of a cycle drawn with its first position's
+    key (the tokens of a cycle are then not independent draws)."""
+    from dflash_mlx.engine.sampling import coupled_accept
+
+    def one_key(drafts, p, final_keys):
+        return coupled_accept(drafts, p, mx.broadcast_to(final_keys[:1], final_keys.shape))
+
+    monkeypatch.setattr(decode, "coupled_accept", one_key)
+    model, draft = table_pair
+    counts, _ = joint_counts(model, draft, JOINT_PARAMS, 2000, seeded=True)
+    assert joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))

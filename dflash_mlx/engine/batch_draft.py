@@ -17,8 +17,9 @@ import mlx.core as mx
 
 from ..models.conv import ConvRows
 from ..models.draft import BlockContext, DFlashDraft, narrowest
+from .decode import draft_keys
 from .prefill import Request
-from .sampling import PositionKeys, probabilities, sample_rows, selector_walk
+from .sampling import probabilities, sample_rows, selector_walk
 
 
 class RowsContext(BlockContext):
@@ -127,7 +128,7 @@ def chain(
     n = width - 1
     draft = req.draft
     if "candidate_selector" in draft:
-        keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, start + 1, n)
+        keys = None if req.params.greedy else req.keys(draft_keys(req), start + 1, n)
         return selector_walk(
             draft.candidate_selector,
             logits[:n],
@@ -139,7 +140,7 @@ def chain(
     if req.params.greedy:
         return mx.argmax(logits[:n], axis=-1).astype(mx.int32), None
     q = probabilities(logits[:n], req.params)
-    keys = req.keys(PositionKeys.DRAFT, start + 1, n)
+    keys = req.keys(draft_keys(req), start + 1, n)
     return sample_rows(q, keys).astype(mx.int32), q
 
 

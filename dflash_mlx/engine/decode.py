@@ -32,7 +32,15 @@ from ..speed.adaptive import WidthChooser
 from .bookkeeping import Clock, clear_cache_every, cut_at_eos, follow_capture, snapshot
 from .controls import Grammar, TokenLogprob, read_logprobs
 from .prefill import Request, open_request, prefill_prompt
-from .sampling import PositionKeys, greedy_accept, probabilities, propose, rejection_accept, sample
+from .sampling import (
+    PositionKeys,
+    coupled_accept,
+    greedy_accept,
+    probabilities,
+    propose,
+    rejection_accept,
+    sample,
+)
 from .tree import ShapeChooser, read_tree, tree_mode, verify_tree
 from .walks import masks_along, walk, walk_grammar
 
@@ -309,6 +317,12 @@ def plain_step(
     return out, feats, lp
 
 
+def draft_keys(req: Request) -> int:
+    """Whose keys a request's draft proposes with: a seeded request's are the target's own
+    at each position (`coupled_accept`), the others' a purpose of their own."""
+    return PositionKeys.FINAL if req.coupled else PositionKeys.DRAFT
+
+
 NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
 mx.eval(NO_DRAFTS)  # a value shared by every thread's requests: computed once, here
 
@@ -342,7 +356,7 @@ def make_drafts(
         masks = grammar.mask()[None] if grammar is not None else None
         return mx.zeros((0,), dtype=mx.int32), None, masks
     req.feed_draft()
-    keys = None if req.params.greedy else req.keys(PositionKeys.DRAFT, a + 1, w - 1)
+    keys = None if req.params.greedy else req.keys(draft_keys(req), a + 1, w - 1)
     selector = "candidate_selector" in req.draft  # DFlash 2: proposals drawn all at once
     if grammar is not None and grammar.mask_drafts and not selector:
         drafts, q, masks = walk_grammar(req, anchor, rows, w - 1, keys)
@@ -384,6 +398,10 @@ def accept(
     if req.params.greedy:
         n, out = greedy_accept(drafts, logits)
         emitted = out  # row i emits out[i], for i <= n
+    elif req.coupled:
+        keys = req.keys(PositionKeys.FINAL, a + 1, logits.shape[0])
+        n, out = coupled_accept(drafts, probabilities(logits, req.params), keys)
+        emitted = out
     else:
         w = logits.shape[0]
         n, final = rejection_accept(
@@ -407,7 +425,7 @@ def result(req: Request, step: _Step) -> tuple[int, list[int]]:
     if step.width == 1:
         return 0, step.out.tolist()
     n, out = step.n.item(), step.out.tolist()
-    return n, (out[: n + 1] if req.params.greedy else out[:n] + out[-1:])
+    return n, (out[: n + 1] if req.params.greedy or req.coupled else out[:n] + out[-1:])
 
 
 def commit(req: Request, step: _Step, n: int) -> None:
@@ -437,6 +455,6 @@ def commit_draft(req: Request, step: _Step, n: int) -> None:
 
 def _emitted(req: Request, step: _Step, n: int) -> mx.array:
     """The tokens a cycle emits, on the device (what `result` reads on the host)."""
-    if step.width == 1 or req.params.greedy:
+    if step.width == 1 or req.params.greedy or req.coupled:
         return step.out[: n + 1]
     return mx.concatenate([step.out[:n], step.out[-1:]])

@@ -50,6 +50,10 @@ class Request:
     keep_snapshots: bool  # recurrent target with a prompt cache: keep states to resume at
     # Penalties, bias, grammar and logprobs (None: the request asks for none of them).
     controls: Controls | None = None
+    # A seeded sampled request: its token at each position is the target's Gumbel-max draw
+    # keyed by (seed, position), and drafts are accepted when they equal it (SPEC 4 as
+    # `sampling.coupled_accept` states it), so its reply is one however it is decoded.
+    coupled: bool = False
     # Speculative cycles verify trees (SPEC 7): always (True), never (False), or as a
     # `tree.ShapeChooser` picks; where asked for but impossible, `tree_note` says why.
     trees: Any = False
@@ -131,6 +135,7 @@ def open_request(
         # Whether the target is recurrent is known once it made a cache (in `resume`).
         keep_snapshots=cached and pair.target.recurrent,
         controls=Controls.of(options, pair.target.logits_width, prompt, grammar),
+        coupled=options.seed is not None and not options.sampling.greedy,
     )
 
 

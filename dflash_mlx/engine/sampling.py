@@ -182,6 +182,25 @@ def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, 
     return mx.cumprod(match).sum(), tokens
 
 
+def coupled_accept(
+    drafts: mx.array, p: mx.array, final_keys: mx.array
+) -> tuple[mx.array, mx.array]:
+    """A seeded request's acceptance: the token at each verified position is the target's
+    own draw there, `sample(p_i, key)` (a Gumbel-max draw, `argmax(log p_i + g)`) with the
+    key of that generated position, and drafts are accepted while they equal those draws.
+
+    Each emitted token is a draw from the target's distribution given the tokens before it,
+    with noise that depends on the seed and the position alone, so the reply is the one
+    plain decoding with that seed gives, whatever the widths, trees, batch or draft (a
+    draft proposing with the same keys, `argmax(log q_i + g)`, agrees with it more often).
+    `p` `(W, V)`, `final_keys` `(W, 2)`. Returns `(n, tokens)`: emit `tokens[: n + 1]`."""
+    tokens = sample_rows(p, final_keys).astype(mx.int32)
+    if drafts.size == 0:
+        return mx.array(0), tokens
+    match = (drafts == tokens[:-1]).astype(mx.int32)
+    return mx.cumprod(match).sum(), tokens
+
+
 def rejection_accept(
     drafts: mx.array, q: mx.array, p: mx.array, accept_keys: mx.array, final_keys: mx.array
 ) -> tuple[mx.array, mx.array]:

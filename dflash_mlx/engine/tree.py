@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .sampling import PositionKeys, probabilities
+from .sampling import PositionKeys, probabilities, sample_rows
 
 if TYPE_CHECKING:
     from ..options import GenerateOptions
@@ -306,11 +306,18 @@ def read_tree(
 ) -> tuple[list[int], list[int]]:
     """The host sync of a tree cycle: the accepted path (node ids, root first) and the
     tokens it emits, walking the verified tree (`accept_greedy`, `accept_sampled`)."""
-    tree, host = Tree(*(np.array(x) for x in shape)), np.array(out)
-    if req.params.greedy:
-        path, final = accept_greedy(tree, host)
+    tree = Tree(*(np.array(x) for x in shape))
+    a = len(req.generated) - 1  # the anchor's generated index (it is committed by now)
+    if req.coupled:
+        # The target's own draw at each node, keyed by its position (`coupled_accept`):
+        # the walk then follows the child equal to it, as greedy follows the argmax.
+        keys = req.keys(PositionKeys.FINAL, a + 1, tree.depth + 1)
+        draws = sample_rows(out, keys[mx.array(tree.depths)])
+        path, final = accept_greedy(tree, np.array(draws))
+    elif req.params.greedy:
+        path, final = accept_greedy(tree, np.array(out))
     else:
-        a = len(req.generated) - 1  # the anchor's generated index (it is committed by now)
+        host = np.array(out)
         draws = [
             req.keys.uniforms(PositionKeys.ACCEPT, a + 1 + int(d), BRANCH + 1) for d in tree.depths
         ]
