@@ -786,3 +786,26 @@ def test_a_seeded_reply_is_one_however_it_is_decoded(case, draft):
     assert max(taus) > 1.5, f"drafts must be accepted for this to mean much: {taus}"
     other = generate(model, None, tok, ids[0], opts[0].replace(seed=41))
     assert other.tokens != plain[0], "another seed must sample differently"
+
+
+def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case, monkeypatch):
+    """A plain cycle plans the next (speculative) one before its own token is committed:
+    that cycle must still verify no more than each row has tokens left (it once verified
+    one more, and a row ended a token past its `max_tokens`)."""
+    name, model, tok, ids, refs, lookup = case
+    if name == "qwen35":
+        pytest.skip("a recurrent target's plain cycles are not chained or planned ahead")
+    real, calls = batch_mod.plan, [0]
+
+    def every_other_plain(rows, chooser):
+        calls[0] += 1
+        if calls[0] % 2:  # a plain cycle: the next one is planned before it commits
+            return [(1, 1) for _ in rows], [False] * len(rows)
+        return real(rows, chooser)
+
+    monkeypatch.setattr(batch_mod, "plan", every_other_plain)
+    for extra in range(3):  # where each row's last cycles fall moves with its length
+        opts = [options(i, 5).replace(max_tokens=LENGTHS[i] - extra) for i in range(4)]
+        got = batch_generate(Pair(model, lookup), tok, ids, opts)
+        for i, r in enumerate(got):
+            assert r.tokens == refs[i][: LENGTHS[i] - extra], f"row {i}, {extra} fewer"

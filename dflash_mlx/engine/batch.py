@@ -317,7 +317,13 @@ class BatchDecoder:
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
         chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
         if planned is not None and planned[0] == [id(r) for r in rows]:
-            widths, captures = planned[1]  # decided when the last cycle chained nothing
+            # Decided when the last cycle chained nothing, before its token was committed:
+            # no row may verify more than it has tokens left now.
+            widths, captures = planned[1]
+            widths = [
+                (max(1, min(w, r.options.max_tokens - r.generated)), length)
+                for r, (w, length) in zip(rows, widths)
+            ]
         else:
             widths, captures = bc.plan(rows, chooser)
         if bc.plain(self.pair.target, rows, widths, captures):

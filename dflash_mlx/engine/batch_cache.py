@@ -9,7 +9,10 @@ mlx-lm's models take it as they take `BatchKVCache` (an array `offset` for the r
 embedding, `make_mask` for the attention). Recurrent layers keep mlx-lm's `ArraysCache`
 with a batch axis; a per-row rewind replays each row over its own accepted prefix in one
 call (`ArraysCache.lengths` and the layer's padding mask). Rows join and leave between
-cycles (`join`, `take_row`): only those copy the cache.
+cycles: only those copy the cache. As mlx-lm's batch caches do, each batched cache kind
+owns its batch operations (`merge`, `extend`, `extract`, `filter`; `trim_rows` for a
+per-row rewind), so the functions here are loops over layers with no switch on cache kinds:
+`BATCHED` says which kind holds a batch of each single-request kind.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ class RowsKVCache(_BaseCache):
         self.offset = mx.array(self.lengths)  # each row's next position (the RoPE offset)
 
     @classmethod
-    def of(cls, caches: list[KVCache]) -> RowsKVCache:
+    def merge(cls, caches: list[KVCache]) -> RowsKVCache:
         """The rows of single-request caches, copied into one batch."""
         lengths = [c.offset for c in caches]
         cap = -(-max(max(lengths), 1) // STEP) * STEP
@@ -111,7 +114,7 @@ class RowsKVCache(_BaseCache):
         self.trim_rows([n] * len(self.lengths))
         return n
 
-    def row(self, b: int) -> KVCache:
+    def extract(self, b: int) -> KVCache:
         """Row `b` as a single request's cache (a copy)."""
         c = KVCache()
         n = self.lengths[b]
@@ -120,8 +123,16 @@ class RowsKVCache(_BaseCache):
         c.offset = n
         return c
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows`, in that order."""
+    def extend(self, other: KVCache) -> None:
+        """A single request's cache added as the last row (the rows are copied)."""
+        rows = [self.extract(b) for b in range(len(self.lengths))] + [other]
+        merged = RowsKVCache.merge(rows)
+        self.keys, self.values = merged.keys, merged.values
+        self.lengths, self.offset = merged.lengths, merged.offset
+
+    def filter(self, batch_indices: mx.array) -> None:
+        """Keep only the rows `batch_indices`, in that order."""
+        rows = batch_indices.tolist()
         lengths = [self.lengths[b] for b in rows]
         cap = -(-max(max(lengths), 1) // STEP) * STEP
         idx = mx.array(rows)
@@ -144,65 +155,52 @@ def _empty_like(caches: list[KVCache]) -> tuple[mx.array, mx.array]:
     return ref.keys[..., :0, :], ref.values[..., :0, :]
 
 
+# The kind that holds a batch of each single-request cache kind (mlx-lm's `ArraysCache`
+# holds its own batch).
+BATCHED: dict[type, type] = {KVCache: RowsKVCache, ArraysCache: ArraysCache}
+
+
 def batchable(cache: list[Any]) -> str | None:
     """None when a single request's `cache` can join a batch, else why not."""
     for i, c in enumerate(cache):
-        if not (type(c) is KVCache or type(c) is ArraysCache):
+        if type(c) not in BATCHED:
             return f"layer {i} uses {type(c).__name__}, which a batch does not hold"
     return None
+
+
+def row_lengths(c: Any) -> list[int]:
+    """The positions each row of an attention layer's cache holds (one row alone: its
+    `KVCache`'s)."""
+    return list(c.lengths) if isinstance(c, RowsKVCache) else [c.offset]
 
 
 def join(caches: list[list[Any]]) -> list[Any]:
     """One batch's caches from single requests' (layer by layer), rows in that order."""
     out = []
     for layer in zip(*caches):
-        if isinstance(layer[0], ArraysCache):
-            merged = ArraysCache(len(layer[0].cache))
-            merged.cache = [
-                mx.concatenate([c.cache[j] for c in layer]) for j in range(len(layer[0].cache))
-            ]
-            out.append(merged)
-        elif isinstance(layer[0], KVCache):
-            out.append(RowsKVCache.of(list(layer)))
-        else:
+        kind = BATCHED.get(type(layer[0]))
+        if kind is None:
             raise BadArgument(f"a batch cannot hold a {type(layer[0]).__name__}")
+        out.append(kind.merge(list(layer)))
     return out
 
 
 def add_row(cache: list[Any], one: list[Any]) -> list[Any]:
     """A batch's caches with a single request's added as the last row."""
-    out = []
     for c, o in zip(cache, one):
-        if isinstance(c, ArraysCache):
-            merged = ArraysCache(len(c.cache))
-            merged.cache = [mx.concatenate([a, b]) for a, b in zip(c.cache, o.cache)]
-            out.append(merged)
-        else:
-            out.append(RowsKVCache.of([c.row(b) for b in range(len(c.lengths))] + [o]))
-    return out
+        c.extend(o)
+    return cache
 
 
 def take_row(cache: list[Any], b: int) -> list[Any]:
     """Row `b` of a batch's caches as a single request's (copies)."""
-    out = []
-    for c in cache:
-        if isinstance(c, ArraysCache):
-            one = ArraysCache(len(c.cache))
-            one.cache = [mx.contiguous(a[b : b + 1]) for a in c.cache]
-            out.append(one)
-        else:
-            out.append(c.row(b))
-    return out
+    return [c.extract(b) for c in cache]
 
 
 def keep_rows(cache: list[Any], rows: list[int]) -> None:
     """Only `rows` of the batch stay, in that order."""
-    idx = mx.array(rows)
     for c in cache:
-        if isinstance(c, ArraysCache):
-            c.cache = [a[idx] for a in c.cache]
-        else:
-            c.keep(rows)
+        c.filter(mx.array(rows))
 
 
 def rewind_rows(

@@ -23,7 +23,7 @@ from ..options import GenerateOptions
 from ..speed.adaptive import WidthChooser
 from ..speed.costs import CostCurves
 from . import batch_draft
-from .batch_cache import RowsKVCache, rewind_rows
+from .batch_cache import rewind_rows, row_lengths
 from .bookkeeping import follow_capture
 from .decode import _Step, accept, commit, commit_draft, make_drafts, result
 from .generate import Reply
@@ -237,7 +237,7 @@ def verify(target, rows: list[Row], drafted: list, cache: list, captures: list[b
     shapes = [d[3] for d in drafted]
     if any(s is not None for s in shapes):
         first = cache[0]
-        lengths = first.lengths if isinstance(first, RowsKVCache) else [first.offset]
+        lengths = row_lengths(first)
         seen = [None if s is None else (s[3], s[2]) for s in shapes]
         mask, depths = batch_mask(seen, lengths, width)
         logits, feats = target.forward_tree(mx.stack(tokens), cache, mask, depths, ids)
@@ -319,8 +319,8 @@ def rewind(target, rows: list[Row], steps: list, results: list, cache: list, wid
         if len(rows) > 1:
             keeps = [n + 1 for n, _ in results]
             paths = [s.path if s.tree is not None else None for s in steps]
-            for c in cache:
-                if isinstance(c, RowsKVCache):
+            if any(p is not None for p in paths):  # trees: every layer is a `RowsKVCache`
+                for c in cache:
                     c.move_paths(paths, width)
             before, calls = steps[0].saved
             rewind_rows(target, cache, keeps, width, before, calls)
