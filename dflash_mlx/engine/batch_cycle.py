@@ -169,8 +169,9 @@ def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.ar
 def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     """Each row's `(drafts, q, masks, shape)`: rows whose cycle verifies a tree (SPEC 7)
     get its nodes after the anchor as `drafts` and `shape` `(tokens, parents, depths,
-    seen)`; the others a chain (`shape` None). Rows of one draft block without processors
-    share one draft pass, trees and chains alike."""
+    seen)`; the others a chain (`shape` None). Rows of one draft block share one draft
+    pass: trees and chains, DFlash 1 and 2, free or under penalties and grammars (each
+    walks its own block's logits)."""
     out: list = [None] * len(rows)
     for b, r in enumerate(rows):
         if r.req.draft is not None:
@@ -200,13 +201,18 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
         )
         for k, b in enumerate(members):
             r, w = rows[b], widths[b][0]
-            if trees[b]:
-                shape = propose_tree(r.req, r.anchor, w, length, logits[k])
-                out[b] = (shape[0][1:], None, None, shape)
-            else:
-                start = r.generated - 1
-                got = batch_draft.chain(r.req, logits[k], start, w, hidden[k], r.anchor)
-                out[b] = (*got, None, None)
+            try:
+                if trees[b]:
+                    shape = propose_tree(r.req, r.anchor, w, length, logits[k])
+                    out[b] = (shape[0][1:], None, None, shape)
+                else:
+                    block = (hidden[k], logits[k])
+                    got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)
+                    out[b] = (*got, None)
+            except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
+                r.error = e
+                out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
+                widths[b] = (1, 1)
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
         if out[b] is not None:
             continue

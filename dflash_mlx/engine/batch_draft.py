@@ -6,9 +6,10 @@ rows only), each block at its own RoPE position: the view `DFlashDraft` training
 takes (`BlockContext`: many blocks, each with its own context and anchor). What comes out
 for row `b` is what `sampling.propose` gives for that request alone.
 
-Batched here: DFlash 1 and DFlash 2 drafts (each row's conv rows carried per row, its
-selector walk its own), requests without logits processors (their drafts walk row by row,
-`walks.py`). The others draft one by one (`decode.make_drafts`).
+Every request of a DFlash 1 or DFlash 2 draft shares the pass (each row's conv rows carried
+per row); what each does with its block's logits is its own (`decode.make_drafts`: its
+selector walk, its penalties' and grammar's walks in `walks.py`). A draft class that
+computes its blocks its own way drafts alone.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import mlx.core as mx
 
 from ..models.conv import ConvRows
 from ..models.draft import BlockContext, DFlashDraft, narrowest
-from .decode import draft_keys
+from .decode import make_drafts
 from .prefill import Request
-from .sampling import probabilities, sample_rows, selector_walk
 
 
 class RowsContext(BlockContext):
@@ -41,7 +41,6 @@ def batchable(req: Request) -> bool:
     draft = req.draft
     return (
         draft is not None
-        and req.controls is None
         and type(draft).block_logits is DFlashDraft.block_logits
         and type(draft).hidden is DFlashDraft.hidden
     )
@@ -58,10 +57,12 @@ def propose_rows(
     index `starts[b]`) and, when it samples, their distributions `q`, from one pass of the
     draft over blocks of `length` rows (`decode.make_drafts` for a batch)."""
     hidden, logits = block_rows(reqs, anchors, length, max(widths) - 1)
-    return [
-        chain(req, logits[b], starts[b], widths[b], hidden[b], anchors[b])
-        for b, req in enumerate(reqs)
-    ]
+    out = []
+    for b, req in enumerate(reqs):
+        block = (hidden[b], logits[b])
+        drafts, q, _ = make_drafts(req, anchors[b], starts[b], widths[b], length, block)
+        out.append((drafts, q))
+    return out
 
 
 def block_rows(
@@ -112,36 +113,6 @@ class _RowsConv(ConvRows):
             if self.last[which] is not None:
                 for b, r in enumerate(self.rows):
                     r.last[which] = self.last[which][b : b + 1]
-
-
-def chain(
-    req: Request,
-    logits: mx.array,
-    start: int,
-    width: int,
-    hidden: mx.array | None = None,
-    anchor: mx.array | None = None,
-) -> tuple[mx.array, mx.array | None]:
-    """A chain's `width - 1` proposals from one row's block `logits` (the anchor at
-    generated index `start`), and their distributions `q` when it samples; a DFlash 2
-    draft walks its selector over them (`hidden`: the block's, `anchor`: the row's)."""
-    n = width - 1
-    draft = req.draft
-    if "candidate_selector" in draft:
-        keys = None if req.params.greedy else req.keys(draft_keys(req), start + 1, n)
-        return selector_walk(
-            draft.candidate_selector,
-            logits[:n],
-            hidden[:n],
-            anchor,
-            req.params.temperature,
-            keys,
-        )
-    if req.params.greedy:
-        return mx.argmax(logits[:n], axis=-1).astype(mx.int32), None
-    q = probabilities(logits[:n], req.params)
-    keys = req.keys(draft_keys(req), start + 1, n)
-    return sample_rows(q, keys).astype(mx.int32), q
 
 
 def _context(layer, caches: list, positions: mx.array) -> RowsContext:

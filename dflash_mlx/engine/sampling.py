@@ -114,19 +114,24 @@ def propose(
     params: SamplingParams,
     keys,
     process: Callable[[mx.array], mx.array] | None = None,
+    block: tuple[mx.array, mx.array] | None = None,
 ) -> tuple[mx.array, mx.array | None]:
     """The draft's tokens for block indices `1..rows` and, when sampling, the distributions
     `q` `(rows, V)` they were drawn from (SPEC 4). `keys` `(rows, 2)`: one per row.
-    `process` changes the draft's logits first (a request's penalties and bias)."""
-    if "candidate_selector" in draft:
+    `process` changes the draft's logits first (a request's penalties and bias). `block`:
+    the block's `(hidden, logits)` from a batch's draft pass (at least `rows` rows), else
+    the draft runs now."""
+    if block is not None:
+        h, logits = block[0][:rows], block[1][:rows]
+    elif "candidate_selector" in draft:
         h = draft.block_hidden(anchor, length, rows, state)
         logits = draft.logits(h, state.head).astype(mx.float32)
-        if process is not None:
-            logits = process(logits)
-        return selector_walk(draft.candidate_selector, logits, h, anchor, params.temperature, keys)
-    logits = draft.block_logits(anchor, length, rows, state)
+    else:
+        h, logits = None, draft.block_logits(anchor, length, rows, state)
     if process is not None:
         logits = process(logits)
+    if "candidate_selector" in draft:
+        return selector_walk(draft.candidate_selector, logits, h, anchor, params.temperature, keys)
     if params.greedy:
         return mx.argmax(logits, axis=-1), None
     q = probabilities(logits, params)

@@ -24,12 +24,18 @@ if TYPE_CHECKING:
 
 
 def walk(
-    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
+    req: Request,
+    anchor: mx.array,
+    length: int,
+    rows: int,
+    keys: mx.array | None,
+    logits: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None, np.ndarray | None]:
     """The draft's proposals row by row on the device, each from its processed distribution
     given the proposals before it (`Controls.walk`): the penalties see the block's own
     proposals. Returns the proposals, their `q` when sampling, and under a grammar that does
-    not mask drafts its masks along them."""
+    not mask drafts its masks along them. `logits`: the draft's block logits when a batch's
+    draft pass made them (else its own pass runs now)."""
     qs = []
 
     def pick(row: mx.array, i: int) -> mx.array:
@@ -38,13 +44,19 @@ def walk(
         qs.append(probabilities(row, req.params)[0])
         return sample(qs[-1], keys[i]).astype(mx.int32)
 
-    logits = req.draft.block_logits(anchor, length, rows, req.state)
+    if logits is None:
+        logits = req.draft.block_logits(anchor, length, rows, req.state)
     drafts = mx.stack(req.controls.walk(logits, pick))
     return drafts, mx.stack(qs) if qs else None, masks_along(req, drafts)
 
 
 def walk_grammar(
-    req: Request, anchor: mx.array, length: int, rows: int, keys: mx.array | None
+    req: Request,
+    anchor: mx.array,
+    length: int,
+    rows: int,
+    keys: mx.array | None,
+    logits: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None, np.ndarray]:
     """The draft's proposals within the grammar, row by row on the host: the draft's block
     (processed with the committed history) is read back once, and each row is drawn from the
@@ -53,7 +65,9 @@ def walk_grammar(
     matcher advances with each proposal and is rolled back after; a proposed EOS ends the
     block. Returns the proposals, `q` when sampling, and the masks of every verified row."""
     grammar, greedy = req.controls.grammar, req.params.greedy
-    logits = req.controls.draft(req.draft.block_logits(anchor, length, rows, req.state))
+    if logits is None:
+        logits = req.draft.block_logits(anchor, length, rows, req.state)
+    logits = req.controls.draft(logits)
     if not greedy:
         logits = logits * (1.0 / req.params.temperature)
     host = np.array(logits, dtype=np.float64)  # the one host sync of the walk
