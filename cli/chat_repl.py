@@ -7,6 +7,8 @@ Piped stdin is one message, answered once. Knows the commands and what they do t
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import TYPE_CHECKING
 
 from dflash_mlx.chat.settings import choices, show_value
@@ -74,18 +76,67 @@ def answer_once(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+class DeferredInterrupt:
+    """Ctrl-C during a reply, acted on between the engine's cycles.
+
+    A SIGINT raised wherever it lands could cut a verify pass in half, and the engine then
+    drops the conversation's cache (the next turn prefills it all again). Inside this
+    context the first Ctrl-C only sets `asked`: the caller stops the stream at its next
+    response, where the engine commits every token so far to the cache. A second Ctrl-C
+    raises KeyboardInterrupt at once. Only where Python's own handler is installed (the
+    main thread, a terminal's default), so an ignored SIGINT stays ignored.
+    """
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._old = None
+
+    def __enter__(self) -> DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if old is signal.default_int_handler:
+                self._old = old
+                signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed (between responses)."""
+        if self.asked:
+            raise KeyboardInterrupt
+
+
 def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
-    """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C."""
+    """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C.
+
+    Ctrl-C stops the reply at the next response (`DeferredInterrupt`), so the tokens
+    committed so far stay in the conversation's cache; during a long prefill it stops at
+    the next chunk."""
     before = len(session.history)
     reply = view.reply_view()
-    stream = start(reply.prefill)
     interrupted = False
-    with quiet_keys():
+    with quiet_keys(), DeferredInterrupt() as ctrl_c:
+
+        def prefill(done: int, total: int) -> None:
+            ctrl_c.check()
+            reply.prefill(done, total)
+
+        stream = start(prefill)
         try:
             for i, r in enumerate(stream):
                 if i == 0 and session.starts_in_thinking:
                     reply.begin_thinking()
                 reply.feed(r.text)
+                ctrl_c.check()
         except KeyboardInterrupt:
             interrupted = True
         finally:

@@ -394,6 +394,39 @@ def test_ctrl_c_before_the_first_token_drops_the_message(session, monkeypatch, t
     assert len(session.messages) == 2
 
 
+def test_ctrl_c_inside_a_verify_pass_keeps_the_conversations_cache(
+    session, target, draft, monkeypatch, tmp_path
+):
+    """A real SIGINT landing inside the engine (mid verify pass), as a user's Ctrl-C does:
+    the reply stops at the next response, the tokens committed so far stay in the cache,
+    and the next turn reuses the whole conversation."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here")
+    session.set("max_tokens", 40)
+    drive(session, "import os", tmp_path=tmp_path)
+    held = session.context_tokens
+    assert held > 0
+    engine = session.pair.target
+    real, calls = engine.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill and a few cycles in: Ctrl-C mid-pass
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", forward)
+    out, err = drive(session, "print(1)", tmp_path=tmp_path)
+    monkeypatch.undo()
+    assert session.last.finish_reason == "interrupted" and "interrupted" in err
+    assert session.messages[-1]["role"] == "assistant", "the partial reply is kept"
+    assert session.context_tokens > held, "the cache holds the conversation and the reply"
+    drive(session, "x = 1", tmp_path=tmp_path)
+    assert session.last.stats.cached_tokens > held, "the next turn reuses it all"
+    expected = fresh(target, draft, session.conversation()[:-1], max_tokens=40)
+    assert session.messages[-1]["content"] == expected.text
+
+
 # -- the command ------------------------------------------------------------------------
 
 
