@@ -318,6 +318,8 @@ def run(
             progress.close()
         bench_ui.calibration(curves, pair.calibration.path)
         return 0
+    if not widths or "auto" in widths:  # measured now, said, not inside the first run
+        ui.calibrate(pair, None)
 
     if levels is not None:
         return _concurrency(

@@ -347,15 +347,6 @@ def prepare_draft(target, drafter, view: ChatUI, *, calibrate: bool) -> DFlashPa
     import dflash_mlx
 
     pair = dflash_mlx.Pair(target, drafter)
-    if drafter is None or not calibrate:
-        return pair
-    from .chat_ui import CalibrationProgress
-
-    progress = CalibrationProgress(view.err)
-    try:
-        pair.costs(progress=progress)
-    except OSError:
-        pass  # no writable cache: the engine falls back to a fixed width
-    finally:
-        progress.close()
+    if calibrate:
+        ui.calibrate(pair, None, view.err)
     return pair

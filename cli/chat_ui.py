@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -122,31 +121,3 @@ def settings_summary(options: GenerateOptions) -> str:
     return " · ".join(
         f"{name} {show_value(field, getattr(options, field))}" for name, field in SHOWN
     )
-
-
-class CalibrationProgress:
-    """`progress(done, total)` of the one-time verify-width calibration: a bar on stderr."""
-
-    def __init__(self, console: Console):
-        self.console = console
-        self._bar: Progress | None = None
-        self._task = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self._bar is None:
-            self._bar = Progress(
-                TextColumn("calibrating the verify width on this device (once per pair)"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=self.console,
-                transient=True,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("calibrate", total=total)
-        self._bar.update(self._task, completed=done)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None

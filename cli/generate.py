@@ -141,7 +141,8 @@ def run(
         raise BadArgument("--model is required (or --demo for the demonstration pair)")
     opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = load(model, draft, no_draft)
-    pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+    if opts.verify_width is not None:
+        pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now
         try:
             dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
@@ -153,6 +154,7 @@ def run(
             "(--draft DRAFT, or a target whose draft is known)"
         )
     request = prompt_form(tokenizer, prompt, chat)
+    ui.calibrate(pair, opts.verify_width)  # once per pair and device: said, with a bar
     if json_out:
         result = dflash_mlx.generate(pair, tokenizer, request, opts)
         plain = (

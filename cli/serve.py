@@ -405,6 +405,7 @@ def run(
         with ui.loading("draft", draft):
             drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
+    ui.calibrate(pair, defaults.verify_width)  # before it listens: said, with a bar
     pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
 
     settings = ServerSettings(
