@@ -191,12 +191,18 @@ def run(
             "(echo 'hello' | dflash-mlx chat --json)"
         )
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
+    message = None
+    if piped:  # read and checked before anything loads
+        message = read_stdin()
+        if not message.strip():
+            raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
+        options.unicode_text("stdin", message)
     store = None
     if prompt_cache_dir is not None:  # the same store serve keeps, with serve's budgets
         store, _ = serve.prompt_store(prompt_cache_dir, serve.DISK_GB, serve.MEMORY_GB)
     session = load_session(pair, view, system=system, settings=settings, store=store)
     if piped:
-        return chat_repl.answer_once(session, view, read_stdin(), json_out=json_out)
+        return chat_repl.answer_once(session, view, message, json_out=json_out)
     view.banner(pair.banner, session.options)
     from . import chat_input
 

@@ -131,6 +131,10 @@ def run(
     if demo:
         if model is not None or draft is not None:
             raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
+        if compare and no_draft:
+            raise BadArgument(
+                "--compare measures DFlash against plain decoding: not with --no-draft"
+            )
         from dflash_mlx.demo import NOTICE, demo_pair
 
         target_dir, draft_dir = demo_pair()
@@ -139,8 +143,16 @@ def run(
         chat = False if chat is None else chat
     if model is None:
         raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    from .pairs import choose_draft
+
+    choice = choose_draft(model, draft, no_draft)  # names only: nothing loads yet
+    if compare and choice.draft is None:
+        raise BadArgument(
+            "--compare measures DFlash against plain decoding: it needs a draft "
+            "(--draft DRAFT, or a target whose draft is known)"
+        )
     opts = dflash_mlx.GenerateOptions(**settings)
-    pair, tokenizer = load(model, draft, no_draft)
+    pair, tokenizer = load(model, choice)
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now
@@ -148,11 +160,6 @@ def run(
             dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
         except BadArgument as e:
             raise BadArgument(f"--json-schema {schema_file}: {e}") from None
-    if compare and pair.draft is None:
-        raise BadArgument(
-            "--compare measures DFlash against plain decoding: it needs a draft "
-            "(--draft DRAFT, or a target whose draft is known)"
-        )
     request = prompt_form(tokenizer, prompt, chat)
     ui.calibrate(pair, opts.verify_width)  # once per pair and device: said, with a bar
     if json_out:
@@ -223,15 +230,12 @@ def compared(pair, tokenizer, request, opts, tokens: list[int], dflash_tps: floa
     }
 
 
-def load(model: str, draft: str | None, no_draft: bool):
-    """`(Pair, tokenizer)`: the target and its draft (as given, none with --no-draft, else
-    the registry's published one; none known: plain decoding, with a note), behind
-    spinners, checked against each other."""
+def load(model: str, choice):
+    """`(Pair, tokenizer)`: the target and the draft `choice` names (`pairs.choose_draft`:
+    as given, none with --no-draft, else the registry's published one; none known: plain
+    decoding, with its note), behind spinners, checked against each other."""
     import dflash_mlx
 
-    from .pairs import choose_draft
-
-    choice = choose_draft(model, draft, no_draft)
     if choice.note:
         ui.note(choice.note)
     with ui.loading("target", model):
@@ -287,7 +291,10 @@ def prompt_text(positional: str | None, option: str | None) -> str:
             raise BadArgument(NO_PROMPT)
         text = "-"
     if text == "-":
-        return options.unicode_text("stdin", options.read_stdin())
+        name, text = "stdin", options.read_stdin()
+    if not text.strip():
+        where = "stdin held nothing" if name == "stdin" else f"{name} is empty"
+        raise BadArgument(f"no prompt: {where}; give the text to complete")
     return options.unicode_text(name, text)
 
 

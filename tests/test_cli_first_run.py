@@ -58,3 +58,44 @@ def test_a_fixed_width_never_calibrates(models_dir, fresh_cache, watched):
     pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
     result = CliRunner().invoke(app, ["generate", *pair, "-n", "4", "--verify-width", "4", "x"])
     assert result.exit_code == 0 and watched == [] and "calibrat" not in result.stderr
+
+
+# -- every argument checked before a model loads ------------------------------------------
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a model fails the test: what is refused must be refused before."""
+    import dflash_mlx
+
+    def load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for name in ("load", "load_draft"):
+        monkeypatch.setattr(dflash_mlx, name, load)
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "said"),
+    [
+        (["generate", "-m", "./nope", "hi"], None, "--model './nope': no such folder"),
+        (["generate", "-m", "/no/such/dir", "-d", "org/d", "hi"], None, "no such folder"),
+        (["generate", "-m", "org/x", "-d", "./nope", "hi"], None, "--draft './nope': no such"),
+        (["generate", "-m", "org/x", "--no-draft", "--compare", "hi"], None, "needs a draft"),
+        (["generate", "-m", "org/x", "--compare", "hi"], None, "needs a draft"),
+        (["generate", "--demo", "--no-draft", "--compare", "hi"], None, "not with --no-draft"),
+        (["generate", "--demo"], "", "stdin held nothing"),
+        (["generate", "--demo"], "  \n", "stdin held nothing"),
+        (["generate", "--demo", ""], None, "PROMPT is empty"),
+        (["chat", "--demo"], "", "nothing on stdin"),
+        (["chat", "-m", "./nope"], "hi", "--model './nope': no such folder"),
+        (["serve", "-m", "./nope"], None, "--model './nope': no such folder"),
+        (["bench", "-m", "./nope"], None, "--model './nope': no such folder"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_model_loads(args, stdin, said, nothing_loads):
+    result = CliRunner().invoke(app, args, input=stdin)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and said in lines[-1], lines
+    assert "no known DFlash draft" not in result.stderr, "the error comes first"
