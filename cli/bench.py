@@ -265,8 +265,8 @@ def run(
         raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    if not demo and model is None and draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
     if json_out is not None:
         writable_file(json_out, "--json")  # not after the whole bench ran
 
@@ -296,8 +296,9 @@ def run(
         bench_ui.demo_note(NOTICE, target_dir.parent)
         model, draft = str(target_dir), str(draft_dir)
     else:
-        from .pairs import choose_draft
+        from .pairs import choose_draft, default_target
 
+        model = default_target(model, draft)
         choice = choose_draft(model, draft, False)
         if choice.note:
             ui.note(choice.note)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chat
 DEMO_MAX_TOKENS = options.DEMO_MAX_TOKENS  # the demo's gibberish rarely ends: short replies
 DRAFT_FILES = ["*.json", "*.safetensors"]  # what dflash_mlx.load_draft fetches
 MaxTokens = Annotated[
-    int | None, options.option("max_tokens", show_default=f"2048; {DEMO_MAX_TOKENS} with --demo")
+    int | None, options.option("max_tokens", show_default=f"1024; {DEMO_MAX_TOKENS} with --demo")
 ]
 
 

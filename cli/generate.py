@@ -141,10 +141,9 @@ def run(
         ui.note(f"demo: {NOTICE}")
         model, draft = str(target_dir), None if no_draft else str(draft_dir)
         chat = False if chat is None else chat
-    if model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
-    from .pairs import choose_draft
+    from .pairs import choose_draft, default_target
 
+    model = default_target(model, draft)
     choice = choose_draft(model, draft, no_draft)  # names only: nothing loads yet
     if compare and choice.draft is None:
         raise BadArgument(

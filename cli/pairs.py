@@ -39,6 +39,24 @@ def no_known_draft(model: str) -> str:
     )
 
 
+def default_target(model: str | None, draft: str | None) -> str:
+    """`--model`, or when left out the default target `chat` uses too (with a note saying
+    so); a `--draft` without `--model` is refused: the draft is trained for one target."""
+    if model is not None:
+        return model
+    if draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
+    from dflash_mlx.models.registry import DEFAULT_TARGET
+
+    from . import ui
+
+    ui.note(
+        f"model: {DEFAULT_TARGET}, the default (--model picks another; --demo runs the tiny "
+        "demo pair offline)"
+    )
+    return DEFAULT_TARGET
+
+
 def check_source(flag: str, source: str) -> None:
     """A `--model` / `--draft` that can be neither a folder nor a Hub id fails now, before
     any note or download, in the loader's words (`dflash_mlx.models.loading.resolve`)."""

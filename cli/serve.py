@@ -327,10 +327,10 @@ def run(
     `max_batch` None: 8."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")
+    if not demo and model is None and draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if max_batch is None:
@@ -390,8 +390,9 @@ def run(
         model, model_id = str(target_dir), DEMO_ID
         draft = None if no_draft else str(draft_dir)
     else:
-        from .pairs import choose_draft
+        from .pairs import choose_draft, default_target
 
+        model = model_id = default_target(model, draft)
         choice = choose_draft(model, draft, no_draft)
         if choice.note:
             ui.note(choice.note)

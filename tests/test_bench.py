@@ -303,7 +303,7 @@ def test_auto_is_compared_with_every_fixed_choice_pairwise():
     "args, message",
     [
         (["--verify-widths", "2,x"], "'x' is not a width"),
-        (["--draft", "d"], "--model is required"),
+        (["--draft", "d"], "--draft needs --model"),
         (["--demo", "--model", "m"], "without --model and --draft"),
         (["--demo", "--suite", "math", "--prompts", "p.jsonl"], "either --prompts or --suite"),
         (["--demo", "--suite", "poetry"], "unknown suite 'poetry'"),

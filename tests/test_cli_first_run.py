@@ -99,3 +99,44 @@ def test_bad_arguments_exit_2_before_any_model_loads(args, stdin, said, nothing_
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and said in lines[-1], lines
     assert "no known DFlash draft" not in result.stderr, "the error comes first"
+
+
+# -- one name per meaning, one default across commands -----------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_without_model_every_command_takes_chats_default_target(command, nothing_loads):
+    from dflash_mlx.models.registry import DEFAULT_TARGET
+
+    args = (
+        [command]
+        + (["hi"] if command == "generate" else [])
+        + (["--port", "0"] if command == "serve" else [])
+    )
+    result = CliRunner().invoke(app, args)
+    # Offline tests: the default is named, then the (patched) load is where it stops.
+    assert f"model: {DEFAULT_TARGET}, the default" in " ".join(result.stderr.split())
+    assert "--model is required" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_a_draft_without_its_target_is_refused(command, nothing_loads):
+    result = CliRunner().invoke(
+        app, [command, "-d", "org/draft", "hi"][: 4 - (command != "generate")]
+    )
+    assert result.exit_code == 2 and "--draft needs --model" in result.stderr, result.output
+
+
+def test_cache_show_takes_serves_flag_name(tmp_path):
+    folder = tmp_path / "store"
+    for flag in ("--prompt-cache-dir", "--dir"):
+        result = CliRunner().invoke(app, ["cache", "show", flag, str(folder)])
+        assert result.exit_code == 0, result.output
+        assert f"{folder}: no prompt cache yet" in result.stdout
+
+
+def test_chat_replies_are_capped_at_1024_tokens_by_default():
+    from dflash_mlx.chat.session import CHAT_DEFAULTS
+
+    assert CHAT_DEFAULTS.max_tokens == 1024
+    assert "[default: (1024;" in CliRunner().invoke(app, ["chat", "-h"]).stdout
