@@ -91,6 +91,7 @@ def command(
     ] = False,
     prompt_cache_dir: serve.PromptCacheDir = None,
     no_prompt_cache_dir: serve.NoPromptCacheDir = False,
+    verbose: options.Verbose = False,
 ) -> None:
     """Chat in the terminal, with DFlash speculative decoding.
 
@@ -118,6 +119,7 @@ def command(
             tree=tree,
             seed=seed,
             json_out=json_out,
+            verbose=verbose,
             think=think,
             hide_thinking=hide_thinking,
             draft_window=draft_window,
@@ -159,13 +161,17 @@ def run(
     penalties: dict | None = None,
     json_out: bool = False,
     prompt_cache_dir: Path | None = None,
+    verbose: bool = False,
 ) -> int:
     """Load the pair and chat; the exit code (`prompt_cache_dir`: the prompt store's folder,
     `DEFAULT_DIR` for the cache folder's, None: memory only)."""
     from . import chat_repl, chat_ui
 
     view = chat_ui.ChatUI(
-        Console(highlight=False), Console(stderr=True, highlight=False), hide_thinking=hide_thinking
+        Console(highlight=False),
+        Console(stderr=True, highlight=False),
+        hide_thinking=hide_thinking,
+        verbose=verbose,
     )
     from dflash_mlx.chat.session import CHAT_DEFAULTS
 

@@ -210,7 +210,7 @@ class Repl:
         elif name == "/set":
             self.set(arg)
         elif name == "/stats":
-            view.totals(s.history, s.context_tokens, s.draft is not None)
+            view.totals(s.history, s.context_tokens, s.draft is not None, s.last)
         elif name == "/save":
             if not arg:
                 raise BadArgument("/save needs a file name, e.g. /save chat.json or /save chat.md")

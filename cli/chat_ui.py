@@ -31,9 +31,12 @@ KEYS = (
 class ChatUI:
     """The two consoles a chat writes to, and everything it shows besides replies."""
 
-    def __init__(self, out: Console, err: Console, *, hide_thinking: bool = False):
+    def __init__(
+        self, out: Console, err: Console, *, hide_thinking: bool = False, verbose: bool = False
+    ):
         self.out, self.err = out, err
         self.hide_thinking = hide_thinking
+        self.verbose = verbose  # the detailed stats line after each reply
 
     def reply_view(self) -> ReplyView:
         return ReplyView(self.out, hide_thinking=self.hide_thinking)
@@ -47,16 +50,30 @@ class ChatUI:
         self.err.print(grid)
         self.err.print(Text(KEYS, style="dim"))
 
-    def stats(self, reply: Reply, has_draft: bool) -> None:
-        from dflash_mlx.stats import stats_fields
+    def stats(self, reply: Reply, has_draft: bool, *, verbose: bool | None = None) -> None:
+        """A reply's stats: the short line, or the details (`--verbose`, `/stats`)."""
+        from dflash_mlx.stats import short_fields, stats_fields
 
         from .ui import stats_lines
 
-        stats_lines(stats_fields(reply.stats, reply.finish_reason), self.err)
+        detailed = self.verbose if verbose is None else verbose
+        shown = stats_fields if detailed else short_fields
+        stats_lines(shown(reply.stats, reply.finish_reason), self.err)
 
-    def totals(self, history: list[Stats], context_tokens: int, has_draft: bool) -> None:
-        """`/stats`: every reply of the session (`history`) pooled."""
+    def totals(
+        self,
+        history: list[Stats],
+        context_tokens: int,
+        has_draft: bool,
+        last: Reply | None = None,
+    ) -> None:
+        """`/stats`: the last reply's detailed stats line, then every reply of the session
+        (`history`) pooled."""
         from dflash_mlx.stats import Stats, count
+
+        if last is not None:
+            self.err.print(Text("last reply", style="dim"))
+            self.stats(last, has_draft, verbose=True)
 
         t = Stats.total(history)
         table = Table.grid(padding=(0, 2))

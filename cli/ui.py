@@ -183,12 +183,14 @@ def interrupted() -> None:
     _err().print(Text("interrupted", style="yellow"))
 
 
-def stats(r: GenerationResponse) -> None:
-    """The stats after a streamed completion, from the last GenerationResponse: one line,
-    or in a terminal lines fitted to its width (broken between fields, never inside one)."""
-    from dflash_mlx.stats import stats_fields
+def stats(r: GenerationResponse, verbose: bool = False) -> None:
+    """The stats after a streamed completion, from the last GenerationResponse: one short
+    line (tokens, speed, τ, TTFT, how it ended), the details too with `verbose`; in a
+    terminal fitted to its width (broken between fields, never inside one)."""
+    from dflash_mlx.stats import short_fields, stats_fields
 
-    stats_lines(stats_fields(r.stats, r.finish_reason, r.stop))
+    shown = stats_fields if verbose else short_fields
+    stats_lines(shown(r.stats, r.finish_reason, r.stop))
 
 
 def stats_lines(fields: list[str], console: Console | None = None) -> None:
@@ -208,12 +210,20 @@ def comparison(plain: dict, tokens: int) -> None:
     from dflash_mlx.stats import SEPARATOR, count, speed
 
     fields = [f"plain decoding: {speed(plain['generation_tps'])}"]
-    x = plain["speedup"]
+    x, said = plain["speedup"], plain.get("verdict")
     if x is not None:
-        if round(x, 2) == 1:
-            fields.append("DFlash as fast (1.00×)")
-        else:
-            fields.append(f"DFlash {x:.2f}× faster" if x > 1 else f"DFlash {1 / x:.2f}× slower")
+        measured = f"DFlash {x:.2f}×"
+        if plain.get("interval"):
+            low, high = plain["interval"]
+            measured += f", 95% {low:.2f}–{high:.2f}×"
+        if said == "faster":
+            fields.append(f"DFlash {x:.2f}× faster ({measured[len('DFlash ') :]})")
+        elif said == "slower":
+            fields.append(f"DFlash {1 / x:.2f}× slower ({measured[len('DFlash ') :]})")
+        elif said == "both decoded plainly":
+            fields.append(f"both decoded plainly: same speed ({measured})")
+        else:  # within the noise, or unmeasured (too short, sampled)
+            fields.append(f"same speed within noise ({measured})")
     if plain["same_tokens"] is None:
         fields.append("sampled: tokens not compared (they match at --temp 0)")
     elif plain["same_tokens"]:

@@ -70,11 +70,17 @@ def test_a_message_gets_a_streamed_reply_and_a_stats_line(session, target, draft
     expected = fresh(target, draft, [{"role": "user", "content": "def add(a, b):"}])
     assert out == expected.text + "\n", "the reply is streamed to the output as it comes"
     stats = err.strip().splitlines()[-1]
-    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
+    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "TTFT"):
         assert part in stats, f"stats line lacks {part!r}: {stats}"
+    assert "prefill" not in stats and "W=" not in stats, "details only with -v or /stats"
+    # The details, as /stats shows them:
+    _, err = drive(session, "/stats", tmp_path=tmp_path)
+    details = err[err.index("last reply") :].splitlines()[1]
+    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
+        assert part in details, f"detailed stats line lacks {part!r}: {details}"
     # What ran: the drafts' acceptance, trees (chosen per cycle), or (the width chooser
     # decoding plainly) no drafts.
-    assert "accepted" in stats or "trees" in stats or "all plain" in stats, stats
+    assert "accepted" in details or "trees" in details or "all plain" in details, details
     assert session.messages == [
         {"role": "user", "content": "def add(a, b):"},
         {"role": "assistant", "content": expected.text},
@@ -257,6 +263,9 @@ def test_stats_shows_session_totals(session, tmp_path):
     assert "replies    2" in err
     assert f"{2 * MAX_TOKENS} tokens @" in err
     assert "reused" in err and "context" in err and "τ" in err
+    before, _, after = err.partition("last reply")
+    assert "prefill" not in before, "the stats line after a reply is the short one"
+    assert "prefill" in after and "accepted" in after, "/stats shows the details"
 
 
 def test_inputs_span_lines_and_are_remembered_across_sessions(session, tmp_path):
