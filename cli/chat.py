@@ -89,6 +89,14 @@ def command(
     hide_thinking: Annotated[
         bool, typer.Option("--hide-thinking", help="Collapse <think> sections to one line.")
     ] = False,
+    plain: Annotated[
+        bool,
+        typer.Option(
+            "--plain",
+            help="Show replies as plain text, exactly as written (no Markdown; also "
+            "/set markdown off).",
+        ),
+    ] = False,
     prompt_cache_dir: serve.PromptCacheDir = None,
     no_prompt_cache_dir: serve.NoPromptCacheDir = False,
     verbose: options.Verbose = False,
@@ -122,6 +130,7 @@ def command(
             verbose=verbose,
             think=think,
             hide_thinking=hide_thinking,
+            plain=plain,
             draft_window=draft_window,
             prompt_cache_dir=serve.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
         )
@@ -155,6 +164,7 @@ def run(
     seed: int | None = None,
     think: bool | None = None,
     hide_thinking: bool = False,
+    plain: bool = False,
     draft_window: int | None = None,
     top_k: int = 0,
     min_p: float = 0.0,
@@ -172,6 +182,7 @@ def run(
         Console(stderr=True, highlight=False),
         hide_thinking=hide_thinking,
         verbose=verbose,
+        markdown=not plain,
     )
     from dflash_mlx.chat.session import CHAT_DEFAULTS
 

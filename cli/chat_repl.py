@@ -33,7 +33,7 @@ COMMANDS = {  # name: (usage, what it does)
         + ", ".join(
             s.name + (f" ({choices(s.field)})" if choices(s.field) else "") for s in SETTINGS
         )
-        + ", thinking (show or hide)",
+        + ", thinking (show or hide), markdown (on or off: plain text as written)",
     ),
     "/stats": ("/stats", "totals for this session"),
     "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
@@ -41,7 +41,7 @@ COMMANDS = {  # name: (usage, what it does)
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
 ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
-SET_NAMES = [*(s.name for s in SETTINGS), "thinking"]
+SET_NAMES = [*(s.name for s in SETTINGS), "thinking", "markdown"]
 
 
 def answer_once(
@@ -233,6 +233,12 @@ class Repl:
         value = value.strip()
         if not value:
             raise BadArgument(f"/set {key} needs a value, e.g. /set temp 0.7")
+        if key.lower() == "markdown":
+            if value.lower() not in ("on", "off"):
+                raise BadArgument(f"/set markdown {value!r}: on or off")
+            self.view.markdown = value.lower() == "on"
+            self.view.changed("markdown", "on" if self.view.markdown else "off (plain text)")
+            return
         if key.lower() == "thinking":
             if value.lower() not in ("show", "hide"):
                 raise BadArgument(f"/set thinking {value!r}: show or hide")

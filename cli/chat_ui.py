@@ -32,14 +32,21 @@ class ChatUI:
     """The two consoles a chat writes to, and everything it shows besides replies."""
 
     def __init__(
-        self, out: Console, err: Console, *, hide_thinking: bool = False, verbose: bool = False
+        self,
+        out: Console,
+        err: Console,
+        *,
+        hide_thinking: bool = False,
+        verbose: bool = False,
+        markdown: bool = True,
     ):
         self.out, self.err = out, err
         self.hide_thinking = hide_thinking
+        self.markdown = markdown  # off: replies as plain text, as written (--plain)
         self.verbose = verbose  # the detailed stats line after each reply
 
     def reply_view(self) -> ReplyView:
-        return ReplyView(self.out, hide_thinking=self.hide_thinking)
+        return ReplyView(self.out, hide_thinking=self.hide_thinking, markdown=self.markdown)
 
     def banner(self, lines: list[tuple[str, str]], settings: GenerateOptions) -> None:
         grid = Table.grid(padding=(0, 2))
@@ -99,7 +106,10 @@ class ChatUI:
 
     def settings(self, settings: GenerateOptions, hide_thinking: bool) -> None:
         thinking = "hidden" if hide_thinking else "shown"
-        self.err.print(Text(settings_summary(settings) + f" · thinking {thinking}"))
+        markdown = "on" if self.markdown else "off"
+        self.err.print(
+            Text(settings_summary(settings) + f" · thinking {thinking} · markdown {markdown}")
+        )
 
     def changed(self, name: str, value: str, note: str | None = None) -> None:
         """The confirmation of `/set NAME VALUE` (after a deprecation note, if any)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -595,6 +596,63 @@ def test_a_reply_inside_an_open_think_block_is_thinking_until_it_closes():
         view.feed(chunk)
     view.close()
     assert out.getvalue() == "Answer.\n"
+
+
+CODE_REPLY = (
+    "Here it is:\n\nclass Vec:\n    def __init__(self, other):\n        self.x = other.x\n"
+    "        return None\n\n    def __add__(self, o):\n        return Vec(o)\n\n"
+    "The __init__ method copies snake_case fields.\nOne line each.\n"
+)
+ANSI_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def screen(chunks, *, markdown: bool = True, width: int = 60) -> list[str]:
+    """What a terminal shows of a reply streamed in `chunks`: its lines, without colours
+    and trailing blanks."""
+    out = io.StringIO()
+    view = ReplyView(
+        Console(file=out, width=width, force_terminal=True, color_system="truecolor"),
+        markdown=markdown,
+    )
+    for chunk in chunks:
+        view.feed(chunk)
+    view.close()
+    return [line.rstrip() for line in ANSI_CODES.sub("", out.getvalue()).splitlines()]
+
+
+@pytest.mark.parametrize("step", [1, 7, len(CODE_REPLY)])
+def test_code_in_a_markdown_reply_is_shown_exactly_as_written(step):
+    """Dunders are not bold, lines are not joined, indentation is kept: streamed in pieces
+    of any size, the code's lines appear on screen as written (inside a code panel)."""
+    chunks = [CODE_REPLY[i : i + step] for i in range(0, len(CODE_REPLY), step)]
+    shown = screen(chunks)
+    code = CODE_REPLY.split("\n\n")[1:3]
+    lines = [line for block in code for line in block.splitlines()]
+    found = [next((s for s in shown if s.strip() == line.strip()), None) for line in lines]
+    assert None not in found, (lines, shown)
+    indent = [
+        len(f) - len(f.lstrip()) - (len(line) - len(line.lstrip())) for f, line in zip(found, lines)
+    ]
+    assert len(set(indent)) == 1, f"indentation kept: {found}"
+    assert "The __init__ method copies snake_case fields." in shown, "prose keeps underscores"
+    assert "One line each." in shown, "and its line breaks"
+
+
+def test_plain_mode_shows_the_reply_as_written_in_a_terminal():
+    shown = screen([CODE_REPLY], markdown=False)
+    assert "\n".join(shown) + "\n" == CODE_REPLY
+
+
+def test_set_markdown_off_and_on(session, tmp_path, monkeypatch):
+    _, err = drive(session, "/set markdown off", "/set", "/set markdown maybe", tmp_path=tmp_path)
+    assert "markdown set to off (plain text)" in err and "markdown off" in err
+    assert "error: /set markdown 'maybe': on or off" in err
+
+
+def test_plain_flag_is_offered_and_refuses_nothing(pair_args):
+    result = cli(*pair_args, "--plain", "--max-tokens", str(MAX_TOKENS), input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert "--plain" in cli("-h").stdout
 
 
 # -- the registry -----------------------------------------------------------------------
