@@ -198,7 +198,7 @@ def test_cli_bench_prints_tables_and_writes_json(models_dir, prompt_file, tmp_pa
     args = ["--prompts", str(prompt_file), "--max-tokens", "6", "--repeats", "1"]
     result = run("bench", *pair, *args, "--verify-widths", "1,3,auto", "--json", str(out))
     assert result.exit_code == 0, result.output
-    for shown in ["mlx-lm", "W=1", "W=3", "speedup", "τ", "acceptance per block position"]:
+    for shown in ["mlx-lm", "W=1", "W=3", "× mlx-lm", "τ", "acceptance per block position"]:
         assert shown in result.stdout, f"report lacks {shown!r}"
     assert "W=auto against each fixed choice" in result.stdout
     assert "lossless" in result.stdout
