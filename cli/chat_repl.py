@@ -119,18 +119,17 @@ def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
     """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C.
 
     Ctrl-C stops the reply at the next response (`DeferredInterrupt`), so the tokens
-    committed so far stay in the conversation's cache; during a long prefill it stops at
-    the next chunk."""
+    committed so far stay in the conversation's cache: during a prefill, once the prompt is
+    read (a prefill cut midway would drop the cache). A calibration the pair needs runs
+    first, said on screen (Ctrl-C abandons it; it stays due)."""
+    from .ui import calibrate
+
+    calibrate(session.pair, session.options.verify_width, view.err)
     before = len(session.history)
     reply = view.reply_view()
     interrupted = False
     with quiet_keys(), DeferredInterrupt() as ctrl_c:
-
-        def prefill(done: int, total: int) -> None:
-            ctrl_c.check()
-            reply.prefill(done, total)
-
-        stream = start(prefill)
+        stream = start(reply.prefill)
         try:
             for i, r in enumerate(stream):
                 if i == 0 and session.starts_in_thinking:
