@@ -331,6 +331,7 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if not demo and model is None and draft is not None:
         raise BadArgument("--draft needs --model: the target it was trained for")
+    _check_sources(model, draft)
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if max_batch is None:
@@ -456,3 +457,13 @@ def run(
         raise typer.Exit(EXIT_TERMINATED)
     if server.stopped_by == signal.SIGINT:
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _check_sources(model: str | None, draft: str | None) -> None:
+    """A --model/--draft that can be neither a folder nor a Hub id fails before anything
+    heavy is imported (`pairs.check_source`)."""
+    from .pairs import check_source
+
+    for flag, source in (("--model", model), ("--draft", draft)):
+        if source is not None:
+            check_source(flag, source)
