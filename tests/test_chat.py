@@ -557,6 +557,63 @@ def test_the_real_command_in_a_terminal(tmp_path):
     assert saved["replies"][0]["finish_reason"] == "interrupted"
 
 
+@pytest.mark.slow  # end to end: the trained demo pair in a pseudo-terminal
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_ctrl_c_in_a_terminal_keeps_the_conversation_for_the_next_turn(tmp_path):
+    """A real Ctrl-C stops a streaming reply; /stats then shows the conversation still held,
+    and the next turn reuses it instead of prefilling it all again (issue 41, item 2)."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {
+        **os.environ,
+        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
+        "PROMPT_TOOLKIT_NO_CPR": "1",
+        "TERM": "xterm-256color",
+    }
+    exe = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()"]
+    args = ["chat", "--demo", "--max-tokens", "100000", "--verify-width", "4"]
+    child = pexpect.spawn(
+        exe[0],
+        [*exe[1:], *args, "--no-prompt-cache-dir"],  # what is reused is this conversation's
+        env=env,
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=60,
+        dimensions=(30, 120),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    gap = r"(?:\s|\x1b\[[0-9;]*m)+"  # spaces and the table's colour codes
+    try:
+        child.expect("›")
+        child.send("class Stack:\r")
+        child.expect("class Stack:")
+        for wait in (1.0, 2.0, 4.0, 8.0):  # let the reply stream first (see above)
+            time.sleep(wait)
+            child.sendintr()
+            if child.expect(["the reply so far is kept", pexpect.TIMEOUT], timeout=10) == 0:
+                break
+        else:
+            raise AssertionError("no Ctrl-C stopped a streaming reply")
+        child.expect("›")
+        child.send("/stats\r")
+        child.expect(rf"context{gap}([1-9][0-9]*) tokens held")
+        held = int(child.match.group(1))
+        child.expect("›")
+        child.send("/set max_tokens 4\r")
+        child.expect("›")
+        child.send("def pop(self):\r")
+        child.expect(r"\d+ tokens · .* · TTFT \d+ ms")
+        child.expect("›")
+        child.send("/stats\r")
+        child.expect(rf"reused{gap}([0-9]+) prompt tokens")
+        reused = int(child.match.group(1))
+        child.expect("›")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert reused >= held // 2, f"the second turn reused {reused} of the {held} tokens held"
+
+
 # -- rendering ------------------------------------------------------------------------
 
 REPLY = ["<thi", "nk>weigh it", " up\n</th", "ink>\n\nUse **this**:\n\n```python\nx = 1\n```\n"]
