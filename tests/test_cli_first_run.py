@@ -60,6 +60,21 @@ def test_a_fixed_width_never_calibrates(models_dir, fresh_cache, watched):
     assert result.exit_code == 0 and watched == [] and "calibrat" not in result.stderr
 
 
+def test_serve_says_it_calibrates_before_it_listens(models_dir, fresh_cache, watched, monkeypatch):
+    import dflash_mlx.server
+    from dflash_mlx.errors import BadArgument
+
+    def create_server(engine, settings):
+        raise BadArgument("stopped before serving")
+
+    monkeypatch.setattr(dflash_mlx.server, "create_server", create_server)
+    pair = ["--model", str(models_dir / "qwen3"), "--draft", str(models_dir / "draft")]
+    result = CliRunner().invoke(app, ["serve", *pair, "--port", "0"])
+    assert "stopped before serving" in result.stderr, result.output
+    assert len(watched) == 1 and "calibrating the verify width" in watched[0]
+    assert "calibrated in " in result.stderr
+
+
 # -- every argument checked before a model loads ------------------------------------------
 
 
