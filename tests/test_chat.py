@@ -410,8 +410,16 @@ def test_ctrl_c_inside_a_verify_pass_keeps_the_conversations_cache(
     """A real SIGINT landing inside the engine (mid verify pass), as a user's Ctrl-C does:
     the reply stops at the next response, the tokens committed so far stay in the cache,
     and the next turn reuses the whole conversation."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT is not Python's default here")
+    # Python's own Ctrl-C handler, as in a terminal (a runner in the background, or a
+    # worker process, may have SIGINT ignored).
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_mid_pass(session, target, draft, monkeypatch, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ctrl_c_mid_pass(session, target, draft, monkeypatch, tmp_path):
     session.set("max_tokens", 40)
     drive(session, "import os", tmp_path=tmp_path)
     held = session.context_tokens
