@@ -265,10 +265,13 @@ def run(
         raise BadArgument("pass either --prompts or --suite, not both")
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    if not demo and model is None and draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
     if json_out is not None:
         writable_file(json_out, "--json")  # not after the whole bench ran
+    from .serve import _check_sources
+
+    _check_sources(model, draft)  # before anything heavy is imported
 
     import dflash_mlx
     from dflash_mlx.bench.benchmark import run_benchmark
@@ -296,8 +299,9 @@ def run(
         bench_ui.demo_note(NOTICE, target_dir.parent)
         model, draft = str(target_dir), str(draft_dir)
     else:
-        from .pairs import choose_draft
+        from .pairs import choose_draft, default_target
 
+        model = default_target(model, draft)
         choice = choose_draft(model, draft, False)
         if choice.note:
             ui.note(choice.note)
@@ -318,6 +322,8 @@ def run(
             progress.close()
         bench_ui.calibration(curves, pair.calibration.path)
         return 0
+    if not widths or "auto" in widths:  # measured now, said, not inside the first run
+        ui.calibrate(pair, None)
 
     if levels is not None:
         return _concurrency(

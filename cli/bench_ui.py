@@ -180,10 +180,13 @@ def _table(suite: SuiteSummary) -> Table:
     spread = len(suite.runs[0].generation_tps.values) > 1  # one repeat: one figure, no range
     # The trees column: where trees were asked for (--trees) or chosen (auto).
     trees = any(r.tree or r.tree_fraction for r in suite.runs)
-    names = ["run", "tok/s"] + (["min–max"] if spread else []) + ["speedup", "τ"]
+    names = ["run", "tok/s"] + (["min–max"] if spread else []) + ["× mlx-lm", "τ"]
     names += (["trees"] if trees else []) + (["eff."] if eff else [])
-    for name in names + ["prefill", "TTFT", "peak"]:
+    for name in names + ["prefill tok/s", "TTFT", "peak"]:
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
+    # × mlx-lm: this row's tok/s over the mlx-lm row's, the figures shown beside it (the
+    # paired, per-prompt comparison and its verdict are under the tables).
+    base = next((r.generation_tps.median for r in suite.runs if r.width is None), None)
     for r in suite.runs:
         t = r.generation_tps
         ideal = [_efficiency(r.efficiency)] if eff else []
@@ -191,7 +194,7 @@ def _table(suite: SuiteSummary) -> Table:
             _run_label(r),
             _tps(t.median),
             *([f"{_tps(t.min)}–{_tps(t.max)}"] if spread else []),
-            _speedup(r.speedup.median) if r.width is not None else Text("1.00×", "dim"),
+            _speedup(t.median / base) if r.width is not None and base else Text("1.00×", "dim"),
             f"{r.tau:.2f}",
             *([_tree_share(r)] if trees else []),
             *ideal,
@@ -249,6 +252,11 @@ def _acceptance_chart(result: BenchResult) -> Text | None:
     out = Text(
         f"acceptance per block position ({_run_label(widest)}, all prompts, τ {widest.tau:.2f})\n",
         style="bold",
+    )
+    out.append(
+        "  position k: the share of drafts reaching k that the target accepted there, given "
+        "positions 1..k-1 were accepted (so later bars can be higher)\n",
+        style="dim",
     )
     for i, rate in enumerate(widest.acceptance_rates, start=1):
         full = round(rate * BAR)
@@ -353,7 +361,8 @@ def report(result: BenchResult, quick: str | None = None) -> None:
     """The whole report on stdout: header, tables, acceptance chart, losslessness verdict.
 
     tok/s is generation speed (tokens after the first over their time), median over repeats;
-    speedup is against mlx-lm in the same repeat; trees (when any ran) is the share of verify
+    × mlx-lm is that tok/s over the mlx-lm row's (the paired comparison, prompt by prompt,
+    with its interval and verdict, is under the tables); trees (when any ran) is the share of verify
     passes that verified a tree (W=N: chains of N; tree B=N: trees of N tokens); eff. is the
     speedup as a share of what tau and the calibrated pass costs allow (tau * t_plain /
     (t_verify(W) + t_draft(L))); prefill is prompt tokens/s.

@@ -20,8 +20,10 @@ app = typer.Typer(
 Folder = Annotated[
     Path | None,
     typer.Option(
+        "--prompt-cache-dir",
         "--dir",
-        help="The prompt cache folder (serve's --prompt-cache-dir).",
+        help="The prompt cache folder, as serve's and chat's --prompt-cache-dir "
+        "(--dir: its old name).",
         show_default="prompt-cache in the cache folder",
     ),
 ]

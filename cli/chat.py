@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chat
 DEMO_MAX_TOKENS = options.DEMO_MAX_TOKENS  # the demo's gibberish rarely ends: short replies
 DRAFT_FILES = ["*.json", "*.safetensors"]  # what dflash_mlx.load_draft fetches
 MaxTokens = Annotated[
-    int | None, options.option("max_tokens", show_default=f"2048; {DEMO_MAX_TOKENS} with --demo")
+    int | None, options.option("max_tokens", show_default=f"1024; {DEMO_MAX_TOKENS} with --demo")
 ]
 
 
@@ -89,8 +89,17 @@ def command(
     hide_thinking: Annotated[
         bool, typer.Option("--hide-thinking", help="Collapse <think> sections to one line.")
     ] = False,
+    plain: Annotated[
+        bool,
+        typer.Option(
+            "--plain",
+            help="Show replies as plain text, exactly as written (no Markdown; also "
+            "/set markdown off).",
+        ),
+    ] = False,
     prompt_cache_dir: serve.PromptCacheDir = None,
     no_prompt_cache_dir: serve.NoPromptCacheDir = False,
+    verbose: options.Verbose = False,
 ) -> None:
     """Chat in the terminal, with DFlash speculative decoding.
 
@@ -118,8 +127,10 @@ def command(
             tree=tree,
             seed=seed,
             json_out=json_out,
+            verbose=verbose,
             think=think,
             hide_thinking=hide_thinking,
+            plain=plain,
             draft_window=draft_window,
             prompt_cache_dir=serve.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
         )
@@ -153,19 +164,25 @@ def run(
     seed: int | None = None,
     think: bool | None = None,
     hide_thinking: bool = False,
+    plain: bool = False,
     draft_window: int | None = None,
     top_k: int = 0,
     min_p: float = 0.0,
     penalties: dict | None = None,
     json_out: bool = False,
     prompt_cache_dir: Path | None = None,
+    verbose: bool = False,
 ) -> int:
     """Load the pair and chat; the exit code (`prompt_cache_dir`: the prompt store's folder,
     `DEFAULT_DIR` for the cache folder's, None: memory only)."""
     from . import chat_repl, chat_ui
 
     view = chat_ui.ChatUI(
-        Console(highlight=False), Console(stderr=True, highlight=False), hide_thinking=hide_thinking
+        Console(highlight=False),
+        Console(stderr=True, highlight=False),
+        hide_thinking=hide_thinking,
+        verbose=verbose,
+        markdown=not plain,
     )
     from dflash_mlx.chat.session import CHAT_DEFAULTS
 
@@ -191,12 +208,18 @@ def run(
             "(echo 'hello' | dflash-mlx chat --json)"
         )
     pair = resolve_pair(model, draft, no_draft=no_draft, demo=demo, think=think, view=view)
+    message = None
+    if piped:  # read and checked before anything loads
+        message = read_stdin()
+        if not message.strip():
+            raise BadArgument("nothing on stdin to answer (e.g. echo 'hello' | dflash-mlx chat)")
+        options.unicode_text("stdin", message)
     store = None
     if prompt_cache_dir is not None:  # the same store serve keeps, with serve's budgets
         store, _ = serve.prompt_store(prompt_cache_dir, serve.DISK_GB, serve.MEMORY_GB)
     session = load_session(pair, view, system=system, settings=settings, store=store)
     if piped:
-        return chat_repl.answer_once(session, view, read_stdin(), json_out=json_out)
+        return chat_repl.answer_once(session, view, message, json_out=json_out)
     view.banner(pair.banner, session.options)
     from . import chat_input
 
@@ -347,15 +370,6 @@ def prepare_draft(target, drafter, view: ChatUI, *, calibrate: bool) -> DFlashPa
     import dflash_mlx
 
     pair = dflash_mlx.Pair(target, drafter)
-    if drafter is None or not calibrate:
-        return pair
-    from .chat_ui import CalibrationProgress
-
-    progress = CalibrationProgress(view.err)
-    try:
-        pair.costs(progress=progress)
-    except OSError:
-        pass  # no writable cache: the engine falls back to a fixed width
-    finally:
-        progress.close()
+    if calibrate:
+        ui.calibrate(pair, None, view.err)
     return pair

@@ -7,6 +7,8 @@ Piped stdin is one message, answered once. Knows the commands and what they do t
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import TYPE_CHECKING
 
 from dflash_mlx.chat.settings import choices, show_value
@@ -31,7 +33,7 @@ COMMANDS = {  # name: (usage, what it does)
         + ", ".join(
             s.name + (f" ({choices(s.field)})" if choices(s.field) else "") for s in SETTINGS
         )
-        + ", thinking (show or hide)",
+        + ", thinking (show or hide), markdown (on or off: plain text as written)",
     ),
     "/stats": ("/stats", "totals for this session"),
     "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
@@ -39,7 +41,7 @@ COMMANDS = {  # name: (usage, what it does)
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
 ALIASES = {"/quit": "/exit", "/bye": "/exit", "/?": "/help", "/clear": "/reset"}
-SET_NAMES = [*(s.name for s in SETTINGS), "thinking"]
+SET_NAMES = [*(s.name for s in SETTINGS), "thinking", "markdown"]
 
 
 def answer_once(
@@ -74,18 +76,66 @@ def answer_once(
     return EXIT_INTERRUPTED if interrupted else 0
 
 
+class DeferredInterrupt:
+    """Ctrl-C during a reply, acted on between the engine's cycles.
+
+    A SIGINT raised wherever it lands could cut a verify pass in half, and the engine then
+    drops the conversation's cache (the next turn prefills it all again). Inside this
+    context the first Ctrl-C only sets `asked`: the caller stops the stream at its next
+    response, where the engine commits every token so far to the cache. A second Ctrl-C
+    raises KeyboardInterrupt at once. Only where Python's own handler is installed (the
+    main thread, a terminal's default), so an ignored SIGINT stays ignored.
+    """
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._old = None
+
+    def __enter__(self) -> DeferredInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            old = signal.getsignal(signal.SIGINT)
+            if old is signal.default_int_handler:
+                self._old = old
+                signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+            self._old = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.asked:
+            raise KeyboardInterrupt
+        self.asked = True
+
+    def check(self) -> None:
+        """Raise KeyboardInterrupt if Ctrl-C was pressed (between responses)."""
+        if self.asked:
+            raise KeyboardInterrupt
+
+
 def stream_reply(session: ChatSession, view: chat_ui.ChatUI, start) -> bool:
-    """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C."""
+    """Stream one reply from `start(progress)`, then its stats line; True after Ctrl-C.
+
+    Ctrl-C stops the reply at the next response (`DeferredInterrupt`), so the tokens
+    committed so far stay in the conversation's cache: during a prefill, once the prompt is
+    read (a prefill cut midway would drop the cache). A calibration the pair needs runs
+    first, said on screen (Ctrl-C abandons it; it stays due)."""
+    from .ui import calibrate
+
+    calibrate(session.pair, session.options.verify_width, view.err)
     before = len(session.history)
     reply = view.reply_view()
-    stream = start(reply.prefill)
     interrupted = False
-    with quiet_keys():
+    with quiet_keys(), DeferredInterrupt() as ctrl_c:
+        stream = start(reply.prefill)
         try:
             for i, r in enumerate(stream):
                 if i == 0 and session.starts_in_thinking:
                     reply.begin_thinking()
                 reply.feed(r.text)
+                ctrl_c.check()
         except KeyboardInterrupt:
             interrupted = True
         finally:
@@ -159,7 +209,7 @@ class Repl:
         elif name == "/set":
             self.set(arg)
         elif name == "/stats":
-            view.totals(s.history, s.context_tokens, s.draft is not None)
+            view.totals(s.history, s.context_tokens, s.draft is not None, s.last)
         elif name == "/save":
             if not arg:
                 raise BadArgument("/save needs a file name, e.g. /save chat.json or /save chat.md")
@@ -182,6 +232,12 @@ class Repl:
         value = value.strip()
         if not value:
             raise BadArgument(f"/set {key} needs a value, e.g. /set temp 0.7")
+        if key.lower() == "markdown":
+            if value.lower() not in ("on", "off"):
+                raise BadArgument(f"/set markdown {value!r}: on or off")
+            self.view.markdown = value.lower() == "on"
+            self.view.changed("markdown", "on" if self.view.markdown else "off (plain text)")
+            return
         if key.lower() == "thinking":
             if value.lower() not in ("show", "hide"):
                 raise BadArgument(f"/set thinking {value!r}: show or hide")

@@ -27,7 +27,7 @@ OPEN, CLOSE = "<think>", "</think>"
 class ReplyView:
     """Renders one streamed reply: `feed(text)` per chunk, then `close()`."""
 
-    def __init__(self, console: Console, *, hide_thinking: bool = False):
+    def __init__(self, console: Console, *, hide_thinking: bool = False, markdown: bool = True):
         self.console = console
         self.hide = hide_thinking
         self.thinking = False
@@ -44,7 +44,7 @@ class ReplyView:
         self._prefill: tuple[int, int] | None = None
         self._spinner = Spinner("dots", style="dim")
         self.live: Live | None = None
-        if console.is_terminal:
+        if console.is_terminal and markdown:
             self.live = Live(
                 console=console,
                 get_renderable=lambda: _Bottom(self._live_renderable()),
@@ -179,7 +179,7 @@ class ReplyView:
         self.answer = self.answer.lstrip("\n")
         cut = len(self.answer) if final else _stable_end(self.answer)
         if cut > 0 and self.answer[:cut].strip():
-            self._print(_Trimmed(Markdown(self.answer[:cut].strip("\n"))))
+            self._print(_Trimmed(Markdown(verbatim(self.answer[:cut].strip("\n")))))
             self.gap = True
             self.answer = self.answer[cut:].lstrip("\n")
 
@@ -201,7 +201,7 @@ class ReplyView:
         elif self.answer.strip():
             if self.gap:
                 parts.append(Text(""))
-            parts.append(_Trimmed(Markdown(self.answer)))
+            parts.append(_Trimmed(Markdown(verbatim(self.answer))))
         elif not self.gap:
             parts.append(self._spinner)  # nothing shown yet: waiting for the first token
         return Group(*parts)
@@ -267,3 +267,90 @@ def _partial_tag(text: str, tag: str) -> int:
         if tag.startswith(text[-n:]):
             return n
     return 0
+
+
+# -- Markdown that never changes code --------------------------------------------------
+
+# A line that is code whatever surrounds it: Python, C-family and shell openers, decorators,
+# assignments, and lines ending in a block opener or closer.
+_CODE_LINE = re.compile(
+    r"^\s*(def |class |async def |import |from \S+ import |return\b|yield\b|raise\b"
+    r"|for .+ in .+:|while .+:|if .+:|elif .+:|else:|try:|except\b.*:|finally:|with .+:"
+    r"|@\w|#include|#!|public |private |static |function |const |let |var |fn |"
+    r"\$ )"
+    r"|^\s*[A-Za-z_][\w.]*(\[[^\]]*\])?\s*([-+*/%|&^]|//|\*\*)?=\s*[^=\s]"
+    r"|[{};]\s*$|^\s*[}\])]"
+)
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+[.)])\s")
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+
+
+def _code_like(line: str, previous: str | None) -> bool:
+    """Whether `line` reads as code: a code line, or an indented line (not a list item)
+    after one or at the start of a block."""
+    if not line.strip() or _LIST_ITEM.match(line):
+        return False
+    if _CODE_LINE.search(line):
+        return True
+    indented = line[:1] in (" ", "\t") and len(line) - len(line.lstrip()) >= 2
+    return indented and (previous is None or _CODE_LINE.search(previous) is not None)
+
+
+def _prose(lines: list[str]) -> str:
+    """Markdown prose kept as written: `_` taken literally (dunders, snake_case; never
+    emphasis) outside code spans, and every line break kept."""
+    text = "\n".join(lines)
+    out, pos = [], 0
+    for m in _CODE_SPAN.finditer(text):
+        out.append(text[pos : m.start()].replace("_", "\\_"))
+        out.append(m.group(0))
+        pos = m.end()
+    out.append(text[pos:].replace("_", "\\_"))
+    return "  \n".join("".join(out).split("\n"))
+
+
+def verbatim(text: str) -> str:
+    """`text` as Markdown that shows code exactly as written: fenced blocks as they are;
+    outside them, from the first line of a paragraph that reads as code (`_code_like`) to
+    the paragraph's end, a fence of its own (so `def __init__(self):` and its indented body
+    keep their underscores, lines and indentation); prose with literal underscores and its
+    line breaks."""
+    out: list[str] = []
+    block: list[str] = []
+
+    def flush() -> None:
+        if not block:
+            return
+        start = next(
+            (i for i, line in enumerate(block) if _code_like(line, block[i - 1] if i else None)),
+            None,
+        )
+        prose, code = (block, []) if start is None else (block[:start], block[start:])
+        if prose:
+            out.append(_prose(prose))
+        if code:
+            out.append("```\n" + "\n".join(code) + "\n```")
+        block.clear()
+
+    fence: str | None = None
+    fenced: list[str] = []
+    for line in text.split("\n"):
+        m = _FENCE.match(line)
+        if fence is not None:
+            fenced.append(line)
+            if m and m.group(1) == fence:
+                out.append("\n".join(fenced))
+                fence, fenced = None, []
+            continue
+        if m:
+            flush()
+            fence, fenced = m.group(1), [line]
+        elif not line.strip():
+            flush()
+            out.append("")
+        else:
+            block.append(line)
+    flush()
+    if fence is not None:  # still open (streaming): shown as the fence it will be
+        out.append("\n".join(fenced))
+    return "\n".join(out)

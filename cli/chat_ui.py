@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -32,12 +31,22 @@ KEYS = (
 class ChatUI:
     """The two consoles a chat writes to, and everything it shows besides replies."""
 
-    def __init__(self, out: Console, err: Console, *, hide_thinking: bool = False):
+    def __init__(
+        self,
+        out: Console,
+        err: Console,
+        *,
+        hide_thinking: bool = False,
+        verbose: bool = False,
+        markdown: bool = True,
+    ):
         self.out, self.err = out, err
         self.hide_thinking = hide_thinking
+        self.markdown = markdown  # off: replies as plain text, as written (--plain)
+        self.verbose = verbose  # the detailed stats line after each reply
 
     def reply_view(self) -> ReplyView:
-        return ReplyView(self.out, hide_thinking=self.hide_thinking)
+        return ReplyView(self.out, hide_thinking=self.hide_thinking, markdown=self.markdown)
 
     def banner(self, lines: list[tuple[str, str]], settings: GenerateOptions) -> None:
         grid = Table.grid(padding=(0, 2))
@@ -48,16 +57,30 @@ class ChatUI:
         self.err.print(grid)
         self.err.print(Text(KEYS, style="dim"))
 
-    def stats(self, reply: Reply, has_draft: bool) -> None:
-        from dflash_mlx.stats import stats_fields
+    def stats(self, reply: Reply, has_draft: bool, *, verbose: bool | None = None) -> None:
+        """A reply's stats: the short line, or the details (`--verbose`, `/stats`)."""
+        from dflash_mlx.stats import short_fields, stats_fields
 
         from .ui import stats_lines
 
-        stats_lines(stats_fields(reply.stats, reply.finish_reason), self.err)
+        detailed = self.verbose if verbose is None else verbose
+        shown = stats_fields if detailed else short_fields
+        stats_lines(shown(reply.stats, reply.finish_reason), self.err)
 
-    def totals(self, history: list[Stats], context_tokens: int, has_draft: bool) -> None:
-        """`/stats`: every reply of the session (`history`) pooled."""
+    def totals(
+        self,
+        history: list[Stats],
+        context_tokens: int,
+        has_draft: bool,
+        last: Reply | None = None,
+    ) -> None:
+        """`/stats`: the last reply's detailed stats line, then every reply of the session
+        (`history`) pooled."""
         from dflash_mlx.stats import Stats, count
+
+        if last is not None:
+            self.err.print(Text("last reply", style="dim"))
+            self.stats(last, has_draft, verbose=True)
 
         t = Stats.total(history)
         table = Table.grid(padding=(0, 2))
@@ -83,7 +106,10 @@ class ChatUI:
 
     def settings(self, settings: GenerateOptions, hide_thinking: bool) -> None:
         thinking = "hidden" if hide_thinking else "shown"
-        self.err.print(Text(settings_summary(settings) + f" · thinking {thinking}"))
+        markdown = "on" if self.markdown else "off"
+        self.err.print(
+            Text(settings_summary(settings) + f" · thinking {thinking} · markdown {markdown}")
+        )
 
     def changed(self, name: str, value: str, note: str | None = None) -> None:
         """The confirmation of `/set NAME VALUE` (after a deprecation note, if any)."""
@@ -122,31 +148,3 @@ def settings_summary(options: GenerateOptions) -> str:
     return " · ".join(
         f"{name} {show_value(field, getattr(options, field))}" for name, field in SHOWN
     )
-
-
-class CalibrationProgress:
-    """`progress(done, total)` of the one-time verify-width calibration: a bar on stderr."""
-
-    def __init__(self, console: Console):
-        self.console = console
-        self._bar: Progress | None = None
-        self._task = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self._bar is None:
-            self._bar = Progress(
-                TextColumn("calibrating the verify width on this device (once per pair)"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=self.console,
-                transient=True,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("calibrate", total=total)
-        self._bar.update(self._task, completed=done)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None

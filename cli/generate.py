@@ -67,6 +67,7 @@ def command(
         ),
     ] = None,
     json_out: options.Json = False,
+    verbose: options.Verbose = False,
     compare: Annotated[
         bool,
         typer.Option(
@@ -89,6 +90,7 @@ def command(
             no_draft=no_draft,
             chat=chat,
             json_out=json_out,
+            verbose=verbose,
             compare=compare,
             demo=demo,
             schema_file=json_schema,
@@ -124,6 +126,7 @@ def run(
     settings: dict,
     compare: bool = False,
     schema_file: Path | None = None,
+    verbose: bool = False,
 ) -> int:
     """Generate; the exit code (1: --compare found plain decoding's tokens differ)."""
     import dflash_mlx
@@ -131,35 +134,43 @@ def run(
     if demo:
         if model is not None or draft is not None:
             raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
+        if compare and no_draft:
+            raise BadArgument(
+                "--compare measures DFlash against plain decoding: not with --no-draft"
+            )
         from dflash_mlx.demo import NOTICE, demo_pair
 
         target_dir, draft_dir = demo_pair()
         ui.note(f"demo: {NOTICE}")
         model, draft = str(target_dir), None if no_draft else str(draft_dir)
         chat = False if chat is None else chat
-    if model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
+    from .pairs import choose_draft, default_target
+
+    model = default_target(model, draft)
+    choice = choose_draft(model, draft, no_draft)  # names only: nothing loads yet
+    if compare and choice.draft is None:
+        raise BadArgument(
+            "--compare measures DFlash against plain decoding: it needs a draft "
+            "(--draft DRAFT, or a target whose draft is known)"
+        )
     opts = dflash_mlx.GenerateOptions(**settings)
-    pair, tokenizer = load(model, draft, no_draft)
-    pair.plan(opts)  # a width the draft cannot hold fails before anything runs
+    pair, tokenizer = load(model, choice)
+    if opts.verify_width is not None:
+        pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now
         try:
             dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
         except BadArgument as e:
             raise BadArgument(f"--json-schema {schema_file}: {e}") from None
-    if compare and pair.draft is None:
-        raise BadArgument(
-            "--compare measures DFlash against plain decoding: it needs a draft "
-            "(--draft DRAFT, or a target whose draft is known)"
-        )
     request = prompt_form(tokenizer, prompt, chat)
+    ui.calibrate(pair, opts.verify_width)  # once per pair and device: said, with a bar
+    marks: list[tuple[int, float]] = []  # (tokens so far, time): --compare's clock
     if json_out:
-        result = dflash_mlx.generate(pair, tokenizer, request, opts)
-        plain = (
-            compared(pair, tokenizer, request, opts, result.tokens, result.stats.generation_tps)
-            if compare
-            else None
-        )
+        from dflash_mlx.engine.generate import collect
+
+        responses = dflash_mlx.stream_generate(pair, tokenizer, request, opts)
+        result = collect(collecting(responses, [], marks))
+        plain = compared(pair, tokenizer, request, opts, result, marks) if compare else None
         ui.result_json(result, plain=plain)
         return EXIT_DIFFERENT if plain and plain["same_tokens"] is False else 0
     progress = ui.PromptProgress()
@@ -168,13 +179,13 @@ def run(
         responses = dflash_mlx.stream_generate(
             pair, tokenizer, request, opts, prompt_progress=progress
         )
-        last = ui.stream(collecting(responses, tokens))
+        last = ui.stream(collecting(responses, tokens, marks))
     finally:
         progress.close()
-    ui.stats(last)
+    ui.stats(last, verbose=verbose)
     if not compare:
         return 0
-    plain = compared(pair, tokenizer, request, opts, tokens, last.stats.generation_tps)
+    plain = compared(pair, tokenizer, request, opts, (tokens, last.stats), marks)
     ui.comparison(plain, last.stats.generation_tokens)
     return EXIT_DIFFERENT if plain["same_tokens"] is False else 0
 
@@ -182,29 +193,107 @@ def run(
 EXIT_DIFFERENT = 1  # --compare: plain decoding's tokens differ from DFlash's (a bug of ours)
 
 
-def collecting(responses, tokens: list[int]):
-    """`responses`, passed on, their tokens appended to `tokens`; closing it closes them."""
+def collecting(responses, tokens: list[int], marks: list[tuple[int, float]] | None = None):
+    """`responses`, passed on, their tokens appended to `tokens` and (`marks`) the count of
+    tokens so far with the time each response arrived; closing it closes them."""
+    import time
+
     try:
         for r in responses:
             tokens.extend(r.tokens)
+            if marks is not None:
+                marks.append((len(tokens), time.perf_counter()))
             yield r
     finally:
         responses.close()
 
 
-def compared(pair, tokenizer, request, opts, tokens: list[int], dflash_tps: float) -> dict:
+# --compare: the two runs' generation times are paired segment by segment (the same tokens
+# at temperature 0), and a verdict is given only where the paired interval excludes 1.
+SEGMENTS = 8
+ALL_PLAIN = 0.95  # the DFlash run's share of tokens decoded plainly: "both decoded plainly"
+
+
+def segment_times(marks: list[tuple[int, float]], segments: int) -> list[float] | None:
+    """The time taken by each of `segments` equal spans of the tokens after the first
+    (the first token's time is TTFT, not speed), from `(tokens so far, time)` marks, the
+    clock read linearly between two marks; None when too few tokens for that."""
+    if len(marks) < 2:
+        return None
+    n0, t0 = marks[0]
+    total = marks[-1][0] - n0
+    if total < 2 * segments:
+        return None
+
+    def at(n: float) -> float:  # the time the n-th token (counted from the first) landed
+        for (a, ta), (b, tb) in zip(marks, marks[1:]):
+            if a - n0 <= n <= b - n0:
+                return ta + (tb - ta) * (n - (a - n0)) / (b - a) if b > a else tb
+        return marks[-1][1]
+
+    edges = [at(total * k / segments) for k in range(segments + 1)]
+    del t0
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def paired_speedup(
+    dflash: list[tuple[int, float]], plain: list[tuple[int, float]], segments: int = SEGMENTS
+) -> tuple[float, float, float] | None:
+    """DFlash's speed over plain decoding's as the geometric mean of the paired segment
+    ratios (plain time / DFlash time over the same tokens), with its 95% interval
+    (Student t); None without enough tokens or time to measure."""
+    import math
+    import statistics
+
+    from dflash_mlx.bench.results import _t95
+
+    a, b = segment_times(dflash, segments), segment_times(plain, segments)
+    if a is None or b is None:
+        return None
+    logs = [math.log(p / d) for d, p in zip(a, b) if d > 0 and p > 0]
+    if len(logs) < 3:
+        return None
+    mean = statistics.fmean(logs)
+    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def verdict(speedup: float | None, interval, plain_fraction: float) -> str:
+    """`faster` / `slower` only where the paired interval excludes 1; `same speed within
+    noise` otherwise; `both decoded plainly` when the DFlash run did too."""
+    if plain_fraction >= ALL_PLAIN:
+        return "both decoded plainly"
+    if interval is None or speedup is None:
+        return "unmeasured"
+    _, low, high = interval
+    if low > 1:
+        return "faster"
+    if high < 1:
+        return "slower"
+    return "same speed within noise"
+
+
+def compared(pair, tokenizer, request, opts, run, marks: list[tuple[int, float]]) -> dict:
     """Plain decoding of the same request through the same engine (verify width 1, the same
-    settings): its speed, DFlash's speed over it, and (at temperature 0) whether its tokens
-    are DFlash's; `same_tokens` None when sampling (outputs differ by chance)."""
+    settings): its speed, DFlash's speed over it with a 95% interval paired over segments of
+    the reply and its verdict, and (at temperature 0) whether its tokens are DFlash's;
+    `same_tokens` None when sampling (outputs differ by chance). `run`: the DFlash run's
+    `GenerationResult`, or `(tokens, Stats)`; `marks`: its `(tokens so far, time)`."""
     import dflash_mlx
 
     from .ui import PromptProgress
 
+    tokens, stats = (run.tokens, run.stats) if hasattr(run, "tokens") else run
     progress = PromptProgress()
+    plain_marks: list[tuple[int, float]] = []
+    plain_tokens: list[int] = []
     try:
-        plain = dflash_mlx.generate(
+        from dflash_mlx.engine.generate import collect
+
+        responses = dflash_mlx.stream_generate(
             pair, tokenizer, request, opts.replace(verify_width=1), prompt_progress=progress
         )
+        plain = collect(collecting(responses, plain_tokens, plain_marks))
     finally:
         progress.close()
     first = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b), None)
@@ -212,24 +301,26 @@ def compared(pair, tokenizer, request, opts, tokens: list[int], dflash_tps: floa
         first = min(len(tokens), len(plain.tokens))
     sampled = opts.temperature > 0
     plain_tps = plain.stats.generation_tps
+    speedup = stats.generation_tps / plain_tps if plain_tps > 0 else None
+    # Sampled runs make different tokens: their segments are not the same work.
+    interval = None if sampled else paired_speedup(marks, plain_marks)
     return {
         "generation_tps": plain_tps,
         "generation_tokens": plain.stats.generation_tokens,
-        "speedup": dflash_tps / plain_tps if plain_tps > 0 else None,  # DFlash's over plain's
+        "speedup": speedup,  # DFlash's tok/s over plain's
+        "interval": None if interval is None else [interval[1], interval[2]],
+        "verdict": verdict(speedup, interval, stats.plain_fraction),
         "same_tokens": None if sampled else first is None,
         "first_difference": None if sampled else first,
     }
 
 
-def load(model: str, draft: str | None, no_draft: bool):
-    """`(Pair, tokenizer)`: the target and its draft (as given, none with --no-draft, else
-    the registry's published one; none known: plain decoding, with a note), behind
-    spinners, checked against each other."""
+def load(model: str, choice):
+    """`(Pair, tokenizer)`: the target and the draft `choice` names (`pairs.choose_draft`:
+    as given, none with --no-draft, else the registry's published one; none known: plain
+    decoding, with its note), behind spinners, checked against each other."""
     import dflash_mlx
 
-    from .pairs import choose_draft
-
-    choice = choose_draft(model, draft, no_draft)
     if choice.note:
         ui.note(choice.note)
     with ui.loading("target", model):
@@ -285,7 +376,10 @@ def prompt_text(positional: str | None, option: str | None) -> str:
             raise BadArgument(NO_PROMPT)
         text = "-"
     if text == "-":
-        return options.unicode_text("stdin", options.read_stdin())
+        name, text = "stdin", options.read_stdin()
+    if not text.strip():
+        where = "stdin held nothing" if name == "stdin" else f"{name} is empty"
+        raise BadArgument(f"no prompt: {where}; give the text to complete")
     return options.unicode_text(name, text)
 
 

@@ -67,6 +67,14 @@ Demo = Annotated[
 NoDraft = Annotated[
     bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
 ]
+Verbose = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Detailed stats after a reply: acceptance, verify widths, prefill, peak memory.",
+    ),
+]
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON object with text, tokens and stats.")
 ]

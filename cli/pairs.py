@@ -39,12 +39,47 @@ def no_known_draft(model: str) -> str:
     )
 
 
+def default_target(model: str | None, draft: str | None) -> str:
+    """`--model`, or when left out the default target `chat` uses too (with a note saying
+    so); a `--draft` without `--model` is refused: the draft is trained for one target."""
+    if model is not None:
+        return model
+    if draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
+    from dflash_mlx.models.registry import DEFAULT_TARGET
+
+    from . import ui
+
+    ui.note(
+        f"model: {DEFAULT_TARGET}, the default (--model picks another; --demo runs the tiny "
+        "demo pair offline)"
+    )
+    return DEFAULT_TARGET
+
+
+def check_source(flag: str, source: str) -> None:
+    """A `--model` / `--draft` that can be neither a folder nor a Hub id fails now, before
+    any note or download, in the loader's words (`dflash_mlx.models.loading.resolve`)."""
+    from pathlib import Path
+
+    if Path(source).expanduser().exists():
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise BadArgument(
+            f"{flag} {source!r}: no such folder, and not a Hub id of the form 'org/name'"
+        )
+
+
 def choose_draft(model: str, draft: str | None, no_draft: bool) -> DraftChoice:
-    """The draft for `model`: as given, none (--no-draft), or the registry's published one."""
+    """The draft for `model`: as given, none (--no-draft), or the registry's published one.
+    Sources that cannot exist are refused first (`check_source`)."""
     from dflash_mlx.models.registry import find_draft
 
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")
+    check_source("--model", model)
+    if draft is not None:
+        check_source("--draft", draft)
     entry = find_draft(model)
     if no_draft:
         return DraftChoice(None, None, NO_DRAFT)

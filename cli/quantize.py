@@ -38,18 +38,52 @@ def _render_check(result, bits: int) -> None:
         title=f"τ check: {result.prompts} built-in prompts, ≤ {result.max_tokens} tokens, "
         "greedy, full block"
     )
-    for col in ("draft", "τ", "size"):
+    timed = result.slowdown is not None
+    for col in ("draft", "τ", "size") + (("draft pass",) if timed else ()):
         table.add_column(col, justify="right" if col != "draft" else "left")
-    table.add_row("original", f"{result.tau_original:.3f}", f"{result.bytes_original / 1e6:.2f} MB")
+
+    def ms(seconds: float | None) -> tuple[str, ...]:
+        return (f"{seconds * 1e3:.2f} ms",) if timed else ()
+
     table.add_row(
-        f"{bits}-bit", f"{result.tau_quantized:.3f}", f"{result.bytes_quantized / 1e6:.2f} MB"
+        "original",
+        f"{result.tau_original:.3f}",
+        f"{result.bytes_original / 1e6:.2f} MB",
+        *ms(result.draft_seconds_original),
+    )
+    table.add_row(
+        f"{bits}-bit",
+        f"{result.tau_quantized:.3f}",
+        f"{result.bytes_quantized / 1e6:.2f} MB",
+        *ms(result.draft_seconds_quantized),
     )
     table.add_row(
         "change",
         f"{result.tau_change:+.3f}",
         f"-{result.bytes_saved / 1e6:.2f} MB ({result.bytes_saved / result.bytes_original:.0%})",
+        *((f"{result.slowdown:.2f}×",) if timed else ()),
     )
     Console().print(table)
+    note = speed_note(result, bits)
+    if note:
+        ui.note(note)
+
+
+SLOWER = 1.10  # a quantized draft pass this much slower (or more) gets a note
+
+
+def speed_note(result, bits: int) -> str | None:
+    """A note when the quantized draft keeps τ (within 0.05) but its pass is slower on this
+    device: quantized kernels do not pay everywhere (a CPU's, say), and the smaller draft
+    may then decode slower than the original."""
+    x = result.slowdown
+    if x is None or x < SLOWER or result.tau_change < -0.05:
+        return None
+    return (
+        f"note: the {bits}-bit draft keeps τ ({result.tau_change:+.3f}) but its draft pass is "
+        f"{x:.2f}× slower than the original's on this device: it saves memory, not time, "
+        "here; compare both with dflash-mlx bench before choosing"
+    )
 
 
 def _prepare_out(out: Path, force: bool) -> None:

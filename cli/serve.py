@@ -327,10 +327,11 @@ def run(
     `max_batch` None: 8."""
     if demo and (model is not None or draft is not None):
         raise BadArgument("--demo builds its own pair: pass it without --model and --draft")
-    if not demo and model is None:
-        raise BadArgument("--model is required (or --demo for the demonstration pair)")
     if draft is not None and no_draft:
         raise BadArgument("pass either --draft or --no-draft, not both")
+    if not demo and model is None and draft is not None:
+        raise BadArgument("--draft needs --model: the target it was trained for")
+    _check_sources(model, draft)
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if max_batch is None:
@@ -390,8 +391,9 @@ def run(
         model, model_id = str(target_dir), DEMO_ID
         draft = None if no_draft else str(draft_dir)
     else:
-        from .pairs import choose_draft
+        from .pairs import choose_draft, default_target
 
+        model = model_id = default_target(model, draft)
         choice = choose_draft(model, draft, no_draft)
         if choice.note:
             ui.note(choice.note)
@@ -405,6 +407,7 @@ def run(
         with ui.loading("draft", draft):
             drafter = dflash_mlx.load_draft(draft)
     pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
+    ui.calibrate(pair, defaults.verify_width)  # before it listens: said, with a bar
     pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
 
     settings = ServerSettings(
@@ -454,3 +457,13 @@ def run(
         raise typer.Exit(EXIT_TERMINATED)
     if server.stopped_by == signal.SIGINT:
         raise typer.Exit(EXIT_INTERRUPTED)
+
+
+def _check_sources(model: str | None, draft: str | None) -> None:
+    """A --model/--draft that can be neither a folder nor a Hub id fails before anything
+    heavy is imported (`pairs.check_source`)."""
+    from .pairs import check_source
+
+    for flag, source in (("--model", model), ("--draft", draft)):
+        if source is not None:
+            check_source(flag, source)

@@ -6,10 +6,18 @@ Nothing heavy is imported until the command runs.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from dflash_mlx.errors import BadArgument
 
@@ -108,7 +116,8 @@ def run(
     regen = None
     if regenerate:
         regen = _regenerator(model, tokenizer, regen_tokens)
-    with ui.loading("training data", str(data)):
+    what = "training data (the target writes the replies)" if regenerate else "training data"
+    with ui.loading(what, str(data)):
         examples, skipped = read_examples(
             data,
             tokenizer,
@@ -139,33 +148,7 @@ def run(
         f"{len(examples)} sequences; {len(held)} held out for τ",
         style="dim",
     )
-    bar = Progress(
-        TextColumn("train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn(
-            "loss {task.fields[loss]:.3f} · {task.fields[tps]:.0f} tok/s · τ {task.fields[tau]}"
-        ),
-        TimeElapsedColumn(),
-        console=console,
-    )
-    with bar:
-        task = bar.add_task("train", total=st.steps, loss=float("nan"), tps=0.0, tau="–")
-        tau = "–"
-
-        def progress(entry: dict) -> None:
-            nonlocal tau
-            if "tau" in entry:
-                tau = f"{entry['tau']:.2f}"
-                console.print(f"step {entry['step']}: held-out τ {tau}", style="cyan")
-            bar.update(
-                task,
-                completed=entry["step"],
-                loss=entry["loss"],
-                tps=entry["tokens_per_s"],
-                tau=tau,
-            )
-
+    with TrainProgress(console, st.steps, start=_resumed_step(out) if resume else 0) as progress:
         log = train(
             pair,
             tokenizer,
@@ -184,6 +167,108 @@ def run(
         + f" · log {out / 'training_log.json'}",
         style="green",
     )
+
+
+def _resumed_step(out: Path) -> int:
+    try:
+        return int(json.loads((out / "training_state" / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+class TrainProgress:
+    """`progress(entry)` of `dflash_mlx.train.trainer.train`: in a terminal a bar naming the phase
+    (training, held-out τ check, saving a checkpoint) with loss, speed, τ, elapsed time and
+    the time left; on a pipe or in a log, plain lines: each phase change, and about every
+    5% of the steps, each with the time left."""
+
+    LINES = 20
+
+    def __init__(self, console: Console, steps: int, start: int = 0):
+        self.console, self.steps, self.start = console, steps, start
+        self.tau = "–"
+        self.phase = "training"
+        self._tic = time.perf_counter()
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __enter__(self) -> TrainProgress:
+        if self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TextColumn(
+                    "loss {task.fields[loss]:.3f} · {task.fields[tps]:.0f} tok/s · "
+                    "τ {task.fields[tau]}"
+                ),
+                TimeElapsedColumn(),
+                TextColumn("· left"),
+                TimeRemainingColumn(),
+                console=self.console,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task(
+                "training",
+                total=self.steps,
+                completed=self.start,
+                loss=float("nan"),
+                tps=0.0,
+                tau="–",
+            )
+        else:
+            self.console.print(f"train: {self.steps - self.start} steps to go", style="dim")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def left(self, step: int) -> str:
+        """The time left, from the speed of the steps so far (held-out checks included)."""
+        done = step - self.start
+        if done <= 0:
+            return "left: –"
+        seconds = (time.perf_counter() - self._tic) / done * (self.steps - step)
+        return f"left ~{_clock(seconds)}"
+
+    def __call__(self, entry: dict) -> None:
+        phase = entry.get("phase", "training")
+        if "tau" in entry and phase == "training":
+            self.tau = f"{entry['tau']:.2f}"
+            self.console.print(f"step {entry['step']}: held-out τ {self.tau}", style="cyan")
+        step = entry["step"]
+        changed, self.phase = phase != self.phase, phase
+        if self._bar is not None:
+            self._bar.update(
+                self._task,
+                completed=step,
+                description=phase if phase != "training" else "",
+                loss=entry["loss"],
+                tps=entry["tokens_per_s"],
+                tau=self.tau,
+            )
+            return
+        every = max(1, -(-self.steps // self.LINES))
+        if (changed and phase != "training") or step % every == 0 or step == self.steps:
+            elapsed = _clock(time.perf_counter() - self._tic)
+            self.console.print(
+                f"train: {step}/{self.steps} steps · {phase} · loss {entry['loss']:.3f} · "
+                f"{elapsed} · {self.left(step)}",
+                soft_wrap=True,
+                style="dim",
+            )
+
+
+def _clock(seconds: float) -> str:
+    """`42 s`, `3 min 05 s`, `1 h 02 min`."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def _regenerator(model, tokenizer, max_tokens: int):

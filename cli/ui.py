@@ -70,6 +70,79 @@ class PromptProgress:
             self._bar = None
 
 
+CALIBRATING = (
+    "calibrating the verify width for this device: timing the pair's verify and draft "
+    "passes (once per pair, device and BLAS; then cached)"
+)
+
+
+class CalibrationProgress:
+    """`progress(done, total)` of the verify-width calibration: a bar on stderr in a
+    terminal (elapsed time and an estimate of what is left), nothing more on a pipe (the
+    line `calibrate` prints before it says what runs)."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or _err()
+        self._bar: Progress | None = None
+        self._task = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.console.is_terminal:
+            return
+        if self._bar is None:
+            from rich.progress import TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn("calibrating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("passes"),
+                TimeElapsedColumn(),
+                TextColumn("· left"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=True,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("calibrate", total=total)
+        self._bar.update(self._task, completed=done)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def calibrate(pair, verify_width: int | None, console: Console | None = None) -> None:
+    """Measure the pair's cost curves now, when a request with `verify_width` would (an
+    automatic width and none cached for this device): a line saying what runs, a bar, then
+    how long it took. Nothing when they are cached, fixed or without a draft. A cache that
+    cannot be written is a note: requests then use the draft's default width."""
+    import time
+
+    if pair.draft is None or verify_width is not None or not pair.calibration_due:
+        return
+    console = console or _err()
+    console.print(Text(CALIBRATING + "…", style="yellow"))
+    progress = CalibrationProgress(console)
+    tic = time.perf_counter()
+    try:
+        pair.calibrate(progress=progress)
+    except OSError as e:
+        progress.close()
+        console.print(
+            Text(
+                f"note: calibration skipped ({e.strerror or e}): the draft's default width runs",
+                style="yellow",
+            )
+        )
+        return
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - tic
+    console.print(Text(f"calibrated in {seconds:.1f} s; cached for the next runs", style="dim"))
+
+
 def version_report(info: dict[str, str]) -> None:
     """`dflash-mlx --version`: one `name: value` line each, on stdout, ready to paste."""
     width = max(len(k) for k in info)
@@ -110,12 +183,14 @@ def interrupted() -> None:
     _err().print(Text("interrupted", style="yellow"))
 
 
-def stats(r: GenerationResponse) -> None:
-    """The stats after a streamed completion, from the last GenerationResponse: one line,
-    or in a terminal lines fitted to its width (broken between fields, never inside one)."""
-    from dflash_mlx.stats import stats_fields
+def stats(r: GenerationResponse, verbose: bool = False) -> None:
+    """The stats after a streamed completion, from the last GenerationResponse: one short
+    line (tokens, speed, τ, TTFT, how it ended), the details too with `verbose`; in a
+    terminal fitted to its width (broken between fields, never inside one)."""
+    from dflash_mlx.stats import short_fields, stats_fields
 
-    stats_lines(stats_fields(r.stats, r.finish_reason, r.stop))
+    shown = stats_fields if verbose else short_fields
+    stats_lines(shown(r.stats, r.finish_reason, r.stop))
 
 
 def stats_lines(fields: list[str], console: Console | None = None) -> None:
@@ -135,12 +210,20 @@ def comparison(plain: dict, tokens: int) -> None:
     from dflash_mlx.stats import SEPARATOR, count, speed
 
     fields = [f"plain decoding: {speed(plain['generation_tps'])}"]
-    x = plain["speedup"]
+    x, said = plain["speedup"], plain.get("verdict")
     if x is not None:
-        if round(x, 2) == 1:
-            fields.append("DFlash as fast (1.00×)")
-        else:
-            fields.append(f"DFlash {x:.2f}× faster" if x > 1 else f"DFlash {1 / x:.2f}× slower")
+        measured = f"DFlash {x:.2f}×"
+        if plain.get("interval"):
+            low, high = plain["interval"]
+            measured += f", 95% {low:.2f}–{high:.2f}×"
+        if said == "faster":
+            fields.append(f"DFlash {x:.2f}× faster ({measured[len('DFlash ') :]})")
+        elif said == "slower":
+            fields.append(f"DFlash {1 / x:.2f}× slower ({measured[len('DFlash ') :]})")
+        elif said == "both decoded plainly":
+            fields.append(f"both decoded plainly: same speed ({measured})")
+        else:  # within the noise, or unmeasured (too short, sampled)
+            fields.append(f"same speed within noise ({measured})")
     if plain["same_tokens"] is None:
         fields.append("sampled: tokens not compared (they match at --temp 0)")
     elif plain["same_tokens"]:

@@ -293,15 +293,34 @@ def what_ran(s: Stats) -> list[str]:
         out.append(count(s.probes, "probe"))
     if s.batches:  # the largest batch this request's cycles ran in
         out.append(f"batched ≤{max(s.batches)}")
-    if s.draft == "dormant":
+    if s.draft == "dormant" and s.plain_fraction >= 0.5:  # asleep, for most of the tokens
         out.append("draft dormant")
     return out
 
 
+def short_fields(s: Stats, finish_reason: str | None = None, stop: str | None = None) -> list[str]:
+    """The default stats line, in plain words: tokens, speed, τ (tokens per verify pass;
+    `plain decoding` without a draft), time to first token and how it ended, e.g.
+    `256 tokens · 221.3 tok/s · τ 1.52 · TTFT 24 ms · hit max_tokens` (the details:
+    `stats_fields`)."""
+    out = [count(s.generation_tokens, "token")]
+    if s.generation_tokens > s.requests:  # a speed needs tokens after each first one
+        out.append(speed(s.generation_tps))
+    if s.draft is None:
+        out.append("plain decoding")
+    elif s.cycles:
+        out.append(f"τ {s.tau:.2f}")
+    out.append(f"TTFT {s.time_to_first_token * 1e3:.0f} ms")
+    ended = finish_words(finish_reason, stop)
+    if ended:
+        out.append(ended)
+    return out
+
+
 def stats_fields(s: Stats, finish_reason: str | None = None, stop: str | None = None) -> list[str]:
-    """One run's figures (or several pooled) as the short fields every report shows, in
-    order: tokens and speed, the mechanism (tau, acceptance, widths), prefill, time to
-    first token, peak memory and how it ended."""
+    """One run's figures (or several pooled) as the detailed fields (`-v`, chat's `/stats`,
+    the server log), in order: tokens and speed, the mechanism (tau, acceptance, widths),
+    prefill, time to first token, peak memory and how it ended."""
     prefill = f"prefill {count(s.prefilled_tokens, 'token')} @ {speed(s.prompt_tps)}"
     if s.cached_tokens:
         prefill += f" ({s.cached_tokens} reused)"

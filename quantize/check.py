@@ -24,6 +24,15 @@ class DraftComparison:
     bytes_quantized: int
     prompts: int
     max_tokens: int
+    # One full-block draft pass on this device, median seconds (None: not measured).
+    draft_seconds_original: float | None = None
+    draft_seconds_quantized: float | None = None
+
+    @property
+    def slowdown(self) -> float | None:
+        """The quantized draft pass's time over the original's (> 1: slower here)."""
+        a, b = self.draft_seconds_original, self.draft_seconds_quantized
+        return b / a if a and b else None
 
     @property
     def tau_change(self) -> float:
@@ -61,4 +70,38 @@ def compare_drafts(
         bytes_quantized=parameter_bytes(quantized),
         prompts=len(chosen),
         max_tokens=max_tokens,
+        draft_seconds_original=draft_seconds(model, original),
+        draft_seconds_quantized=draft_seconds(model, quantized),
     )
+
+
+def draft_seconds(model: nn.Module, draft: DFlashDraft, repeats: int = 5) -> float:
+    """One full-block draft pass on this device after 64 tokens of context: the median of
+    `repeats` after a warm-up (what a quantized draft may cost in speed where its kernels
+    are slower, e.g. on a CPU)."""
+    import statistics
+    import time
+
+    import mlx.core as mx
+
+    from dflash_mlx.engine.sampling import SamplingParams, propose
+
+    pair = Pair(model, draft)
+    block = pair.draft.config.block_size
+    cache = pair.target.make_cache()
+    prompt = mx.random.randint(0, pair.draft.config.vocab_size, (1, 64), key=mx.random.key(0))
+    _, feats = pair.target.forward(prompt, cache, pair.draft.config.target_layer_ids)
+    state = pair.draft_state()
+    pair.draft.add_context(feats, state)
+    mx.eval(state.arrays)
+    anchor = mx.array([1], dtype=mx.int32)
+
+    def once() -> float:
+        tic = time.perf_counter()
+        tokens, _ = propose(pair.draft, state, anchor, block, block - 1, SamplingParams(), None)
+        mx.eval(tokens)
+        state.commit(None)
+        return time.perf_counter() - tic
+
+    once()
+    return statistics.median(once() for _ in range(repeats))

@@ -198,7 +198,7 @@ def test_cli_bench_prints_tables_and_writes_json(models_dir, prompt_file, tmp_pa
     args = ["--prompts", str(prompt_file), "--max-tokens", "6", "--repeats", "1"]
     result = run("bench", *pair, *args, "--verify-widths", "1,3,auto", "--json", str(out))
     assert result.exit_code == 0, result.output
-    for shown in ["mlx-lm", "W=1", "W=3", "speedup", "τ", "acceptance per block position"]:
+    for shown in ["mlx-lm", "W=1", "W=3", "× mlx-lm", "τ", "acceptance per block position"]:
         assert shown in result.stdout, f"report lacks {shown!r}"
     assert "W=auto against each fixed choice" in result.stdout
     assert "lossless" in result.stdout
@@ -303,7 +303,7 @@ def test_auto_is_compared_with_every_fixed_choice_pairwise():
     "args, message",
     [
         (["--verify-widths", "2,x"], "'x' is not a width"),
-        (["--draft", "d"], "--model is required"),
+        (["--draft", "d"], "--draft needs --model"),
         (["--demo", "--model", "m"], "without --model and --draft"),
         (["--demo", "--suite", "math", "--prompts", "p.jsonl"], "either --prompts or --suite"),
         (["--demo", "--suite", "poetry"], "unknown suite 'poetry'"),

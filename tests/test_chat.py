@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -70,11 +71,17 @@ def test_a_message_gets_a_streamed_reply_and_a_stats_line(session, target, draft
     expected = fresh(target, draft, [{"role": "user", "content": "def add(a, b):"}])
     assert out == expected.text + "\n", "the reply is streamed to the output as it comes"
     stats = err.strip().splitlines()[-1]
-    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
+    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "TTFT"):
         assert part in stats, f"stats line lacks {part!r}: {stats}"
+    assert "prefill" not in stats and "W=" not in stats, "details only with -v or /stats"
+    # The details, as /stats shows them:
+    _, err = drive(session, "/stats", tmp_path=tmp_path)
+    details = err[err.index("last reply") :].splitlines()[1]
+    for part in (f"{MAX_TOKENS} tokens", "tok/s", "τ", "prefill", "TTFT", "peak"):
+        assert part in details, f"detailed stats line lacks {part!r}: {details}"
     # What ran: the drafts' acceptance, trees (chosen per cycle), or (the width chooser
     # decoding plainly) no drafts.
-    assert "accepted" in stats or "trees" in stats or "all plain" in stats, stats
+    assert "accepted" in details or "trees" in details or "all plain" in details, details
     assert session.messages == [
         {"role": "user", "content": "def add(a, b):"},
         {"role": "assistant", "content": expected.text},
@@ -257,6 +264,9 @@ def test_stats_shows_session_totals(session, tmp_path):
     assert "replies    2" in err
     assert f"{2 * MAX_TOKENS} tokens @" in err
     assert "reused" in err and "context" in err and "τ" in err
+    before, _, after = err.partition("last reply")
+    assert "prefill" not in before, "the stats line after a reply is the short one"
+    assert "prefill" in after and "accepted" in after, "/stats shows the details"
 
 
 def test_inputs_span_lines_and_are_remembered_across_sessions(session, tmp_path):
@@ -394,6 +404,47 @@ def test_ctrl_c_before_the_first_token_drops_the_message(session, monkeypatch, t
     assert len(session.messages) == 2
 
 
+def test_ctrl_c_inside_a_verify_pass_keeps_the_conversations_cache(
+    session, target, draft, monkeypatch, tmp_path
+):
+    """A real SIGINT landing inside the engine (mid verify pass), as a user's Ctrl-C does:
+    the reply stops at the next response, the tokens committed so far stay in the cache,
+    and the next turn reuses the whole conversation."""
+    # Python's own Ctrl-C handler, as in a terminal (a runner in the background, or a
+    # worker process, may have SIGINT ignored).
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_mid_pass(session, target, draft, monkeypatch, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _ctrl_c_mid_pass(session, target, draft, monkeypatch, tmp_path):
+    session.set("max_tokens", 40)
+    drive(session, "import os", tmp_path=tmp_path)
+    held = session.context_tokens
+    assert held > 0
+    engine = session.pair.target
+    real, calls = engine.forward, []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:  # the prefill and a few cycles in: Ctrl-C mid-pass
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", forward)
+    out, err = drive(session, "print(1)", tmp_path=tmp_path)
+    monkeypatch.undo()
+    assert session.last.finish_reason == "interrupted" and "interrupted" in err
+    assert session.messages[-1]["role"] == "assistant", "the partial reply is kept"
+    assert session.context_tokens > held, "the cache holds the conversation and the reply"
+    drive(session, "x = 1", tmp_path=tmp_path)
+    assert session.last.stats.cached_tokens > held, "the next turn reuses it all"
+    expected = fresh(target, draft, session.conversation()[:-1], max_tokens=40)
+    assert session.messages[-1]["content"] == expected.text
+
+
 # -- the command ------------------------------------------------------------------------
 
 
@@ -514,6 +565,63 @@ def test_the_real_command_in_a_terminal(tmp_path):
     assert saved["replies"][0]["finish_reason"] == "interrupted"
 
 
+@pytest.mark.slow  # end to end: the trained demo pair in a pseudo-terminal
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_ctrl_c_in_a_terminal_keeps_the_conversation_for_the_next_turn(tmp_path):
+    """A real Ctrl-C stops a streaming reply; /stats then shows the conversation still held,
+    and the next turn reuses it instead of prefilling it all again (issue 41, item 2)."""
+    pexpect = pytest.importorskip("pexpect")
+    env = {
+        **os.environ,
+        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
+        "PROMPT_TOOLKIT_NO_CPR": "1",
+        "TERM": "xterm-256color",
+    }
+    exe = [sys.executable, "-c", "from dflash_mlx.cli.main import app; app()"]
+    args = ["chat", "--demo", "--max-tokens", "100000", "--verify-width", "4"]
+    child = pexpect.spawn(
+        exe[0],
+        [*exe[1:], *args, "--no-prompt-cache-dir"],  # what is reused is this conversation's
+        env=env,
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=60,
+        dimensions=(30, 120),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    gap = r"(?:\s|\x1b\[[0-9;]*m)+"  # spaces and the table's colour codes
+    try:
+        child.expect("›")
+        child.send("class Stack:\r")
+        child.expect("class Stack:")
+        for wait in (1.0, 2.0, 4.0, 8.0):  # let the reply stream first (see above)
+            time.sleep(wait)
+            child.sendintr()
+            if child.expect(["the reply so far is kept", pexpect.TIMEOUT], timeout=10) == 0:
+                break
+        else:
+            raise AssertionError("no Ctrl-C stopped a streaming reply")
+        child.expect("›")
+        child.send("/stats\r")
+        child.expect(rf"context{gap}([1-9][0-9]*) tokens held")
+        held = int(child.match.group(1))
+        child.expect("›")
+        child.send("/set max_tokens 4\r")
+        child.expect("›")
+        child.send("def pop(self):\r")
+        child.expect(r"\d+ tokens · .* · TTFT \d+ ms")
+        child.expect("›")
+        child.send("/stats\r")
+        child.expect(rf"reused{gap}([0-9]+) prompt tokens")
+        reused = int(child.match.group(1))
+        child.expect("›")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert reused >= held // 2, f"the second turn reused {reused} of the {held} tokens held"
+
+
 # -- rendering ------------------------------------------------------------------------
 
 REPLY = ["<thi", "nk>weigh it", " up\n</th", "ink>\n\nUse **this**:\n\n```python\nx = 1\n```\n"]
@@ -553,6 +661,63 @@ def test_a_reply_inside_an_open_think_block_is_thinking_until_it_closes():
         view.feed(chunk)
     view.close()
     assert out.getvalue() == "Answer.\n"
+
+
+CODE_REPLY = (
+    "Here it is:\n\nclass Vec:\n    def __init__(self, other):\n        self.x = other.x\n"
+    "        return None\n\n    def __add__(self, o):\n        return Vec(o)\n\n"
+    "The __init__ method copies snake_case fields.\nOne line each.\n"
+)
+ANSI_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def screen(chunks, *, markdown: bool = True, width: int = 60) -> list[str]:
+    """What a terminal shows of a reply streamed in `chunks`: its lines, without colours
+    and trailing blanks."""
+    out = io.StringIO()
+    view = ReplyView(
+        Console(file=out, width=width, force_terminal=True, color_system="truecolor"),
+        markdown=markdown,
+    )
+    for chunk in chunks:
+        view.feed(chunk)
+    view.close()
+    return [line.rstrip() for line in ANSI_CODES.sub("", out.getvalue()).splitlines()]
+
+
+@pytest.mark.parametrize("step", [1, 7, len(CODE_REPLY)])
+def test_code_in_a_markdown_reply_is_shown_exactly_as_written(step):
+    """Dunders are not bold, lines are not joined, indentation is kept: streamed in pieces
+    of any size, the code's lines appear on screen as written (inside a code panel)."""
+    chunks = [CODE_REPLY[i : i + step] for i in range(0, len(CODE_REPLY), step)]
+    shown = screen(chunks)
+    code = CODE_REPLY.split("\n\n")[1:3]
+    lines = [line for block in code for line in block.splitlines()]
+    found = [next((s for s in shown if s.strip() == line.strip()), None) for line in lines]
+    assert None not in found, (lines, shown)
+    indent = [
+        len(f) - len(f.lstrip()) - (len(line) - len(line.lstrip())) for f, line in zip(found, lines)
+    ]
+    assert len(set(indent)) == 1, f"indentation kept: {found}"
+    assert "The __init__ method copies snake_case fields." in shown, "prose keeps underscores"
+    assert "One line each." in shown, "and its line breaks"
+
+
+def test_plain_mode_shows_the_reply_as_written_in_a_terminal():
+    shown = screen([CODE_REPLY], markdown=False)
+    assert "\n".join(shown) + "\n" == CODE_REPLY
+
+
+def test_set_markdown_off_and_on(session, tmp_path, monkeypatch):
+    _, err = drive(session, "/set markdown off", "/set", "/set markdown maybe", tmp_path=tmp_path)
+    assert "markdown set to off (plain text)" in err and "markdown off" in err
+    assert "error: /set markdown 'maybe': on or off" in err
+
+
+def test_plain_flag_is_offered_and_refuses_nothing(pair_args):
+    result = cli(*pair_args, "--plain", "--max-tokens", str(MAX_TOKENS), input="hi\n")
+    assert result.exit_code == 0, result.output
+    assert "--plain" in cli("-h").stdout
 
 
 # -- the registry -----------------------------------------------------------------------

@@ -95,8 +95,10 @@ def test_streaming_prints_the_text_then_a_stats_line_with_tau(pair, target, draf
     stats = result.stderr.strip().splitlines()[-1]
     assert "τ" in stats
     assert f"{MAX_TOKENS} tokens" in stats
-    assert "tok/s" in stats and "TTFT" in stats and "peak" in stats
+    assert "tok/s" in stats and "TTFT" in stats and "peak" not in stats  # details: -v
     assert "hit max_tokens" in stats
+    verbose = run(*generate_args(pair, "--raw", "-v")).stderr.strip().splitlines()[-1]
+    assert "peak" in verbose and "prefill" in verbose
 
 
 def test_long_prompt_streams_with_prompt_progress(pair, target):

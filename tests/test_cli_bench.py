@@ -89,3 +89,24 @@ def test_efficiency_above_100_percent_is_marked_and_explained(models_dir, prompt
     assert "* eff. above 100%: this run beat what the calibrated pass costs predict" in (
         " ".join(result.stdout.split())
     )
+
+
+def test_the_table_agrees_with_itself_and_names_its_units(models_dir):
+    """× mlx-lm is the row's tok/s over the mlx-lm row's, as shown (not a ratio of other
+    figures); prefill has its unit; the acceptance bars say they are conditional."""
+    code, out, err = bench_command(
+        models_dir, "--suite", "math", "--repeats", "2", "--verify-widths", "1,4,auto"
+    )
+    assert code == 0, err
+    assert "× mlx-lm" in out and "prefill tok/s" in out
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*(mlx-lm|W=\S+(?: \(no draft\))?)\s+([\d.]+)\s+\S+–\S+\s+([\d.]+)×", line)
+        if m:
+            rows.setdefault(m.group(1), (float(m.group(2)), float(m.group(3))))
+    base, one = rows.pop("mlx-lm")
+    assert one == 1.0 and len(rows) == 3, out
+    for run, (tps, ratio) in rows.items():
+        shown = tps / base  # from figures rounded to 0.1 tok/s (or 1): allow for that
+        assert abs(ratio - shown) <= 0.011 + shown * 0.01, (run, tps, base, ratio)
+    assert "given positions 1..k-1 were accepted" in out

@@ -17,10 +17,12 @@ from dflash_mlx.cli.main import app
 from .test_cli_serve import dflash, text
 
 PROMPT = "def add(a, b):"
-LINE = re.compile(
-    r"plain decoding: [\d.]+ tok/s · DFlash ([\d.]+× (faster|slower)|as fast \(1\.00×\))"
-    r" · same 24 tokens"
+VERDICT = (
+    r"(DFlash [\d.]+× (faster|slower) \([\d.]+×, 95% [\d.]+–[\d.]+×\)"
+    r"|(same speed within noise|both decoded plainly: same speed)"
+    r" \(DFlash [\d.]+×(, 95% [\d.]+–[\d.]+×)?\))"
 )
+LINE = re.compile(rf"plain decoding: [\d.]+ tok/s · {VERDICT} · same 24 tokens")
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,9 @@ def test_compare_in_json_and_refusals(pair, models_dir):
     plain = data["plain"]
     assert plain["same_tokens"] is True and plain["generation_tokens"] == 24
     assert plain["speedup"] == pytest.approx(data["generation_tps"] / plain["generation_tps"])
+    assert plain["verdict"] in VERDICTS
+    low, high = plain["interval"]
+    assert low <= high and (plain["verdict"] != "faster" or low > 1)
     alone = ["-m", str(models_dir / "qwen3"), "--no-draft"]
     done = dflash("generate", *alone, "-n", "4", "--compare", PROMPT)
     assert done.returncode == 2 and "--compare measures DFlash against plain" in text(done)[1]
@@ -59,16 +64,79 @@ def test_sampled_runs_are_not_compared_token_by_token(pair):
 def test_a_difference_is_an_error_exit_1(pair, monkeypatch):
     """Plain decoding's tokens made to differ: an error line naming the first differing
     token, exit code 1 (what the check is for)."""
-    real = dflash_mlx.generate
+    import sys
 
-    def plain_differs(*args, **kwargs):
-        result = real(*args, **kwargs)
-        options = [a for a in args if isinstance(a, dflash_mlx.GenerateOptions)]
-        if options and options[0].verify_width == 1:
-            result.tokens[3] += 1
+    module = sys.modules["dflash_mlx.engine.generate"]
+    real = module.collect
+
+    def plain_differs(responses):  # streamed output: only the plain run is collected
+        result = real(responses)
+        result.tokens[3] += 1
         return result
 
-    monkeypatch.setattr(dflash_mlx, "generate", plain_differs)
+    monkeypatch.setattr(module, "collect", plain_differs)
     result = CliRunner().invoke(app, ["generate", *pair, "--raw", "-n", "8", "--compare", PROMPT])
     assert result.exit_code == 1, result.output
     assert "error: plain decoding: " in result.stderr and "differ from token 3" in result.stderr
+
+
+# -- the verdict, from injected clocks (never from this machine's wall time) --------------
+
+VERDICTS = {"faster", "slower", "same speed within noise", "both decoded plainly", "unmeasured"}
+
+
+def clock(per_token: list[float], step: int = 4) -> list[tuple[int, float]]:
+    """`(tokens so far, time)` marks of a run whose token i took `per_token[i]` seconds,
+    one response every `step` tokens (the first token alone, as the engine's first)."""
+    marks, t, n = [(1, 0.0)], 0.0, 1
+    for i in range(1, len(per_token), step):
+        t += sum(per_token[i : i + step])
+        n = min(i + step, len(per_token))
+        marks.append((n, t))
+    return marks
+
+
+def jitter(n: int, seed: int, base: float = 0.01, spread: float = 0.3) -> list[float]:
+    import random
+
+    rng = random.Random(seed)
+    return [base * (1 + spread * (rng.random() - 0.5)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_same_speed_is_never_called_faster_or_slower(seed):
+    from dflash_mlx.cli.generate import paired_speedup, verdict
+
+    a, b = clock(jitter(256, seed)), clock(jitter(256, 1000 + seed))
+    interval = paired_speedup(a, b)
+    assert verdict(interval[0], interval, plain_fraction=0.5) == "same speed within noise"
+
+
+def test_a_real_difference_gets_its_verdict_and_plain_runs_say_so():
+    from dflash_mlx.cli.generate import paired_speedup, verdict
+
+    slow, fast = clock(jitter(256, 1)), clock(jitter(256, 2, base=0.005))
+    up = paired_speedup(fast, slow)
+    assert 1.8 < up[0] < 2.2 and verdict(up[0], up, 0.1) == "faster"
+    down = paired_speedup(slow, fast)
+    assert verdict(down[0], down, 0.1) == "slower"
+    assert verdict(up[0], up, plain_fraction=0.99) == "both decoded plainly"
+    assert paired_speedup(clock(jitter(8, 1)), clock(jitter(8, 2))) is None, "too short"
+    assert verdict(None, None, 0.1) == "unmeasured"
+
+
+def test_the_comparison_line_never_states_a_verdict_the_interval_does_not_hold(capsys):
+    from dflash_mlx.cli import ui
+
+    base = {"generation_tps": 100.0, "same_tokens": True, "first_difference": None}
+    for verdict_, x, interval, said in [
+        ("same speed within noise", 1.18, [0.9, 1.5], "same speed within noise (DFlash 1.18×"),
+        ("both decoded plainly", 1.18, [0.9, 1.5], "both decoded plainly: same speed"),
+        ("faster", 1.5, [1.2, 1.8], "DFlash 1.50× faster (1.50×, 95% 1.20–1.80×)"),
+        ("slower", 0.5, [0.4, 0.6], "DFlash 2.00× slower (0.50×, 95% 0.40–0.60×)"),
+    ]:
+        ui.comparison({**base, "speedup": x, "interval": interval, "verdict": verdict_}, 256)
+        line = capsys.readouterr().err.strip()
+        assert said in line and line.endswith("same 256 tokens"), line
+        if verdict_ not in ("faster", "slower"):
+            assert "faster" not in line and "slower" not in line, line

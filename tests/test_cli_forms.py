@@ -33,8 +33,8 @@ def seen(monkeypatch) -> dict:
 
     seen: dict = {}
 
-    def load(model, draft, no_draft):
-        seen.update(model=model, draft=draft)
+    def load(model, choice):
+        seen.update(model=model, draft=choice.draft)
         return SimpleNamespace(plan=lambda opts: None), None
 
     def prompt_form(tokenizer, prompt, chat):
@@ -43,7 +43,9 @@ def seen(monkeypatch) -> dict:
 
     monkeypatch.setattr(generate_command, "load", load)
     monkeypatch.setattr(generate_command, "prompt_form", prompt_form)
-    monkeypatch.setattr(dflash_mlx, "GenerateOptions", lambda **kw: seen.setdefault("opts", kw))
+    monkeypatch.setattr(
+        dflash_mlx, "GenerateOptions", lambda **kw: SimpleNamespace(**seen.setdefault("opts", kw))
+    )
     return seen
 
 
@@ -52,37 +54,42 @@ def stopped(result) -> None:
 
 
 def test_prompt_positional_or_short_flag_with_short_model_draft_and_max_tokens(seen):
-    stopped(run("generate", "-m", "M", "-d", "D", "-n", "7", "hello there"))
-    assert seen == {"model": "M", "draft": "D", "opts": seen["opts"], "prompt": "hello there"}
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", "-n", "7", "hello there"))
+    assert seen == {
+        "model": "org/M",
+        "draft": "org/D",
+        "opts": seen["opts"],
+        "prompt": "hello there",
+    }
     assert seen["opts"]["max_tokens"] == 7
     seen.clear()
-    stopped(run("generate", "-m", "M", "-d", "D", "-p", "hi"))
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", "-p", "hi"))
     assert seen["prompt"] == "hi"
 
 
 def test_prompt_from_stdin_with_dash_or_when_none_is_given(seen):
-    stopped(run("generate", "-m", "M", "-d", "D", "--prompt", "-", input="from stdin\n"))
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", "--prompt", "-", input="from stdin\n"))
     assert seen["prompt"] == "from stdin\n"
     seen.clear()
-    stopped(run("generate", "-m", "M", "-d", "D", input="piped\n"))
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", input="piped\n"))
     assert seen["prompt"] == "piped\n"
     seen.clear()
-    stopped(run("generate", "-m", "M", "-d", "D", "-", input="dash argument"))
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", "-", input="dash argument"))
     assert seen["prompt"] == "dash argument"
 
 
 def test_stdin_is_utf8_and_bad_bytes_are_a_user_error(seen):
-    stopped(run("generate", "-m", "M", "-d", "D", input="é ∑ 😀".encode()))
+    stopped(run("generate", "-m", "org/M", "-d", "org/D", input="é ∑ 😀".encode()))
     assert seen["prompt"] == "é ∑ 😀"
     seen.clear()
-    result = run("generate", "-m", "M", "-d", "D", "-p", "-", input=b"ok \xff no")
+    result = run("generate", "-m", "org/M", "-d", "org/D", "-p", "-", input=b"ok \xff no")
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: stdin is not valid Unicode") and "0xff" in result.stderr
     assert "prompt" not in seen and "model" not in seen  # refused before anything loads
 
 
 def test_prompt_twice_is_an_error_naming_both(seen):
-    result = run("generate", "-m", "M", "-d", "D", "hi", "--prompt", "there")
+    result = run("generate", "-m", "org/M", "-d", "org/D", "hi", "--prompt", "there")
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith("error: ") and "PROMPT" in result.stderr
     assert "--prompt" in result.stderr and "model" not in seen
@@ -90,7 +97,7 @@ def test_prompt_twice_is_an_error_naming_both(seen):
 
 def test_no_prompt_and_a_terminal_says_how_to_give_one(seen, monkeypatch):
     monkeypatch.setattr(options, "stdin_is_terminal", lambda: True)
-    result = run("generate", "-m", "M", "-d", "D")
+    result = run("generate", "-m", "org/M", "-d", "org/D")
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: no prompt")
@@ -123,9 +130,9 @@ def test_short_model_and_draft(monkeypatch, command):
         return 0
 
     monkeypatch.setattr({"chat": chat, "serve": serve, "bench": bench}[command], "run", fake)
-    result = run(command, "-m", "M", "-d", "D")
+    result = run(command, "-m", "org/M", "-d", "org/D")
     assert result.exit_code == 0, result.output
-    assert seen["model"] == "M" and seen["draft"] == "D"
+    assert seen["model"] == "org/M" and seen["draft"] == "org/D"
 
 
 # End to end: the real entry point, real pipes, the demo pair (in the package: no download).

@@ -37,9 +37,11 @@ def fields(lines: list[str]) -> list[str]:
     return out
 
 
-# What every run with a draft shows, in this order (tau onwards: the mechanism; the widths,
-# plain share and probes that ran depend on the width chooser's choices, run by run).
+# What every run with a draft shows with -v, in this order (tau onwards: the mechanism; the
+# widths, plain share and probes that ran depend on the width chooser's choices, run by run).
 ALWAYS = ["tokens", "tok/s", "τ", "prefill", "TTFT", "peak", "hit max_tokens"]
+# The default line: those fields and no others.
+SHORT = ["tokens", "tok/s", "τ", "TTFT", "hit max_tokens"]
 
 
 def kind(f: str) -> str:
@@ -104,20 +106,32 @@ def pair(models_dir) -> list[str]:
 def test_stats_are_fitted_to_the_terminal_between_fields(pair, columns):
     """In a terminal: lines no wider than it, broken between fields; on a pipe: one line
     with the same fields. Generate and chat say the same things in the same words."""
-    gen = on_a_terminal(["generate", *pair, "-n", "24", PROMPT], columns)
-    chat = on_a_terminal(["chat", *pair, "-n", "24"], columns, stdin=PROMPT)
+    gen = on_a_terminal(["generate", *pair, "-v", "-n", "24", PROMPT], columns)
+    chat = on_a_terminal(["chat", *pair, "-v", "-n", "24"], columns, stdin=PROMPT)
     for lines in (gen, chat):
         shown = stats_lines(lines)
         assert len(shown) > 1 and all(len(line) <= columns for line in shown), shown
         assert shape(fields(shown)) == ALWAYS, shown
-    done = dflash("generate", *pair, "-n", "24", PROMPT)
+    done = dflash("generate", *pair, "-v", "-n", "24", PROMPT)
     piped = text(done)[1].strip().splitlines()[-1]
     assert shape(fields([piped])) == ALWAYS, piped
     assert "hit max_tokens" in piped and "draft active" not in piped
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_the_default_stats_line_is_short_and_fits_100_columns(pair):
+    """By default one line in plain words: tokens, speed, τ, time to first token and how
+    it ended, the same in generate and chat, on a terminal and on a pipe."""
+    gen = on_a_terminal(["generate", *pair, "-n", "24", PROMPT], 100)
+    chat = on_a_terminal(["chat", *pair, "-n", "24"], 100, stdin=PROMPT)
+    piped = text(dflash("generate", *pair, "-n", "24", PROMPT))[1].strip().splitlines()[-1:]
+    for lines in (gen, chat, piped):
+        (line,) = stats_lines(lines)
+        assert len(line) <= 100 and [kind(f) for f in fields([line])] == SHORT, line
+
+
 def test_one_token_is_singular_and_plain_runs_say_so(pair):
-    _, err = text(dflash("generate", *pair, "-n", "1", "--raw", "--verify-width", "1", "def"))
+    _, err = text(dflash("generate", *pair, "-v", "-n", "1", "--raw", "--verify-width", "1", "def"))
     line = err.strip().splitlines()[-1]
     fs = fields([line])
     assert fs[0] == "1 token" and "plain decoding" in fs, line

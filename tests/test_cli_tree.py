@@ -55,14 +55,14 @@ def test_generate_tree_verifies_trees_of_the_width_and_keeps_the_target_tokens(p
     assert tree["ran"]["widths"]["12"]["cycles"] >= trees["12"]["cycles"]  # counted in both
     assert tree["ran"]["tree_note"] is None
     assert tree["tokens"] == plain["tokens"], "a tree of drafts must keep the target's tokens"
-    _, err = generate(pair, "--tree", "--verify-width", "12")
+    _, err = generate(pair, "--tree", "--verify-width", "12", "-v")  # the detailed stats
     assert re.search(r" · trees 12×\d+", stats_line(err)), stats_line(err)
 
 
 def test_no_tree_verifies_chains_only(pair):
     chains, err = generate(pair, "--no-tree", "--verify-width", "12", "--json")
     assert chains["ran"]["trees"] == {} and chains["ran"]["widths"]["12"]["cycles"] > 0
-    _, err = generate(pair, "--no-tree", "--verify-width", "12")
+    _, err = generate(pair, "--no-tree", "--verify-width", "12", "-v")
     assert "trees" not in stats_line(err), stats_line(err)
 
 
@@ -77,7 +77,7 @@ def test_on_a_hybrid_target_tree_says_why_chains_ran(models_dir):
     got, _ = generate(hybrid, "--tree", "--verify-width", "4", "--json")
     assert got["ran"]["trees"] == {}
     assert "recurrent" in (got["ran"]["tree_note"] or ""), got["ran"]
-    _, err = generate(hybrid, "--tree", "--verify-width", "4")
+    _, err = generate(hybrid, "--tree", "--verify-width", "4", "-v")
     assert " · chains only: recurrent layers · " in stats_line(err), stats_line(err)
 
 
@@ -94,7 +94,7 @@ def test_set_tree_on_reaches_the_engine_in_chat(tmp_path, pair):
     child = pexpect.spawn(
         exe()[0],
         # A fixed width: no calibration before the prompt.
-        ["chat", *pair, "--max-tokens", TOKENS, "--verify-width", "12"],
+        ["chat", *pair, "--max-tokens", TOKENS, "--verify-width", "12", "--verbose"],
         env=env,
         encoding="utf-8",
         timeout=TIMEOUT,

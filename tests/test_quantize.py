@@ -158,3 +158,24 @@ def test_target_wrapper_writes_a_folder_dflash_mlx_loads(models_dir, draft, tmp_
     assert generate(Pair(model, draft), tok, ids, max_tokens=12, verify_width=4).tokens == (
         target_greedy(model, ids, 12)
     )
+
+
+@pytest.mark.parametrize(("seconds", "noted"), [((1e-3, 1.5e-3), True), ((1e-3, 0.8e-3), False)])
+def test_check_says_when_a_quantized_draft_keeps_tau_but_runs_slower(
+    models_dir, tmp_path, monkeypatch, seconds, noted
+):
+    """The draft pass timed on this device (injected here: a slower and a faster one):
+    a quantized draft that keeps τ but drafts slower gets a note saying so."""
+    import sys
+
+    check = sys.modules["dflash_mlx.quantize.check"]
+    timings = iter(seconds)
+    monkeypatch.setattr(check, "draft_seconds", lambda model, draft: next(timings))
+    out = tmp_path / "q8"
+    args = ["quantize", "draft", str(models_dir / "draft"), "-o", str(out), "--bits", "8"]
+    args += ["--group-size", "32", "--check", "--target", str(models_dir / "qwen3")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "draft pass" in r.stdout and "1.00 ms" in r.stdout
+    said = " ".join(r.stderr.split())
+    assert ("keeps τ" in said and "1.50× slower" in said) == noted, said

@@ -113,7 +113,8 @@ def test_resume_continues_the_same_loss_curve(target, regen_data, tmp_path):
         pass
 
     def stop_at_6(entry):
-        if entry["step"] == 6:  # the checkpoint of step 6 is written before this call
+        # The step's closing call: the checkpoint of step 6 is written before it.
+        if entry["step"] == 6 and entry["phase"] == "training":
             raise Interrupted
 
     with pytest.raises(Interrupted):
@@ -188,6 +189,14 @@ def test_cli_trains_a_loadable_draft_and_refuses_a_used_folder(models_dir, tmp_p
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "t.jsonl:7: skipped" in r.stderr and "held-out τ" in r.stderr
+    # On a pipe, plain progress lines: each phase named before it runs, with the time left.
+    lines = [line for line in r.stderr.splitlines() if line.startswith("train: ")]
+    assert lines[0] == "train: 4 steps to go"
+    assert any(
+        line.startswith("train: 2/4 steps · held-out τ check · ") and "left ~" in line
+        for line in lines
+    ), lines
+    assert any("saving a checkpoint" in line for line in lines), lines
     assert load_draft(tmp_path / "d").config.block_size == 8
     log = json.loads((tmp_path / "d" / "training_log.json").read_text())
     assert len(log["steps"]) == 4 and log["evals"]

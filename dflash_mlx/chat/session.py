@@ -29,8 +29,10 @@ from .settings import parse_setting
 
 Message = dict[str, str]
 
-# Chat's defaults: longer replies than a plain request's; greedy unless /set temp says.
-CHAT_DEFAULTS = GenerateOptions(max_tokens=2048, temperature=0.0)
+# Chat's defaults: longer replies than a plain request's, though not so long that a small
+# model repeating itself runs for minutes (/set max_tokens raises it); greedy unless
+# /set temp says.
+CHAT_DEFAULTS = GenerateOptions(max_tokens=1024, temperature=0.0)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from ..pair import Pair
 from ..stats import Stats
 from .controls import TokenLogprob, compile_grammar
 from .decode import Cycle, speculative_decode
-from .text import Prompt, StopMatcher, encode_prompt
+from .text import Prompt, StopMatcher, encode_prompt, special_token_ids
 
 __all__ = [
     "GenerationResponse",
@@ -190,6 +190,7 @@ class Reply:
         self.eos = eos
         self.chooser = chooser
         self.detok = tokenizer.detokenizer  # a copy of its own
+        self.special = special_token_ids(tokenizer)  # never a reply's text
         self.matcher = StopMatcher(opts.stop)
         self.tic = self.gen_start = time.perf_counter()
         self.stats = Stats(
@@ -225,6 +226,8 @@ class Reply:
             # Token by token, so that a reply ends at the token completing a stop string:
             # what the same cycle committed after it is neither shown nor counted.
             for i, t in enumerate(text_tokens):
+                if t in self.special:
+                    continue
                 detok.add_token(t)
                 segment, stopped = matcher.feed(detok.last_segment)
                 text += segment
@@ -233,7 +236,8 @@ class Reply:
                     break
         else:
             for t in text_tokens:
-                detok.add_token(t)
+                if t not in self.special:
+                    detok.add_token(t)
         stats.generation_tokens += len(tokens)
         stats.decode_seconds = now - self.gen_start
         if not stopped:

@@ -37,6 +37,30 @@ def check_text(what: str, value: str) -> str:
     return value
 
 
+# Markers a reply's text must keep even where a tokenizer flags them special: the chat and
+# the server find thinking and tool calls by them (mlx-lm's `TokenizerWrapper` names them).
+_MARKERS = ("think_start", "think_end", "tool_call_start", "tool_call_end")
+
+
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens (`<|im_start|>`, `<|endoftext|>`, …): control
+    tokens that are never a reply's text, though a sampled reply may contain them (a draft
+    trained with another eos, a model that runs on past its turn). Thinking and tool-call
+    markers are kept even when flagged special."""
+    ids: set[int] = set()
+    try:
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(int(i) for i, t in added.items() if getattr(t, "special", False))
+        ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
+    except Exception:  # a tokenizer without these tables: nothing to hide
+        return frozenset()
+    keep = {getattr(tokenizer, name, None) for name in _MARKERS} - {None}
+    if keep:
+        vocab = tokenizer.convert_tokens_to_ids(sorted(keep))
+        ids -= {int(i) for i in vocab if i is not None}
+    return frozenset(ids)
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids of a prompt: text (BOS added unless it is there), token ids, an `mx.array`
     of ids, or chat messages (rendered with the tokenizer's chat template)."""

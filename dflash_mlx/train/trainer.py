@@ -335,6 +335,12 @@ def split_held_out(
     return train_set, [examples[i].tokens[: examples[i].start or 16] for i in sorted(held)]
 
 
+# What `train` is doing, as its `progress(entry)` calls say in `entry["phase"]`: each step's
+# entry after the step (TRAINING), and before a held-out τ check or a checkpoint, the same
+# entry with the phase about to run.
+TRAINING, HELD_OUT, SAVING = "training", "held-out τ check", "saving a checkpoint"
+
+
 def held_out_tau(pair: Pair, tokenizer, prompts: list[list[int]], tokens: int) -> float:
     """Mean tokens per verify of greedy decoding with the real engine, full block: the τ
     `dflash-mlx generate` reports, pooled over the prompts (verified tokens / cycles)."""
@@ -392,13 +398,17 @@ def train(
         log.steps.append(entry)
         done = step + 1 == settings.steps
         if held_out and (done or (step + 1) % settings.eval_every == 0):
+            if progress is not None:  # said before it runs: it can take a while
+                progress({**entry, "phase": HELD_OUT})
             tau = held_out_tau(pair, tokenizer, held_out, settings.eval_tokens)
             log.evals.append({"step": step + 1, "tau": tau})
             entry["tau"] = tau
         if done or (step + 1) % settings.save_every == 0:
+            if progress is not None:
+                progress({**entry, "phase": SAVING})
             _save_state(draft, config, optimizer, out, state_dir, step + 1, log)
         if progress is not None:
-            progress(entry)
+            progress({**entry, "phase": TRAINING})
     return log
 
 
