@@ -607,9 +607,8 @@ def test_the_batched_chi_square_catches_rows_sharing_their_draws(table_pair, mon
 
 
 def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, models_dir):
-    """DFlash 2 rows (one draft pass, their own conv rows and selector walks) beside rows a
-    batched draft pass cannot serve (a penalty's per-row history; a grammar), which draft
-    one by one inside the batch: each stays its own."""
+    """DFlash 2 rows, rows under a penalty (its per-row history) and under a grammar share
+    one draft pass, each walking its own block's logits: each stays its own."""
     from dflash_mlx import load_draft
     from dflash_mlx.models.tiny import build_draft, draft_config
 
@@ -623,8 +622,18 @@ def test_rows_under_controls_and_dflash2_drafts_decode_in_the_batch(target, mode
     opts[1] = opts[1].replace(presence_penalty=0.8, frequency_penalty=0.3)
     opts[2] = opts[2].replace(json_schema=True, max_tokens=30)
     solo = [generate(pair, tok, i, o).tokens for i, o in zip(ids, opts)]
-    got = batch_generate(pair, tok, ids, opts)
+    shared = []
+    real = batch_draft.block_rows
+
+    def spy(reqs, anchors, length, rows):
+        shared.append(sum(r.controls is not None for r in reqs))
+        return real(reqs, anchors, length, rows)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(batch_draft, "block_rows", spy)
+        got = batch_generate(pair, tok, ids, opts)
     assert [r.tokens for r in got] == solo
+    assert max(shared) == 2, f"the penalty's and the grammar's rows share the pass: {shared}"
     assert solo[0] == target_greedy(model, ids[0], LENGTHS[0])
     assert solo[1] != target_greedy(model, ids[1], LENGTHS[1]), "the penalty must matter"
     assert solo[2] != target_greedy(model, ids[2], 30), "the grammar must matter"
