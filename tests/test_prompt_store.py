@@ -289,7 +289,7 @@ def test_chat_takes_the_prompt_cache_folder(models_dir, tmp_path):
     from .test_cli_serve import dflash, text
 
     args = ["chat", "-m", str(models_dir / "qwen3"), "-d", str(models_dir / "draft")]
-    args += ["--system", PREFIX * 2, "--max-tokens", "4", "--verify-width", "2"]
+    args += ["--system", PREFIX * 2, "--max-tokens", "4", "--verify-width", "2", "-v"]
     folder = tmp_path / "blocks"
     for prompt in ("def add(a, b):", "def mul(a, b):"):
         done = dflash(*args, "--prompt-cache-dir", str(folder), input=prompt)

@@ -611,7 +611,7 @@ def test_a_prompt_cache_in_use_is_never_handed_out_again():
 
 
 def test_serve_refuses_a_max_batch_below_one():
-    done = dflash("serve", "--model", "m", "--max-batch", "0")
+    done = dflash("serve", "--model", "org/m", "--max-batch", "0")
     out, err = text(done)
     assert done.returncode == 2, err
     assert err.startswith("error: --max-batch 0 must be >= 1"), err

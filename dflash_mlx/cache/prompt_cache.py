@@ -127,17 +127,18 @@ class PromptCache:
 
     def commit(self, lease: int, state: CachedState) -> bool:
         """Keep `state` unless another request took the cache since `lease` was given."""
-        if state.draft is not None:
-            # The draft's context rows as values, not as a graph: a request that ended before
-            # its draft ran again leaves its last rows lazy, over the rows before them, and
-            # each later request of the conversation chained its own onto them (the server's
-            # memory grew ~150 KB per short request, issue 43).
-            import mlx.core as mx
-
-            mx.eval(state.draft.arrays)
         with self._lock:
             if lease != self._lease:
                 return False
+            draft = getattr(state, "draft", None)
+            if draft is not None:
+                # The draft's context rows as values, not as a graph: a request that ended
+                # before its draft ran again leaves its last rows lazy, over the rows before
+                # them, and each later request of the conversation chained its own onto them
+                # (the server's memory grew ~150 KB per short request, issue 43).
+                import mlx.core as mx
+
+                mx.eval(draft.arrays)
             self._state = state
             link = self._link
         if link is not None and self.store is not None:

@@ -6,6 +6,7 @@ back streamed text that could still become a stop string and says which one ende
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ def check_text(what: str, value: str) -> str:
 # Markers a reply's text must keep even where a tokenizer flags them special: the chat and
 # the server find thinking and tool calls by them (mlx-lm's `TokenizerWrapper` names them).
 _MARKERS = ("think_start", "think_end", "tool_call_start", "tool_call_end")
+_CONTROL = re.compile(r"<\|[^|<>]*\|>")
 
 
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
@@ -49,9 +51,17 @@ def special_token_ids(tokenizer: Any) -> frozenset[int]:
     markers are kept even when flagged special."""
     ids: set[int] = set()
     try:
-        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        ids.update(int(i) for i, t in added.items() if getattr(t, "special", False))
         ids.update(int(i) for i in getattr(tokenizer, "all_special_ids", None) or ())
+        # Added tokens flagged special that are not in the special-tokens map count when
+        # they look like control tokens (`<|eot_id|>`, `<|start_header_id|>`): a tokenizer
+        # may also flag whole words or phrases special to keep them one token, and those
+        # are text.
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        ids.update(
+            int(i)
+            for i, t in added.items()
+            if getattr(t, "special", False) and _CONTROL.fullmatch(str(t))
+        )
     except Exception:  # a tokenizer without these tables: nothing to hide
         return frozenset()
     keep = {getattr(tokenizer, name, None) for name in _MARKERS} - {None}
