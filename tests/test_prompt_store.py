@@ -99,17 +99,23 @@ def test_plain_decoding_and_drafts_share_the_target_blocks(target, draft, tmp_pa
     assert cached > 0 and out == greedy(model, tok, b)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
-def test_bad_block_files_are_removed_and_answers_stay_right(
-    target, draft, tmp_path, damage, caplog
-):
+def stored(target, draft, tmp_path):
+    """A store under `tmp_path` holding prompt `a`'s blocks, written to disk: the pair, the
+    tokenizer, prompts `a` and `b`, the store and its block files."""
     model, tok = target
     pair = Pair(model, draft)
     _, a, b = prompts(tok)
     s = store(tmp_path)
     run(pair, tok, a, PromptCache(store=s))
     assert s.flush(timeout=30)
-    files = sorted(tmp_path.rglob("*.block"))
+    return pair, tok, a, b, s, sorted(tmp_path.rglob("*.block"))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
+def test_bad_block_files_are_removed_and_answers_stay_right(
+    target, draft, tmp_path, damage, caplog
+):
+    pair, tok, a, b, s, files = stored(target, draft, tmp_path)
     assert len(files) >= 4
     contents = [f.read_bytes() for f in files]
     for i, f in enumerate(files):
@@ -123,7 +129,7 @@ def test_bad_block_files_are_removed_and_answers_stay_right(
     restarted = store(tmp_path)
     pc = PromptCache(store=restarted)
     out, cached = run(pair, tok, b, pc)
-    assert out == greedy(model, tok, b), f"{damage} files changed the answer"
+    assert out == greedy(pair.model, tok, b), f"{damage} files changed the answer"
     assert cached == 0 and pc.sources == (0, 0)
     assert restarted.stats()["disk_removed_bad"] >= 1
     assert any("removed" in r.getMessage() for r in caplog.records)
@@ -140,13 +146,7 @@ def test_forged_block_files_are_rejected_and_counted(target, draft, tmp_path, fo
     Removed and counted; the answer is a cold one."""
     from dflash_mlx.cache.prompt_store.disk import decode, encode
 
-    model, tok = target
-    pair = Pair(model, draft)
-    _, a, b = prompts(tok)
-    s = store(tmp_path)
-    run(pair, tok, a, PromptCache(store=s))
-    assert s.flush(timeout=30)
-    files = sorted(tmp_path.rglob("*.block"))
+    pair, tok, a, b, s, files = stored(target, draft, tmp_path)
     decoded = [decode(f.read_bytes(), f.stem) for f in files]
     for i, (f, (layers, meta)) in enumerate(zip(files, decoded)):
         if forgery == "re-keyed":  # the next file's whole contents, its key made this one's
@@ -161,7 +161,7 @@ def test_forged_block_files_are_rejected_and_counted(target, draft, tmp_path, fo
     restarted = store(tmp_path)
     pc = PromptCache(store=restarted)
     out, cached = run(pair, tok, b, pc)
-    assert out == greedy(model, tok, b), f"{forgery} blocks changed the answer"
+    assert out == greedy(pair.model, tok, b), f"{forgery} blocks changed the answer"
     assert cached == 0 and pc.sources == (0, 0)
     counts = restarted.stats()
     assert counts["rejected_blocks"] >= 1 and counts["disk_removed_bad"] >= 1, counts
