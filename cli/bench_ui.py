@@ -269,7 +269,9 @@ def _acceptance_chart(result: BenchResult) -> Text | None:
 
 def verdict(low: float, high: float) -> str:
     """What a 95% interval of a speed ratio says: wholly above 1 faster, wholly below
-    slower, else within the noise of the run."""
+    slower, else within the noise of the run. Decided on the interval as it is shown (two
+    decimals), so that a printed `[1.00–1.09]` is never called faster."""
+    low, high = round(low, 2), round(high, 2)
     if low > 1.0:
         return "faster"
     if high < 1.0:

@@ -110,3 +110,13 @@ def test_the_table_agrees_with_itself_and_names_its_units(models_dir):
         shown = tps / base  # from figures rounded to 0.1 tok/s (or 1): allow for that
         assert abs(ratio - shown) <= 0.011 + shown * 0.01, (run, tps, base, ratio)
     assert "given positions 1..k-1 were accepted" in out
+
+
+def test_a_verdict_is_decided_on_the_interval_as_printed():
+    """`[1.00–1.20]` shown is never 'faster' (an unrounded 1.004 once made it so)."""
+    from dflash_mlx.cli.bench_ui import verdict
+
+    assert verdict(1.004, 1.2) == "within the noise"
+    assert verdict(1.006, 1.2) == "faster"
+    assert verdict(0.9, 0.996) == "within the noise"
+    assert verdict(0.9, 0.994) == "slower"

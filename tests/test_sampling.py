@@ -436,7 +436,7 @@ def test_seeded_requests_keep_the_targets_joint_distribution(table_pair):
     """Seeded requests accept drafts equal to the target's Gumbel-max draw at each position
     (issue 43): the first `JOINT` tokens over many seeds still follow the target's law."""
     model, draft = table_pair
-    counts, by_accepted = joint_counts(model, draft, JOINT_PARAMS, 3000, seeded=True)
+    counts, by_accepted = joint_counts(model, draft, JOINT_PARAMS, 2000, seeded=True)
     assert min(by_accepted) > 100, f"every acceptance length must occur: {by_accepted}"
     assert not joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
 
@@ -452,5 +452,5 @@ def test_the_seeded_joint_test_catches_noise_shared_between_positions(table_pair
 
     monkeypatch.setattr(decode, "coupled_accept", one_key)
     model, draft = table_pair
-    counts, _ = joint_counts(model, draft, JOINT_PARAMS, 2000, seeded=True)
+    counts, _ = joint_counts(model, draft, JOINT_PARAMS, 1200, seeded=True)
     assert joint_rejects(counts, exact_joint(model, 1.0, 3, 1.0))

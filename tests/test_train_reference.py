@@ -136,6 +136,7 @@ def held_out_loss(pair, held, gamma=4.0) -> float:
     return ((ce * w).sum() / w.sum()).item()
 
 
+@pytest.mark.slow  # trains the same draft twice on the demo target (~80 s here)
 def test_the_defaults_train_as_well_as_the_reference_loop(demo_target, data, tmp_path):
     """Same steps, same seed, the same data order: the command's held-out loss within 2% of
     the reference loop's (they agree to 1e-5 when the command runs the recipe; with anchors
