@@ -25,10 +25,11 @@ from ..speed.costs import CostCurves
 from . import batch_draft
 from .batch_cache import rewind_rows, row_lengths
 from .bookkeeping import follow_capture
-from .decode import _Step, accept, commit, commit_draft, make_drafts, result
+from .decode import _Step, accept, commit, commit_draft, result
 from .generate import Reply
 from .prefill import Request
 from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
+from .walks import make_drafts
 
 
 @dataclass(eq=False)
@@ -172,7 +173,6 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     seen)`; the others a chain (`shape` None). Rows of one draft block share one draft
     pass: trees and chains, DFlash 1 and 2, free or under penalties and grammars (each
     walks its own block's logits)."""
-    out: list = [None] * len(rows)
     for b, r in enumerate(rows):
         if r.req.draft is not None:
             follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
@@ -190,6 +190,7 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
         if w > 1 and batch_draft.batchable(r.req):
             groups.setdefault(length, []).append(b)
+    blocks: list = [None] * len(rows)  # each row's (hidden, logits) from a shared pass
     for length, members in groups.items():
         if len(members) < 2:
             continue
@@ -200,31 +201,21 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
             [rows[b].req for b in members], anchors, length, most
         )
         for k, b in enumerate(members):
-            r, w = rows[b], widths[b][0]
-            try:
-                if trees[b]:
-                    shape = propose_tree(r.req, r.anchor, w, length, logits[k])
-                    out[b] = (shape[0][1:], None, None, shape)
-                else:
-                    block = (hidden[k], logits[k])
-                    got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)
-                    out[b] = (*got, None)
-            except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
-                r.error = e
-                out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
-                widths[b] = (1, 1)
+            blocks[b] = (hidden[k], logits[k])
+    out: list = []
     for b, (r, (w, length)) in enumerate(zip(rows, widths)):
-        if out[b] is not None:
-            continue
+        block = blocks[b]
         try:
             if trees[b]:
-                shape = propose_tree(r.req, r.anchor, w, length)
-                out[b] = (shape[0][1:], None, None, shape)
+                logits = block[1] if block is not None else None
+                shape = propose_tree(r.req, r.anchor, w, length, logits)
+                out.append((shape[0][1:], None, None, shape))
             else:
-                out[b] = (*make_drafts(r.req, r.anchor, r.generated - 1, w, length), None)
+                got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)
+                out.append((*got, None))
         except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
             r.error = e
-            out[b] = (mx.zeros((0,), dtype=mx.int32), None, None, None)
+            out.append((mx.zeros((0,), dtype=mx.int32), None, None, None))
             widths[b] = (1, 1)
     return out
 

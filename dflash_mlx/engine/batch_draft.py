@@ -7,7 +7,7 @@ takes (`BlockContext`: many blocks, each with its own context and anchor). What 
 for row `b` is what `sampling.propose` gives for that request alone.
 
 Every request of a DFlash 1 or DFlash 2 draft shares the pass (each row's conv rows carried
-per row); what each does with its block's logits is its own (`decode.make_drafts`: its
+per row); what each does with its block's logits is its own (`walks.make_drafts`: its
 selector walk, its penalties' and grammar's walks in `walks.py`). A draft class that
 computes its blocks its own way drafts alone.
 """
@@ -18,8 +18,8 @@ import mlx.core as mx
 
 from ..models.conv import ConvRows
 from ..models.draft import BlockContext, DFlashDraft, narrowest
-from .decode import make_drafts
 from .prefill import Request
+from .walks import make_drafts
 
 
 class RowsContext(BlockContext):
@@ -55,7 +55,7 @@ def propose_rows(
 ) -> list[tuple[mx.array, mx.array | None]]:
     """For each request `b`: its `widths[b] - 1` proposals after `anchors[b]` (at generated
     index `starts[b]`) and, when it samples, their distributions `q`, from one pass of the
-    draft over blocks of `length` rows (`decode.make_drafts` for a batch)."""
+    draft over blocks of `length` rows (`walks.make_drafts` for a batch)."""
     hidden, logits = block_rows(reqs, anchors, length, max(widths) - 1)
     out = []
     for b, req in enumerate(reqs):

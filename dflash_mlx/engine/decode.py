@@ -37,12 +37,11 @@ from .sampling import (
     coupled_accept,
     greedy_accept,
     probabilities,
-    propose,
     rejection_accept,
     sample,
 )
 from .tree import ShapeChooser, read_tree, tree_mode, verify_tree
-from .walks import masks_along, walk, walk_grammar
+from .walks import make_drafts
 
 
 @dataclass
@@ -317,12 +316,6 @@ def plain_step(
     return out, feats, lp
 
 
-def draft_keys(req: Request) -> int:
-    """Whose keys a request's draft proposes with: a seeded request's are the target's own
-    at each position (`coupled_accept`), the others' a purpose of their own."""
-    return PositionKeys.FINAL if req.coupled else PositionKeys.DRAFT
-
-
 NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
 mx.eval(NO_DRAFTS)  # a value shared by every thread's requests: computed once, here
 
@@ -341,43 +334,6 @@ def choose(
         return min(width, budget), draft_block, True
     w, rows = chooser.choose(limit=budget, depth=depth, context=behind)
     return w, rows, chooser.capture
-
-
-def make_drafts(
-    req: Request,
-    anchor: mx.array,
-    a: int,
-    w: int,
-    rows: int,
-    block: tuple[mx.array, mx.array] | None = None,
-) -> tuple[mx.array, mx.array | None, np.ndarray | Callable[[], np.ndarray] | None]:
-    """The draft's `w - 1` proposals after the anchor at generated index `a` (none for
-    W = 1), when sampling the distributions `q` they were drawn from, and under a grammar
-    its masks at each verified row `(W', words)` (a block it ends early has W' < W rows),
-    or for free proposals what computes them while the verify pass runs. `block`: this
-    request's `(hidden, logits)` from a batch's draft pass (`batch_draft.block_rows`; at
-    least `w - 1` rows), else its own pass runs now."""
-    controls = req.controls
-    grammar = controls.grammar if controls is not None else None
-    if w == 1:
-        masks = grammar.mask()[None] if grammar is not None else None
-        return mx.zeros((0,), dtype=mx.int32), None, masks
-    req.feed_draft()
-    keys = None if req.params.greedy else req.keys(draft_keys(req), a + 1, w - 1)
-    selector = "candidate_selector" in req.draft  # DFlash 2: proposals drawn all at once
-    logits = block[1][: w - 1] if block is not None else None
-    if grammar is not None and grammar.mask_drafts and not selector:
-        drafts, q, masks = walk_grammar(req, anchor, rows, w - 1, keys, logits)
-    elif controls is not None and controls.follows_history and not selector:
-        drafts, q, masks = walk(req, anchor, rows, w - 1, keys, logits)
-    else:
-        process = controls.draft if controls is not None else None
-        drafts, q = propose(
-            req.draft, req.state, anchor, rows, w - 1, req.params, keys, process, block
-        )
-        masks = masks_along(req, drafts)
-    req.lazy_rows = 0  # computed with this draft pass
-    return drafts.astype(mx.int32), q, masks
 
 
 def verify(

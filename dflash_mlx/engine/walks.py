@@ -1,10 +1,11 @@
-"""The draft's proposals drawn under a request's controls (`controls.Controls`).
+"""The draft's proposals: `make_drafts` (the cycle's draft step, for a request alone and a
+batch's row), and the walks it takes under a request's controls (`controls.Controls`).
 
 `walk`: row by row on the device, each row processed with the proposals before it
 (penalties see the block's own drafts). `walk_grammar`: within a grammar, row by row on the
 host from one read of the draft's block, the matcher advanced and rolled back.
 `masks_along`: a grammar's masks along free proposals, computed while the verify pass runs.
-Each returns what `decode.make_drafts` returns: the proposals, their `q` when sampling, and
+Each returns what `make_drafts` returns: the proposals, their `q` when sampling, and
 the masks of every verified row.
 """
 
@@ -16,11 +17,54 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .sampling import probabilities, sample
+from .sampling import PositionKeys, probabilities, propose, sample
 
 if TYPE_CHECKING:
     from .controls import Grammar
     from .prefill import Request
+
+
+def make_drafts(
+    req: Request,
+    anchor: mx.array,
+    a: int,
+    w: int,
+    rows: int,
+    block: tuple[mx.array, mx.array] | None = None,
+) -> tuple[mx.array, mx.array | None, np.ndarray | Callable[[], np.ndarray] | None]:
+    """The draft's `w - 1` proposals after the anchor at generated index `a` (none for
+    W = 1), when sampling the distributions `q` they were drawn from, and under a grammar
+    its masks at each verified row `(W', words)` (a block it ends early has W' < W rows),
+    or for free proposals what computes them while the verify pass runs. `block`: this
+    request's `(hidden, logits)` from a batch's draft pass (`batch_draft.block_rows`; at
+    least `w - 1` rows), else its own pass runs now."""
+    controls = req.controls
+    grammar = controls.grammar if controls is not None else None
+    if w == 1:
+        masks = grammar.mask()[None] if grammar is not None else None
+        return mx.zeros((0,), dtype=mx.int32), None, masks
+    req.feed_draft()
+    keys = None if req.params.greedy else req.keys(draft_keys(req), a + 1, w - 1)
+    selector = "candidate_selector" in req.draft  # DFlash 2: proposals drawn all at once
+    logits = block[1][: w - 1] if block is not None else None
+    if grammar is not None and grammar.mask_drafts and not selector:
+        drafts, q, masks = walk_grammar(req, anchor, rows, w - 1, keys, logits)
+    elif controls is not None and controls.follows_history and not selector:
+        drafts, q, masks = walk(req, anchor, rows, w - 1, keys, logits)
+    else:
+        process = controls.draft if controls is not None else None
+        drafts, q = propose(
+            req.draft, req.state, anchor, rows, w - 1, req.params, keys, process, block
+        )
+        masks = masks_along(req, drafts)
+    req.lazy_rows = 0  # computed with this draft pass
+    return drafts.astype(mx.int32), q, masks
+
+
+def draft_keys(req: Request) -> int:
+    """Whose keys a request's draft proposes with: a seeded request's are the target's own
+    at each position (`coupled_accept`), the others' a purpose of their own."""
+    return PositionKeys.FINAL if req.coupled else PositionKeys.DRAFT
 
 
 def walk(
