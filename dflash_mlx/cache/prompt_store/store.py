@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from ...errors import BadArgument
+from . import checks
 from . import keys as keys_mod
 from .disk import DiskTier, encode
 
@@ -232,8 +233,8 @@ class PromptStore:
         layers, meta = got
         problem = self._problem(layers, meta, target, fresh, parent, tokens, lo)
         if problem is None:
-            mx.eval([a for c in layers for a in _arrays(c)])
-            if not all(mx.isfinite(a).all().item() for c in layers for a in _arrays(c)):
+            mx.eval([a for c in layers for a in checks.arrays(c)])
+            if not all(mx.isfinite(a).all().item() for c in layers for a in checks.arrays(c)):
                 problem = "it holds values that are not finite"
         if problem is not None:
             self.disk.remove_bad(self.disk.path(key), problem)
@@ -245,69 +246,21 @@ class PromptStore:
         return Block(key, layers, meta.get("snapshot") == "1")
 
     def _problem(self, layers, meta, target, fresh, parent, tokens, lo) -> str | None:
-        """Why a block read from disk cannot serve this request, or None."""
-        if meta.get("model") != keys_mod.fingerprint(target.model):
-            return "it was computed by another model"
-        if meta.get("parent") != parent or meta.get("start") != str(lo):
-            return "it extends another prefix (its previous block or position differ)"
-        if meta.get("tokens") != _tokens_text(tokens):
-            return "it holds other tokens than its key's"
-        if len(layers) != len(fresh) or any(
-            isinstance(c, KVCache) != isinstance(f, KVCache) for c, f in zip(layers, fresh)
-        ):
-            return "its layers do not match the target's"
+        """Why a block read from disk cannot serve this request, or None (`checks`)."""
+        claims = dict(model=keys_mod.fingerprint(target.model), parent=parent, start=lo)
         expected = self._layout(target, fresh)
-        snapshot = meta.get("snapshot") == "1"
-        for i, (c, want) in enumerate(zip(layers, expected)):
-            if isinstance(c, KVCache):
-                (kshape, kdtype), (vshape, vdtype) = want
-                rows = (kshape[0], kshape[1], self.block, kshape[3])
-                got_rows = (vshape[0], vshape[1], self.block, vshape[3])
-                if c.offset != self.block or c.keys is None or c.values is None:
-                    return f"layer {i} holds {c.offset} positions, not {self.block}"
-                if (tuple(c.keys.shape), c.keys.dtype) != (rows, kdtype) or (
-                    tuple(c.values.shape),
-                    c.values.dtype,
-                ) != (got_rows, vdtype):
-                    return (
-                        f"layer {i}'s keys/values are {tuple(c.keys.shape)} {c.keys.dtype} / "
-                        f"{tuple(c.values.shape)} {c.values.dtype}, not {rows} {kdtype} / "
-                        f"{got_rows} {vdtype}"
-                    )
-            else:
-                if len(c.cache) != len(want):
-                    return f"layer {i} holds {len(c.cache)} states, not {len(want)}"
-                for a, shape_dtype in zip(c.cache, want):
-                    if a is None:
-                        if snapshot:
-                            return f"layer {i} lacks the recurrent state its block claims"
-                    elif shape_dtype is None or (tuple(a.shape), a.dtype) != shape_dtype:
-                        return f"layer {i}'s state is {tuple(a.shape)} {a.dtype}, not {shape_dtype}"
-        return None
+        return checks.block_problem(layers, meta, claims, tokens, fresh, expected, self.block)
 
     def _layout(self, target: TargetAdapter, fresh: list[Any]) -> list[Any]:
-        """Each layer's arrays as this target's cache holds them after one token: a KV
-        layer's (shape, dtype) of keys and of values, a recurrent layer's (shape, dtype) of
-        each state (None where it holds none). Once per model (one token's forward)."""
+        """`checks.cache_layout` of this target's cache, once per model."""
         ident = (id(target.model), tuple(type(c).__name__ for c in fresh))
         with self._lock:
             known = self._layouts.get(ident)
-        if known is not None:
-            return known
-        scratch = target.make_cache()
-        target.model(mx.array([[0]]), cache=scratch)
-        mx.eval([a for c in scratch for a in _arrays(c)])
-        layout: list[Any] = []
-        for c in scratch:
-            if isinstance(c, KVCache):
-                layout.append(
-                    ((tuple(c.keys.shape), c.keys.dtype), (tuple(c.values.shape), c.values.dtype))
-                )
-            else:
-                layout.append([None if a is None else (tuple(a.shape), a.dtype) for a in c.cache])
-        with self._lock:
-            self._layouts[ident] = layout
-        return layout
+        if known is None:
+            known = checks.cache_layout(target)
+            with self._lock:
+                self._layouts[ident] = known
+        return known
 
     def _restore(
         self, link: Link, target: TargetAdapter, prompt: list[int], cache: list, bound: int
@@ -396,7 +349,7 @@ class PromptStore:
                     "model": keys_mod.fingerprint(target.model),
                     "parent": keys[i - 1] if i else self.root(target, cache).hex(),
                     "start": str(i * self.block),
-                    "tokens": _tokens_text(prompt[i * self.block : end]),
+                    "tokens": checks.tokens_text(prompt[i * self.block : end]),
                 }
                 fresh.append(b)
                 self._put(b)
@@ -405,7 +358,7 @@ class PromptStore:
         self._promote(keys)
         self._evict()
         if fresh:
-            mx.eval([a for b in fresh for c in b.layers for a in _arrays(c)])
+            mx.eval([a for b in fresh for c in b.layers for a in checks.arrays(c)])
             with self._lock:
                 self.counts["kept_blocks"] += len(fresh)
         if self.disk is not None and writes:
@@ -478,12 +431,3 @@ class PromptStore:
             with self.disk._lock:
                 out.update({f"disk_{k}": v for k, v in self.disk.counts.items()})
         return out
-
-
-def _tokens_text(tokens: list[int]) -> str:
-    return ",".join(str(int(t)) for t in tokens)
-
-
-def _arrays(c: Any) -> list[mx.array]:
-    arrays = (c.keys, c.values) if isinstance(c, KVCache) else c.cache
-    return [a for a in arrays if a is not None]
