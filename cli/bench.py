@@ -269,9 +269,9 @@ def run(
         raise BadArgument("--draft needs --model: the target it was trained for")
     if json_out is not None:
         writable_file(json_out, "--json")  # not after the whole bench ran
-    from .serve import _check_sources
+    from .pairs import check_sources
 
-    _check_sources(model, draft)  # before anything heavy is imported
+    check_sources(model, draft)  # before anything heavy is imported
 
     import dflash_mlx
     from dflash_mlx.bench.benchmark import run_benchmark

@@ -10,7 +10,12 @@ from typing import Annotated
 
 import typer
 
+from dflash_mlx.errors import BadArgument
+
 from .errors import user_errors
+
+DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
+DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
 
 app = typer.Typer(
     help="Show or clear the prompt cache on disk (prompt prefixes the server keeps).",
@@ -82,3 +87,26 @@ def clear(
             )
         n, size = clear_folder(path)
         typer.echo(f"{path}: removed {n} blocks, {size / 1e6:.1f} MB")
+
+
+def prompt_cache_folder(folder: Path | None, off: bool) -> Path | None:
+    """--prompt-cache-dir, its default, or None with --no-prompt-cache-dir."""
+    if folder is not None and off:
+        raise BadArgument("pass either --prompt-cache-dir or --no-prompt-cache-dir, not both")
+    return None if off else folder or DEFAULT_DIR
+
+
+def prompt_store(folder: Path | None, disk_gb: float, memory_gb: float):
+    """`(PromptStore, note)`: the server's store, on disk under `folder` (`DEFAULT_DIR`: the
+    cache folder's prompt-cache; None: memory only), and the line saying where (shown once
+    the server listens, so that a refusal before is one `error:` line alone)."""
+    from dflash_mlx.cache.prompt_store import GB, PromptStore
+    from dflash_mlx.paths import cache_dir
+
+    if folder == DEFAULT_DIR:
+        folder = cache_dir() / "prompt-cache"
+    store = PromptStore(folder, disk_bytes=int(disk_gb * GB), memory_bytes=int(memory_gb * GB))
+    note = None
+    if folder is not None:
+        note = f"prompt cache: {folder} (up to {disk_gb:g} GB; --no-prompt-cache-dir: none)"
+    return store, note

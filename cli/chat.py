@@ -20,7 +20,7 @@ from rich.console import Console
 
 from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_USER, BadArgument, UserError
 
-from . import options, serve, ui
+from . import cache, options, serve, ui
 from .errors import internal
 
 if TYPE_CHECKING:  # rich's Markdown, prompt_toolkit and mlx load only when chatting
@@ -132,7 +132,7 @@ def command(
             hide_thinking=hide_thinking,
             plain=plain,
             draft_window=draft_window,
-            prompt_cache_dir=serve.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
+            prompt_cache_dir=cache.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
         )
     except UserError as e:  # LoadError included
         ui.error(str(e))
@@ -216,7 +216,7 @@ def run(
         options.unicode_text("stdin", message)
     store = None
     if prompt_cache_dir is not None:  # the same store serve keeps, with serve's budgets
-        store, _ = serve.prompt_store(prompt_cache_dir, serve.DISK_GB, serve.MEMORY_GB)
+        store, _ = cache.prompt_store(prompt_cache_dir, cache.DISK_GB, cache.MEMORY_GB)
     session = load_session(pair, view, system=system, settings=settings, store=store)
     if piped:
         return chat_repl.answer_once(session, view, message, json_out=json_out)

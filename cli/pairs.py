@@ -95,3 +95,11 @@ def choose_draft(model: str, draft: str | None, no_draft: bool) -> DraftChoice:
         f"draft: {entry.draft}, published for {entry.target} (--draft picks another, "
         "--no-draft none)",
     )
+
+
+def check_sources(model: str | None, draft: str | None) -> None:
+    """A --model/--draft that can be neither a folder nor a Hub id fails before anything
+    heavy is imported (`check_source`)."""
+    for flag, source in (("--model", model), ("--draft", draft)):
+        if source is not None:
+            check_source(flag, source)

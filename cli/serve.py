@@ -22,14 +22,14 @@ from dflash_mlx.errors import (
 )
 
 from . import options, serve_ui, ui
+from .cache import DISK_GB, MEMORY_GB, prompt_cache_folder, prompt_store
 from .errors import internal
+from .pairs import check_sources
 
 DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
 DEFAULT_MAX_BATCH = 8  # requests decoded together
 DEFAULT_MAX_BATCH_TOKENS = 32768  # positions (prompt + max tokens) the running ones hold
-DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
-DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
 # The prompt store's folder flags, serve's and chat's.
 PromptCacheDir = Annotated[
     Path | None,
@@ -230,29 +230,6 @@ def max_tokens_option(max_tokens: int | None, old: int | None) -> int | None:
     return old
 
 
-def prompt_cache_folder(folder: Path | None, off: bool) -> Path | None:
-    """--prompt-cache-dir, its default, or None with --no-prompt-cache-dir."""
-    if folder is not None and off:
-        raise BadArgument("pass either --prompt-cache-dir or --no-prompt-cache-dir, not both")
-    return None if off else folder or DEFAULT_DIR
-
-
-def prompt_store(folder: Path | None, disk_gb: float, memory_gb: float):
-    """`(PromptStore, note)`: the server's store, on disk under `folder` (`DEFAULT_DIR`: the
-    cache folder's prompt-cache; None: memory only), and the line saying where (shown once
-    the server listens, so that a refusal before is one `error:` line alone)."""
-    from dflash_mlx.cache.prompt_store import GB, PromptStore
-    from dflash_mlx.paths import cache_dir
-
-    if folder == DEFAULT_DIR:
-        folder = cache_dir() / "prompt-cache"
-    store = PromptStore(folder, disk_bytes=int(disk_gb * GB), memory_bytes=int(memory_gb * GB))
-    note = None
-    if folder is not None:
-        note = f"prompt cache: {folder} (up to {disk_gb:g} GB; --no-prompt-cache-dir: none)"
-    return store, note
-
-
 def is_loopback(host: str) -> bool:
     """The server's own rule (a host name other than localhost may resolve to anything)."""
     from dflash_mlx.server.security import is_loopback_host
@@ -331,7 +308,7 @@ def run(
         raise BadArgument("pass either --draft or --no-draft, not both")
     if not demo and model is None and draft is not None:
         raise BadArgument("--draft needs --model: the target it was trained for")
-    _check_sources(model, draft)
+    check_sources(model, draft)
     if max_queue < 0:
         raise BadArgument(f"--max-queue {max_queue} must be >= 0")
     if max_batch is None:
@@ -457,13 +434,3 @@ def run(
         raise typer.Exit(EXIT_TERMINATED)
     if server.stopped_by == signal.SIGINT:
         raise typer.Exit(EXIT_INTERRUPTED)
-
-
-def _check_sources(model: str | None, draft: str | None) -> None:
-    """A --model/--draft that can be neither a folder nor a Hub id fails before anything
-    heavy is imported (`pairs.check_source`)."""
-    from .pairs import check_source
-
-    for flag, source in (("--model", model), ("--draft", draft)):
-        if source is not None:
-            check_source(flag, source)
