@@ -189,7 +189,7 @@ def run_tokens(pair, tok, ids, pc, **kw):
 
 def injections(pair, tok):
     """Stage -> (patch installer, extra stream_generate arguments)."""
-    import dflash_mlx.engine.decode as decode
+    import dflash_mlx.engine.walks as walks
     from dflash_mlx.engine.text import StopMatcher
 
     adapter = pair.target
@@ -206,7 +206,7 @@ def injections(pair, tok):
             lambda m: m.setitem(vars(adapter), "forward", fails_on(2, adapter.forward, chunks)),
             {"prefill_step": 8},
         ),
-        "draft": (lambda m: m.setattr(decode, "propose", fails_on(2, decode.propose)), {}),
+        "draft": (lambda m: m.setattr(walks, "propose", fails_on(2, walks.propose)), {}),
         "verify": (
             lambda m: m.setitem(vars(adapter), "forward", fails_on(2, adapter.forward, verifies)),
             {},
