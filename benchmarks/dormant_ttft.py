@@ -66,7 +66,7 @@ def run(args) -> None:
 
     from dflash_mlx import GenerateOptions, load_pair
     from dflash_mlx.demo import SHIPPED, demo_pair
-    from dflash_mlx.engine.decode import speculative_decode
+    from dflash_mlx.engine.batch import speculative_decode
     from dflash_mlx.speed.adaptive import WidthChooser
 
     target_dir, draft_dir = demo_pair()

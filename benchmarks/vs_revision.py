@@ -1,7 +1,9 @@
 """Decode speed of this checkout against an earlier git revision, on the demo pair.
 
 For refactors of the engine: both trees run the same held-out prompts at a fixed verify
-width of 16, plainly (W = 1) and with the automatic width, each in its own process,
+width of 16, plainly (W = 1), with the automatic width, as trees of 12 nodes (`tree12`), and
+4 requests at once (`batch4`, `batch_generate`, automatic width: total tok/s over the wall
+time), each in its own process,
 alternating tree by tree for `--repeats` rounds; it prints each tree's mean tok/s and the
 geometric mean of the paired ratios (this / the revision). The revision is checked out into
 a temporary git worktree (removed afterwards). Use a fresh `DFLASH_MLX_CACHE` per regime;
@@ -22,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-WIDTHS = ("16", "1", "auto")
+WIDTHS = ("16", "1", "auto", "tree12", "batch4")
 
 # One tree's run: it imports dflash_mlx from the tree given in argv[1] (old API or new).
 CHILD = r"""
@@ -49,6 +51,23 @@ for name in ("16", "1", "auto"):
             r = dflash_mlx.generate(model, draft, tok, ids, max_tokens=96, block_size=w)
             speeds.append(r.generation_tps)
     out[name] = sum(speeds) / len(speeds)
+speeds = []
+for p in prompts:
+    ids = tok.encode(p)[:200]
+    r = dflash_mlx.generate(pair, tok, ids, max_tokens=96, verify_width=12, tree=True)
+    speeds.append(r.stats.generation_tps)
+out["tree12"] = sum(speeds) / len(speeds)
+import time
+groups = [prompts[i : i + 4] for i in range(0, len(prompts) - 3, 4)] or [prompts[:4]]
+tokens = seconds = 0.0
+for g in groups:
+    ids = [tok.encode(p)[:200] for p in g]
+    opts = dflash_mlx.GenerateOptions(max_tokens=96)
+    tic = time.perf_counter()
+    rs = dflash_mlx.batch_generate(pair, tok, ids, opts, max_batch=4)
+    seconds += time.perf_counter() - tic
+    tokens += sum(len(r.tokens) for r in rs)
+out["batch4"] = tokens / seconds
 print(json.dumps(out))
 """
 
@@ -72,7 +91,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revision", help="the git revision to compare with, e.g. cc8c055")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--openblas", action="store_true", help=f"preload {OPENBLAS}")
     args = parser.parse_args()
     here = Path(__file__).resolve().parents[1]

@@ -513,7 +513,7 @@ def test_probes_keep_within_a_budget_per_request():
 def decode_with(model, d, ids, n, chooser):
     """`model`: a target model, or a Pair (then `d` is its draft)."""
     from dflash_mlx import GenerateOptions
-    from dflash_mlx.engine.decode import speculative_decode
+    from dflash_mlx.engine.batch import speculative_decode
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     cycles = speculative_decode(
@@ -537,7 +537,7 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     reads them); one that expects to speculate: prefill projects the whole prompt."""
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx.engine import decode
+    from dflash_mlx.engine import batch
     from dflash_mlx.engine.prefill import SPLIT_BEFORE_WINDOW
 
     model, tok = target
@@ -559,9 +559,9 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
         "add_context",
         lambda self, f, s: events.append(("rows", f.shape[1])) or real(self, f, s),
     )
-    first = decode.first_token
+    first = batch.first_token  # where the engine takes it
     monkeypatch.setattr(
-        decode, "first_token", lambda req, lg: events.append(("prefilled", 0)) or first(req, lg)
+        batch, "first_token", lambda req, lg: events.append(("prefilled", 0)) or first(req, lg)
     )
     pair = Pair(model, draft)
     forward = pair.target.forward

@@ -806,11 +806,11 @@ def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case,
         pytest.skip("a recurrent target's plain cycles are not chained or planned ahead")
     real, calls = batch_mod.plan, [0]
 
-    def every_other_plain(rows, chooser):
+    def every_other_plain(rows, chooser, ahead=0):
         calls[0] += 1
         if calls[0] % 2:  # a plain cycle: the next one is planned before it commits
             return [(1, 1) for _ in rows], [False] * len(rows)
-        return real(rows, chooser)
+        return real(rows, chooser)  # planned as if its last token were committed
 
     monkeypatch.setattr(batch_mod, "plan", every_other_plain)
     for extra in range(3):  # where each row's last cycles fall moves with its length

@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
+import dflash_mlx.engine.batch as batch
+import dflash_mlx.engine.batch_cycle as batch_cycle
 import dflash_mlx.engine.controls as controls
 import dflash_mlx.engine.decode as decode
 from dflash_mlx import BadArgument, GenerateOptions, Pair, check_grammar, generate, load
@@ -227,7 +229,7 @@ def processed_joint_counts(model, draft, draws: int) -> tuple[dict, list[int]]:
     by_accepted = [0, 0, 0, 0]
     for seed in range(draws):
         tokens, first = [], None
-        for c in decode.speculative_decode(pair, PROMPT, o, seed=seed, width=4, draft_block=4):
+        for c in batch.speculative_decode(pair, PROMPT, o, seed=seed, width=4, draft_block=4):
             tokens += c.tokens
             if c.width and first is None:
                 first = c
@@ -340,7 +342,7 @@ def test_constrained_greedy_is_the_targets_constrained_greedy(
     want, lps = reference(model, tok, ids, o, 120)
     compile_grammar = controls.compile_grammar
     monkeypatch.setattr(
-        importlib.import_module("dflash_mlx.engine.generate"),
+        importlib.import_module("dflash_mlx.engine.batch"),
         "compile_grammar",
         lambda *a: compile_grammar(*a, mask_drafts=mask_drafts),
     )
@@ -368,7 +370,7 @@ def test_the_check_catches_a_mask_one_position_off(target, draft, monkeypatch):
             masks = np.concatenate([masks[:1], masks[:-1]])
         return accept(req, drafts, q, logits, a, masks)
 
-    monkeypatch.setattr(decode, "accept", one_off)
+    monkeypatch.setattr(batch_cycle, "accept", one_off)  # where the engine accepts
     assert run_broken(model, tok, draft, ids, want)
 
 

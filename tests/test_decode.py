@@ -269,28 +269,36 @@ def test_automatic_width_is_lossless(any_target, draft):
         assert out.verify_width is None
 
 
-def simulated_device(monkeypatch, cost) -> list[tuple[int, float]]:
-    """The decode loop's clock reads simulated time, never the wall: each cycle's host sync
-    advances it by `cost(W)` seconds for the cycle's verify width W (W = 1: a plain step),
+def simulated_device(monkeypatch, pair, cost) -> list[tuple[int, float]]:
+    """The engine's clock reads simulated time, never the wall: each target pass after the
+    prompt's advances it by `cost(W)` seconds for the pass's width W (W = 1: a plain step),
     so the width chooser learns exactly these costs, however busy the machine is.
-    Returns the cycles charged, `(W, seconds)`."""
+    Returns the passes charged, `(W, seconds)`."""
     import types
 
-    import dflash_mlx.engine.bookkeeping as bookkeeping
-    import dflash_mlx.engine.decode as decode
+    import dflash_mlx.engine.batch as batch
+    import dflash_mlx.engine.batch_cycle as batch_cycle
 
     now, charged = [0.0], []
     fake = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for module in (decode, bookkeeping):  # the cycle's launches and the clock that charges them
+    for module in (batch, batch_cycle):  # the cycle's launches and the clock that charges them
         monkeypatch.setattr(module, "time", fake)
-    sync = decode.result
+    real_forward, real_prefill, decoding = pair.target.forward, batch.prefill_prompt, []
 
-    def result(req, step):
-        now[0] += cost(step.width)
-        charged.append((step.width, cost(step.width)))
-        return sync(req, step)
+    def prefill(*args, **kwargs):
+        logits = real_prefill(*args, **kwargs)
+        decoding.append(True)
+        return logits
 
-    monkeypatch.setattr(decode, "result", result)
+    def forward(tokens, cache, capture_ids):
+        if decoding:  # after the prompt's prefill
+            now[0] += cost(tokens.shape[1])
+            charged.append((tokens.shape[1], cost(tokens.shape[1])))
+        return real_forward(tokens, cache, capture_ids)
+
+    monkeypatch.setattr(batch, "prefill_prompt", prefill)
+
+    monkeypatch.setattr(pair.target, "forward", forward)  # this pair's adapter alone
     return charged
 
 
@@ -318,7 +326,9 @@ def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(
     block = draft.config.block_size
     monkeypatch.setattr(pair, "costs", lambda **_: flat_curves(block))
     steep = device == "steep"
-    charged = simulated_device(monkeypatch, lambda w: 1e-3 * (1 + (w - 1) / 2 if steep else 1))
+    charged = simulated_device(
+        monkeypatch, pair, lambda w: 1e-3 * (1 + (w - 1) / 2 if steep else 1)
+    )
     ids = tok.encode(PROMPTS[1])
     widths = [r.width for r in stream_generate(pair, tok, ids, max_tokens=120)][1:]
     assert len(widths) == 119 and [w for w, _ in charged] == widths, "every cycle was charged"
@@ -356,7 +366,7 @@ def dormant_chooser(**kw):
 def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
     """`model`: a target model, or a Pair (then `d` must be its draft)."""
     from dflash_mlx import GenerateOptions, Pair
-    from dflash_mlx.engine.decode import speculative_decode
+    from dflash_mlx.engine.batch import speculative_decode
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     assert pair.draft is d
@@ -423,14 +433,14 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     that only moves in target passes (1 + W units for W tokens) makes costs exact."""
     import types
 
-    import dflash_mlx.engine.bookkeeping as bookkeeping
-    import dflash_mlx.engine.decode as decode
+    import dflash_mlx.engine.batch as batch
+    import dflash_mlx.engine.batch_cycle as batch_cycle
     from dflash_mlx import Pair
 
     model, tok = target
     clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    for module in (decode, bookkeeping):  # the cycle's launches and the clock that charges them
+    for module in (batch, batch_cycle):  # the cycle's launches and the clock that charges them
         monkeypatch.setattr(module, "time", fake)
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 80)

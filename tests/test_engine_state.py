@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, PromptCache, generate, load, stream_generate
-from dflash_mlx.engine.decode import speculative_decode
+from dflash_mlx.engine.batch import speculative_decode
 from dflash_mlx.engine.sampling import SamplingParams
 
 from .test_decode import PROMPTS

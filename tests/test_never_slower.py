@@ -9,7 +9,7 @@ import pytest
 
 import dflash_mlx.speed.calibrate as calibrate
 from dflash_mlx import GenerateOptions, Pair
-from dflash_mlx.engine.decode import speculative_decode
+from dflash_mlx.engine.batch import speculative_decode
 from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
 BLOCK = 16

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import dflash_mlx.engine.batch as batch
 import dflash_mlx.engine.decode as decode
 from dflash_mlx.engine.sampling import SamplingParams, probabilities, rejection_accept
 from dflash_mlx.models.config import DraftConfig
@@ -182,7 +183,7 @@ def second_token_counts(model, draft, params, draws):
     counts = np.zeros(V, dtype=np.int64)
     accepted = 0
     for seed in range(draws):
-        cycles = decode.speculative_decode(
+        cycles = batch.speculative_decode(
             pair,
             PROMPT,
             as_options(params, 3),
@@ -305,7 +306,7 @@ def joint_counts(model, draft, params, draws, seeded=False) -> tuple[dict, list[
     by_accepted = [0, 0, 0, 0]
     for seed in range(draws):
         opts = as_options(params, JOINT)
-        cycles = decode.speculative_decode(
+        cycles = batch.speculative_decode(
             pair,
             PROMPT,
             opts.replace(seed=seed) if seeded else opts,

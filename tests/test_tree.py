@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-import dflash_mlx.engine.decode as decode
+import dflash_mlx.engine.batch as batch
 import dflash_mlx.engine.tree as tree_module
 import dflash_mlx.models.target as target_module
 from dflash_mlx import GenerateOptions, Pair, generate, load
@@ -289,7 +289,7 @@ def tree_joint_counts(model, draft, draws: int) -> tuple[dict, int]:
     siblings = 0
     for seed in range(draws):
         tokens = []
-        for c in decode.speculative_decode(pair, PROMPT, o, seed=seed, width=6, draft_block=4):
+        for c in batch.speculative_decode(pair, PROMPT, o, seed=seed, width=6, draft_block=4):
             tokens += c.tokens
         key = tuple(tokens[:JOINT])
         counts[key] = counts.get(key, 0) + 1

@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import mlx.core as mx
@@ -42,8 +42,8 @@ from ..speed.adaptive import WidthChooser
 from . import batch_cycle as bc
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
 from .batch_cycle import Row, batch_curves
-from .bookkeeping import clear_cache_every, cut_at_eos
-from .controls import compile_grammar, read_logprobs
+from .bookkeeping import clear_cache_every, cut_at_eos, snapshot
+from .controls import Grammar, compile_grammar, read_logprobs
 from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
 from .generate import GenerationResponse, Reply, batch_generate
 from .prefill import open_request, prefill_prompt
@@ -52,16 +52,24 @@ from .tree import ShapeChooser, tree_mode
 
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
 
-# A plain cycle's step: it commits its one position, so nothing is rewound or captured.
-PLAIN = _Step(None, None, None, NOTHING_SAVED, 1, 0.0, True)
-
 
 class _Ahead(NamedTuple):
     """A plain pass launched before the cycle it belongs to."""
 
     rows: list[Row]  # the rows it runs for, in the batch's order when launched
     top: mx.array  # each row's next token, on the device
-    tic: float  # when it was launched
+    feats: mx.array | None  # the anchors' features (rows that capture for their draft)
+    lps: list | None  # each row's logprobs, when one asks for them
+    captures: list[bool]  # which rows' drafts get the features
+    built: float  # seconds its launch took (charged to its own cycle, not the one before)
+
+
+class _Cycles:
+    """The reply of a row whose caller reads cycles (`speculative_decode`)."""
+
+    @staticmethod
+    def feed(cyc: Cycle) -> Cycle:
+        return cyc
 
 
 class BatchDecoder:
@@ -108,8 +116,26 @@ class BatchDecoder:
         row.grammar = compile_grammar(opts, self.tokenizer, self.pair.target.logits_width)
         row.plan = self.pair.plan(opts)  # once: it refuses widths the pair cannot run
         row.eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or ())
+        row.learn = opts.seed is None  # a seeded request's reply must not hang on timing
         self.waiting.append(row)
         return row
+
+    def run(self, row: Row) -> Iterator[Any]:
+        """Decode `row` alone, a batch of one (`stream_generate`, `speculative_decode`),
+        yielding its responses as they come. Closed early, the row ends as cancelled (its
+        prompt cache committed with what was committed); when it fails, its error is raised
+        and its prompt cache left as it was."""
+        if row not in self.waiting:
+            self.waiting.append(row)
+        try:
+            while self.busy:
+                for _, out in self.step():
+                    if isinstance(out, BaseException):
+                        raise out
+                    yield out
+        except GeneratorExit:
+            self.close()
+            raise
 
     def cancel(self, row: Row) -> None:
         """Stop a request between cycles (waiting ones never start)."""
@@ -144,6 +170,7 @@ class BatchDecoder:
     # -- membership -----------------------------------------------------------------------
 
     def _admit(self, row: Row) -> None:
+        self._synced = 0.0  # the next cycle is timed from its own launch
         if row.cancelled:
             row.done = True
             return
@@ -162,22 +189,28 @@ class BatchDecoder:
         width, rows, chooser = row.plan
         row.fixed = None if chooser is not None else (width, rows)
         row.rows, row.chooser = rows, chooser
-        speculate = pair.draft is not None and (width > 1 or chooser is not None)
-        draft = pair.draft if speculate else None
-        seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
+        speculate = row.speculate
+        if speculate is None:
+            speculate = pair.draft is not None and (width > 1 or chooser is not None)
+        draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
+        seed = row.seed if row.seed is not None else opts.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
         if row.prompt_cache is not None:
             row.lease, saved = row.prompt_cache.take(pair.model, draft)
         else:
             saved = None
         mx.reset_peak_memory()
-        row.reply = Reply(self.tokenizer, opts, len(row.prompt), row.eos, chooser, speculate, width)
+        if row.reply is None:
+            eos, n = row.eos, len(row.prompt)
+            row.reply = Reply(self.tokenizer, opts, n, eos, chooser, speculate, width)
         cached = row.prompt_cache is not None
         req = open_request(pair, draft, row.prompt, opts, seed, saved, row.grammar, cached)
         row.req = req
-        why = batchable(req.cache)
+        why = batchable(req.cache) if self.max_batch > 1 else None
         if why is not None:
             raise NotImplementedError(f"this target cannot decode in a batch: {why}")
-        req.trees = tree_mode(req, opts, chooser, opts.seed is None)
+        req.trees = tree_mode(req, opts, chooser, row.learn)
         if chooser is not None and not self.active:
             # Alone, a request starts as it does in `stream_generate`; joining others, the
             # acceptance every row has taught stays (the batch's width rides on it).
@@ -201,7 +234,7 @@ class BatchDecoder:
         if row.prompt_cache is not None:
             progress = row.prompt_cache.watch(between_chunks)
         with mx.stream(generation_stream):
-            logits = prefill_prompt(req, opts.prefill_step, progress)
+            logits = prefill_prompt(req, opts.prefill_step, progress, chooser)
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)
@@ -212,6 +245,8 @@ class BatchDecoder:
         row.anchor = anchor
         cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
         self._respond(row, cyc)
+        if tok in row.eos or opts.max_tokens <= 1:
+            row.done = True
 
     def _join(self, row: Row) -> None:
         # A new request in the batch: what the batch's choosers decided about what was left
@@ -273,9 +308,9 @@ class BatchDecoder:
         req = row.req
         if row.prompt_cache is None or req is None or not req.generated:
             return
-        if req.keep_snapshots:
-            fed = len(req.prompt) + len(req.generated) - 1
-            req.latest_snapshot = (fed, req.target.snapshot(req.cache))
+        if req.keep_snapshots and not row.snapped and not row.cut:
+            # Its last cycle ran in a batch: the state its own cache is left at now.
+            snapshot(req, len(req.prompt) + len(req.generated) - 1)
         row.prompt_cache.commit(row.lease, req.saved())
 
     def _hand_out(self) -> None:
@@ -287,13 +322,17 @@ class BatchDecoder:
     def _respond(self, row: Row, cyc: Cycle) -> None:
         response = row.reply.feed(cyc)
         self._outbox.append((row, response))
-        if response.finish_reason is not None:
+        if getattr(response, "finish_reason", None) is not None:
             row.done = True
 
     # -- the cycle ------------------------------------------------------------------------
 
     def _cycle(self) -> None:
-        """One cycle of every active row (`batch_cycle`), then each row's response."""
+        """One cycle of every active row, its steps in order: (1) the plain pass launched
+        ahead, when there is one, is this cycle; else (2) plan each row's width, (3) catch
+        the drafts' context up where speculation resumes, (4) draft, (5) verify every row in
+        one pass, (6) accept, (7) rewind each row to what it accepted, (8) learn, (9)
+        commit and respond."""
         rows = [r for r in self.active if not r.done]
         ahead, self._ahead = self._ahead, None
         planned, self._planned = self._planned, None
@@ -301,14 +340,13 @@ class BatchDecoder:
             ran = {id(r): b for b, r in enumerate(ahead.rows)}
             if rows and all(id(r) in ran for r in rows):
                 # This cycle's pass already runs, chained on the last cycle's tokens.
-                self._plain_cycle(rows, None, ahead.top, [ran[id(r)] for r in rows], ahead.tic)
+                self._plain_cycle(rows, None, ahead, [ran[id(r)] for r in rows])
                 return
             # A request joined since: the chained pass is committed for the rows it ran
             # for (and still run), then every row cycles.
             old = [r for r in rows if id(r) in ran]
             if old:
-                index = [ran[id(r)] for r in old]
-                self._plain_cycle(old, None, ahead.top, index, ahead.tic, chain=False)
+                self._plain_cycle(old, None, ahead, [ran[id(r)] for r in old], chain=False)
             rows = [r for r in self.active if not r.done]
             planned = None
         size = len(rows)
@@ -326,11 +364,14 @@ class BatchDecoder:
             ]
         else:
             widths, captures = bc.plan(rows, chooser)
-        if bc.plain(self.pair.target, rows, widths, captures):
-            self._plain_cycle(rows, chooser)
+        if bc.plain(self.pair.target, rows, widths):
+            self._plain_cycle(rows, chooser, captures=captures)
             return
         caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
-        tic = time.perf_counter()
+        late = bc.catch_up(rows, widths, captures)
+        if chooser is not None and size == 1 and rows[0].learn:
+            for _, behind, seconds in late:
+                chooser.observe_context(*behind, seconds)
         cache = self.cache if size > 1 else rows[0].req.cache
         target = self.pair.target
         with mx.stream(generation_stream):
@@ -338,26 +379,37 @@ class BatchDecoder:
             logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
             steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
         bc.rewind(target, rows, steps, results, cache, width)
-        spent = time.perf_counter() - tic
-        bc.learn(chooser, rows, widths, results, width, spent, caught_up)
+        spent = self._sync()
+        if spent is not None:
+            spent -= sum(seconds for _, _, seconds in late)
+        tree = size == 1 and steps[0].tree is not None
+        bc.learn(chooser, rows, widths, results, width, spent, caught_up, tree)
         for r, s, (n, _) in zip(rows, steps, results):
-            if isinstance(r.req.trees, ShapeChooser) and s.width >= 3:
+            if isinstance(r.req.trees, ShapeChooser) and s.width >= 3 and spent is not None:
                 r.req.trees.observe(s.tree is not None, n + 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._commit_rows(rows, steps, results, size)
 
+    def _sync(self) -> float | None:
+        """A cycle's result reached the host: its seconds since the last cycle's sync, host
+        work between them included (None for the first cycle after an admission: its time
+        is mixed with the prefill's)."""
+        now = time.perf_counter()
+        spent = now - self._synced if self._synced else None
+        self._synced = now
+        return spent
+
     def _commit_rows(
         self, rows: list[Row], steps: list, results: list, size: int, plain: bool = False
     ) -> None:
-        """Each row's tokens of the cycle committed and handed out (`plain`: its draft told
-        that no draft ran); rows that ended or failed leave the batch."""
+        """Each row's tokens of the cycle committed and handed out (`plain`: a chained
+        plain pass's, whose drafts and recurrent states were kept when it was launched);
+        rows that ended or failed leave the batch."""
         finished = []
         for r, s, (n, new) in zip(rows, steps, results):
             if r.error is None:
                 try:
-                    if plain:
-                        commit_draft(r.req, s, n)
-                    self._commit_row(r, s, n, new, size)
+                    self._commit_row(r, s, n, new, size, plain)
                 except Exception as e:  # noqa: BLE001 - this row ends with its error
                     r.error = e
             if r.error is not None:
@@ -375,24 +427,41 @@ class BatchDecoder:
         self,
         rows: list[Row],
         chooser: WidthChooser | None,
-        top: mx.array | None = None,
+        ahead: _Ahead | None = None,
         index: list[int] | None = None,
-        tic: float = 0.0,
         chain: bool = True,
+        captures: list[bool] | None = None,
     ) -> None:
-        """A plain cycle of every row: its pass (`top`, already launched, the rows at
-        `index` of it; else launched now), and, while every row stays plain, the next
-        cycle's pass launched on the device tokens before this one's reach the host, as
-        mlx-lm chains its steps. What a chained pass feeds a row that ends here is never
-        read. `chooser`: the batch's (None: looked up for these rows)."""
+        """A plain cycle of every row: its pass (`ahead`, already launched, the rows at
+        `index` of it; else launched now with `captures`), each row's draft and controls
+        told of its token on the device, and, while every row stays plain, the next cycle's
+        pass launched on those device tokens before this one's reach the host, as mlx-lm
+        chains its steps. What a chained pass feeds a row that ends here is never read.
+        `chooser`: the batch's (None: looked up for these rows)."""
         size = len(rows)
         target = self.pair.target
         cache = self.cache if size > 1 else rows[0].req.cache
-        if top is None:
-            tic = time.perf_counter()
-            top = bc.plain_pass(target, rows, mx.concatenate([r.anchor for r in rows]), cache)
-        elif top.shape[0] != size:  # rows left since it was launched (the order stays)
-            top = top[mx.array(index)]
+        if ahead is None:
+            anchors = mx.concatenate([r.anchor for r in rows])
+            at = [r.generated - 1 for r in rows]
+            top, feats, lps = bc.plain_pass(target, rows, anchors, cache, captures, at)
+        else:
+            top, feats, lps, captures = ahead.top, ahead.feats, ahead.lps, ahead.captures
+            if top.shape[0] != size:  # rows left since it was launched (the order stays)
+                pick = mx.array(index)
+                top = top[pick]
+                feats = feats[pick] if feats is not None else None
+                lps = [lps[i] for i in index] if lps is not None else None
+                captures = [captures[i] for i in index]
+        steps = []
+        for b, r in enumerate(rows):
+            f = feats[b : b + 1] if feats is not None and captures[b] else None
+            lp = lps[b] if lps is not None else None
+            steps.append(_Step(None, top[b : b + 1], f, NOTHING_SAVED, 1, 0.0, True, lp))
+            commit_draft(r.req, steps[-1], 0)
+            if size == 1 and r.req.keep_snapshots:  # before the next pass feeds
+                snapshot(r.req, len(r.req.prompt) + r.generated)
+                r.snapped = True
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
         if chooser is None and auto:
             chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser)
@@ -401,33 +470,91 @@ class BatchDecoder:
             and not self.waiting
             and all(r.options.max_tokens - r.generated >= 2 and not r.cancelled for r in rows)
         ):
-            widths, captures = bc.plan(rows, chooser)  # the next cycle's, decided now
-            if bc.plain(target, rows, widths, captures):
-                nxt = bc.plain_pass(target, rows, top, cache)
-                self._ahead = _Ahead(rows, nxt, time.perf_counter())
+            widths, caps = bc.plan(rows, chooser, ahead=1)  # the next cycle's, decided now
+            if bc.plain(target, rows, widths):
+                at = [r.generated for r in rows]
+                launch = time.perf_counter()
+                nxt = bc.plain_pass(target, rows, top, cache, caps, at)
+                built = time.perf_counter() - launch
+                self._ahead = _Ahead(rows, *nxt, caps, built)
             else:
-                self._planned = ([id(r) for r in rows], (widths, captures))
+                self._planned = ([id(r) for r in rows], (widths, caps))
         tokens = top.tolist()
-        now = time.perf_counter()
-        spent = now - max(tic, self._synced)
-        self._synced = now
+        # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
+        # wherever it fell between host syncs.
+        spent = self._sync()
+        if spent is not None:
+            spent += ahead.built if ahead is not None else 0.0
+            spent -= self._ahead.built if self._ahead is not None else 0.0
         results = [(0, [t]) for t in tokens]
         bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self.chained += self._ahead is not None
-        self._commit_rows(rows, [PLAIN] * size, results, size, plain=True)
+        self._commit_rows(rows, steps, results, size, plain=True)
 
-    def _commit_row(self, r: Row, s: _Step, n: int, new: list[int], size: int) -> None:
+    def _commit_row(
+        self, r: Row, s: _Step, n: int, new: list[int], size: int, plain: bool = False
+    ) -> None:
         req = r.req
-        new, _ = cut_at_eos(new, r.eos)
+        new, r.cut = cut_at_eos(new, r.eos)
         if r.grammar is not None:
             r.grammar.consume(new)
         clear_cache_every(len(req.generated), len(new))
         req.generated.extend(new)
         r.anchor = mx.array(new[-1:], dtype=mx.int32)
+        if not plain:
+            # Everything but the last emitted token was fed (after an EOS cut, more was).
+            r.snapped = size == 1 and req.keep_snapshots and not r.cut
+            if r.snapped:
+                snapshot(req, len(req.prompt) + len(req.generated) - 1)
         lp = read_logprobs(s.logprobs, range(len(new)), new)
         batch = size if size > 1 else 0
         tree = s.tree is not None
         self._respond(r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch))
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True
+
+
+def speculative_decode(
+    pair: Pair,
+    prompt: list[int],
+    options: GenerateOptions,
+    *,
+    width: int | None = None,
+    draft_block: int | None = None,
+    chooser: WidthChooser | None = None,
+    seed: int | None = None,
+    eos_ids: frozenset[int] = frozenset(),
+    learn_costs: bool = True,
+    progress: Callable[[int, int], None] | None = None,
+    prompt_cache: PromptCache | None = None,
+    speculate: bool = True,
+    grammar: Grammar | None = None,
+) -> Iterator[Cycle]:
+    """Decode up to `options.max_tokens` tokens after `prompt` (token ids) with `pair`,
+    yielding each committed `Cycle`: the engine (`BatchDecoder`) with one row, read cycle by
+    cycle (`speculate=False`, or a pair without a draft: the target alone).
+
+    `width` is the verify width W (1 = plain decoding, no draft pass) and `draft_block` the
+    rows L >= W the draft runs; with a `chooser`, (W, L) are chosen each cycle instead, and
+    it learns acceptance from every verify and, with `learn_costs`, the wall time of every
+    cycle (default: `pair.plan(options)`). Random draws follow `seed` (default:
+    `options.seed`, else 0) and the generated position (SPEC 4). Stops after EOS or
+    `max_tokens`. With a `prompt_cache`, the state of its previous request is reused from
+    the longest common prefix on; this request's state is committed back when it ends or is
+    closed between cycles, and not at all when it fails. A `grammar` (compiled by
+    `controls.compile_grammar` for `options`' constraint) masks the target's logits.
+    """
+    if width is None:
+        width, draft_block, chooser = pair.plan(options)
+    assert 1 <= width and (options.tree or width <= max(draft_block, 1))
+    row = Row(list(prompt), options, None, prompt_cache, progress)
+    row.plan, row.grammar, row.eos, row.learn = (
+        (width, draft_block, chooser),
+        grammar,
+        eos_ids,
+        learn_costs,
+    )
+    row.seed = seed if seed is not None else options.seed if options.seed is not None else 0
+    row.speculate, row.reply = speculate, _Cycles()
+    yield from BatchDecoder(pair, None, max_batch=1).run(row)

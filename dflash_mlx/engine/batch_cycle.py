@@ -12,6 +12,7 @@ error (`Row.error`) and rides along the pass empty; the others go on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from ..speed.costs import CostCurves
 from . import batch_draft
 from .batch_cache import rewind_rows, row_lengths
 from .bookkeeping import follow_capture
-from .decode import _Step, accept, commit, commit_draft, result
+from .decode import NO_DRAFTS, _Step, accept, commit, commit_draft, result
 from .generate import Reply
 from .prefill import Request
 from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
@@ -54,6 +55,11 @@ class Row:
     done: bool = False
     cancelled: bool = False
     error: BaseException | None = None  # what ended the row, if something failed
+    learn: bool = True  # its cycles' wall time teaches the chooser (not a seeded request's)
+    cut: bool = False  # its last cycle fed tokens past an EOS (no recurrent snapshot then)
+    snapped: bool = False  # its recurrent state was kept after its last cycle (alone)
+    seed: int | None = None  # its draws' seed (None: `options.seed`, else a random one)
+    speculate: bool | None = None  # False: the target alone (None: when the pair can)
 
     @property
     def generated(self) -> int:
@@ -111,13 +117,17 @@ def batch_chooser(
     return chooser
 
 
-def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool]]:
-    """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft."""
+def plan(rows: list[Row], chooser: WidthChooser | None, ahead: int = 0) -> tuple[list, list[bool]]:
+    """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft
+    (`ahead`: planned a cycle ahead, before the last one's token is committed). A row alone
+    tells the chooser what a speculative cycle would first catch its draft's context up on
+    (`behind`)."""
     auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
     if chooser is not None:
-        budget = max(r.options.max_tokens - r.generated for r in auto)
-        depth = max(len(r.prompt) + r.generated for r in auto)
-        w_auto, l_auto = chooser.choose(limit=budget, depth=depth)
+        budget = max(r.options.max_tokens - r.generated - ahead for r in auto)
+        depth = max(len(r.prompt) + r.generated - 1 + ahead for r in auto)  # the anchor's
+        context = behind(rows[0].req) if len(rows) == 1 else (0, 0)
+        w_auto, l_auto = chooser.choose(limit=budget, depth=depth, context=context)
     out = []
     for r in rows:
         if r.req.draft is None:
@@ -126,7 +136,7 @@ def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool
             w, length = r.fixed
         else:
             w, length = w_auto, l_auto
-        left = r.options.max_tokens - r.generated
+        left = r.options.max_tokens - r.generated - ahead
         # A tree's budget may exceed the block; a chain's is cut to it when drafted.
         block = length if length > 1 and not r.req.trees else w
         out.append((max(1, min(w, left, block)), length))
@@ -137,34 +147,77 @@ def plan(rows: list[Row], chooser: WidthChooser | None) -> tuple[list, list[bool
     return out, captures
 
 
-def plain(target, rows: list[Row], widths: list, captures: list[bool]) -> bool:
-    """Whether the cycle `plan`ned is a plain pass that can be chained on the device: every
-    row decodes plainly (W = 1, no features for its draft) and greedily, without logits
-    processors or recurrent state to keep."""
-    return (
+def behind(req: Request) -> tuple[int, int]:
+    """What a speculative cycle would first catch the draft's context up on: the rows of
+    positions decoded plainly, and a dormant prefill's lazy window ((0, 0): up to date)."""
+    if req.draft is None or req.speculating:
+        return (0, 0)
+    return (req.pending_rows, req.lazy_rows)
+
+
+def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> list:
+    """Rows about to speculate after plain cycles feed their drafts' context first, apart
+    from the cycle (so it is not taken for what every cycle of the width costs): each row's
+    `(behind, seconds)`, for the chooser's pricing of probes (`observe_context`)."""
+    spent = []
+    for b, (r, (w, _)) in enumerate(zip(rows, widths)):
+        if r.req.draft is None:
+            continue
+        follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
+        late = behind(r.req)
+        if w > 1 and any(late):
+            tic = time.perf_counter()
+            with mx.stream(generation_stream):
+                r.req.feed_draft()
+                mx.eval(r.req.state.arrays)
+            r.req.lazy_rows = 0
+            spent.append((r, late, time.perf_counter() - tic))
+    return spent
+
+
+def plain(target, rows: list[Row], widths: list) -> bool:
+    """Whether the cycle `plan`ned is a plain pass that can be chained on the device (its
+    inputs are the last pass's device tokens): every row decodes plainly (W = 1) without a
+    grammar (whose masks must first see each token on the host). A row alone may also
+    sample, keep recurrent states, or be processed; in a batch, rows are greedy without
+    logits processors or recurrent state to keep."""
+    if not all(w == 1 for w, _ in widths) or any(r.error is not None for r in rows):
+        return False
+    if any(r.req.controls is not None and r.req.controls.grammar is not None for r in rows):
+        return False
+    return len(rows) == 1 or (
         not target.recurrent
-        and all(w == 1 for w, _ in widths)
-        and not any(captures)
         and all(
-            r.error is None
-            and r.req.params.greedy
-            and r.req.controls is None
-            and not r.req.keep_snapshots
+            r.req.params.greedy and r.req.controls is None and not r.req.keep_snapshots
             for r in rows
         )
     )
 
 
-def plain_pass(target, rows: list[Row], anchors: mx.array, cache: list) -> mx.array:
-    """The target on each row's anchor `(B,)`, launched: each row's next token `(B,)`."""
+def plain_pass(
+    target, rows: list[Row], anchors: mx.array, cache: list, captures: list[bool], at: list[int]
+) -> tuple[mx.array, mx.array | None, list | None]:
+    """The target on each row's anchor `(B,)` (at generated index `at[b]`), launched: each
+    row's next token `(B,)`, the anchors' features where `captures`, and each row's logprobs
+    when asked for (None: no row asks)."""
     with mx.stream(generation_stream):
-        for r in rows:
+        for b, r in enumerate(rows):
             if r.req.draft is not None:  # dormant: its context stops at the last capture
-                follow_capture(r.req, False, len(r.req.prompt) + r.generated - 1)
-        logits, _ = target.forward(anchors.reshape(-1, 1), cache, None)
-        top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
-    mx.async_eval(top)
-    return top
+                follow_capture(r.req, captures[b], len(r.req.prompt) + at[b])
+        ids = next((r.req.ids for r, c in zip(rows, captures) if c), None)
+        logits, feats = target.forward(anchors.reshape(-1, 1), cache, ids)
+        lps = None
+        if all(r.req.params.greedy and r.req.controls is None for r in rows):
+            top = mx.argmax(logits[:, -1], axis=-1).astype(mx.int32)
+        else:
+            tokens, lps = [], []
+            for b, r in enumerate(rows):
+                _, out, lp = accept(r.req, NO_DRAFTS, None, logits[b], at[b])
+                tokens.append(out.astype(mx.int32).reshape(1))
+                lps.append(lp)
+            top = mx.concatenate(tokens)
+    mx.async_eval(top, *(a for lp in lps or () for a in lp or ()))
+    return top, feats, lps
 
 
 def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
@@ -336,18 +389,24 @@ def learn(
     width: int,
     spent: float,
     caught_up: bool = True,
+    tree: bool = False,
 ):
-    """The chooser learns the pass's cost (when it chose every row's width) and each
-    automatic row's acceptance (also into the pair's chooser, which every size reads).
-    `caught_up`: every row's draft was up to date before the cycle (it followed a
-    speculative one), so its time is the cycle's own, not also a catch-up's."""
+    """The chooser learns the pass's cost (when it chose every row's width and every row
+    learns costs: a seeded request does not) and each automatic row's acceptance (also into
+    the pair's chooser, which every size reads). `spent`: the cycle's seconds, host sync to
+    host sync (None: not measured). `caught_up`: every row's draft was up to date before
+    the cycle (it followed a speculative one), so its time is the cycle's own, not also a
+    catch-up's. `tree`: a row alone verified a tree, which the width chooser does not price
+    as a chain."""
     if chooser is None:
         return
-    if all(r.fixed is None for r in rows):
-        chooser.observe(width, spent)
-        if width > 1 and len(rows) > 1 and caught_up and chooser.plain_measured:
-            # Against plain batched decoding as measured now (a plain pass commits a token a
-            # row; not the calibration's price of it, which leaves out the batch's own host
+    if spent is not None and all(r.fixed is None and r.learn for r in rows):
+        if not tree:
+            chooser.observe(width, spent)
+        alone = len(rows) == 1
+        if width > 1 and (alone or (caught_up and chooser.plain_measured)):
+            # Against plain decoding as measured now (a plain pass commits a token a row;
+            # not the calibration's price of it, which leaves out the batch's own host
             # work): while speculating at this size has lately lost, it only probes.
             chooser.settle(sum(len(new) for _, new in results) / len(rows), spent)
     if len(rows) > 1:

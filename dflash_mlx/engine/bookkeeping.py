@@ -5,14 +5,11 @@ and the wall time each cycle is charged for the width chooser.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from ..speed.adaptive import WidthChooser
-    from .decode import _Step
     from .prefill import Request
 
 # MLX's buffer cache is cleared every this many generated tokens, as mlx-lm does: freed
@@ -51,27 +48,3 @@ def follow_capture(req: Request, capture: bool, position: int) -> None:
     elif req.stale:
         req.state.skip_to(position)
         req.stale = False
-
-
-class Clock:
-    """What each cycle cost, host sync to host sync, with each launch counted for the cycle
-    it built (a chained launch falls in the interval before its own), for the chooser."""
-
-    def __init__(self, chooser: WidthChooser | None):
-        self.chooser = chooser
-        self.synced = 0.0
-
-    def sync(self) -> None:
-        self.synced = time.perf_counter()
-
-    def charge(self, step: _Step, prev_w: int, nxt: _Step | None) -> float | None:
-        """Charge `step` its seconds (returned; None when not measured). A tree's are not
-        a chain's of its width: the width chooser learns chains only."""
-        now, spent = time.perf_counter(), None
-        if self.chooser is not None and prev_w:
-            spent = now - self.synced + (step.built if step.chained else 0.0)
-            spent -= nxt.built if nxt is not None else 0.0
-            if step.tree is None:
-                self.chooser.observe(step.width, spent)
-        self.synced = now
-        return spent

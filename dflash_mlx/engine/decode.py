@@ -1,23 +1,21 @@
-"""The decode cycle (SPEC 1), in token ids:
+"""The steps of the decode cycle (SPEC 1), in token ids, for one request's state:
 
     prefill -> (choose -> draft -> verify -> accept -> commit)*
 
-`speculative_decode` is that loop and each step is one small function below, all of them
-working on the request's own state (`prefill.Request`: target cache, `DraftState`, committed
-tokens); the models hold none of it, and the `Pair` holds what belongs to the pairing. The
-prefill (and resuming from a `PromptCache`) is `prefill.py`'s; the draft's proposals under
-penalties or a grammar are `walks.py`'s, a tree cycle's steps `tree.py`'s. Bookkeeping sits
-beside the cycle, not inside it (`bookkeeping.py`): `Clock` charges each cycle its wall time
-for the width chooser, `follow_capture` moves a dormant draft's context; `resume` and
-`Request.saved` exchange state with a `PromptCache`.
-Yields one `Cycle` per verify pass with the tokens it commits. Knows nothing about text,
-stop strings or statistics: `generate.py` does that.
+Each step is a small function working on the request's own state (`prefill.Request`:
+target cache, `DraftState`, committed tokens); the models hold none of it, and the `Pair`
+holds what belongs to the pairing. One driver runs them, for one row or many:
+`batch.BatchDecoder` (`batch_cycle.py` its cycle over rows; `speculative_decode` and
+`stream_generate` are that engine with one row). Here: the first token after the prompt,
+acceptance (`accept`), the host read of a cycle (`result`) and its commit (`commit`,
+`commit_draft`). The prefill is `prefill.py`'s, the draft's proposals `walks.py`'s, a
+tree's `tree.py`'s; bookkeeping (`cut_at_eos`, a dormant draft's context, recurrent
+snapshots) is `bookkeeping.py`'s. Knows nothing about text, stop strings or statistics:
+`generate.py` does that.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,13 +23,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
-from ..cache.prompt_cache import PromptCache
-from ..options import GenerateOptions
-from ..pair import Pair
-from ..speed.adaptive import WidthChooser
-from .bookkeeping import Clock, clear_cache_every, cut_at_eos, follow_capture, snapshot
-from .controls import Grammar, TokenLogprob, read_logprobs
-from .prefill import Request, open_request, prefill_prompt
+from .controls import TokenLogprob
+from .prefill import Request
 from .sampling import (
     PositionKeys,
     coupled_accept,
@@ -40,8 +33,7 @@ from .sampling import (
     rejection_accept,
     sample,
 )
-from .tree import ShapeChooser, read_tree, tree_mode, verify_tree
-from .walks import make_drafts
+from .tree import read_tree
 
 
 @dataclass
@@ -75,207 +67,6 @@ class _Step(NamedTuple):
     path: list[int] | None = None  # a tree cycle's accepted nodes, once `result` read them
 
 
-def speculative_decode(
-    pair: Pair,
-    prompt: list[int],
-    options: GenerateOptions,
-    *,
-    width: int | None = None,
-    draft_block: int | None = None,
-    chooser: WidthChooser | None = None,
-    seed: int | None = None,
-    eos_ids: frozenset[int] = frozenset(),
-    learn_costs: bool = True,
-    progress: Callable[[int, int], None] | None = None,
-    prompt_cache: PromptCache | None = None,
-    speculate: bool = True,
-    grammar: Grammar | None = None,
-) -> Iterator[Cycle]:
-    """Decode up to `options.max_tokens` tokens after `prompt` with `pair`, yielding each
-    committed cycle (`speculate=False`, or a pair without a draft: the target alone).
-
-    The request's `options` arrive here unchanged. `width` is the verify width W (1 = plain
-    decoding, no draft pass) and `draft_block` the rows L >= W the draft runs; with a
-    `chooser`, (W, L) are chosen each cycle instead, and it learns acceptance from every
-    verify and, with `learn_costs`, the wall time of every cycle (default: `pair.plan`).
-    Random draws follow `seed` (default: `options.seed`, else 0) and the generated position
-    (SPEC 4). Stops after EOS or `max_tokens`. With a `prompt_cache`, the state of its
-    previous request is reused from the longest common prefix on; this request's state is
-    committed back when it ends or is closed between cycles, and not at all when it fails.
-    `options.draft_window` bounds the positions a draft block sees (`make_state`).
-    Penalties, a logit bias and a `grammar` (compiled by `controls.compile_grammar` for
-    `options`' constraint) process the target's logits at every verified position, and the
-    draft's proposals (`controls.Controls`); `options.logprobs` reports log-probabilities.
-    """
-    if width is None:
-        width, draft_block, chooser = pair.plan(options)
-    assert 1 <= width and (options.tree or width <= max(draft_block, 1))
-    seed = seed if seed is not None else options.seed if options.seed is not None else 0
-    # Plain decoding throughout (W = 1 fixed): the draft would never run, so nothing is
-    # built for it.
-    draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
-    lease, saved = (0, None) if prompt_cache is None else prompt_cache.take(pair.model, draft)
-    cached = prompt_cache is not None
-    req = open_request(pair, draft, prompt, options, seed, saved, grammar, cached)
-    req.trees = tree_mode(req, options, chooser, learn_costs)
-    if chooser is not None:
-        chooser.begin_request()
-    try:
-        with mx.stream(generation_stream):
-            logits = prefill_prompt(req, options.prefill_step, progress, chooser)
-        yield from _cycles(
-            req,
-            logits,
-            max_tokens=options.max_tokens,
-            width=width,
-            draft_block=draft_block,
-            eos_ids=eos_ids,
-            chooser=chooser,
-            clock=Clock(chooser if learn_costs else None),
-            learn_costs=learn_costs,
-        )
-    except GeneratorExit:  # closed between two cycles: every committed position is known
-        if prompt_cache is not None:
-            prompt_cache.commit(lease, req.saved())
-        raise
-    if prompt_cache is not None:
-        prompt_cache.commit(lease, req.saved())
-
-
-def _cycles(
-    req: Request,
-    logits: mx.array,
-    *,
-    max_tokens: int,
-    width: int,
-    draft_block: int,
-    eos_ids: frozenset[int],
-    chooser: WidthChooser | None,
-    clock: Clock,
-    learn_costs: bool = True,
-) -> Iterator[Cycle]:
-    """The cycles after prefill. The next cycle is always launched before the current one
-    is handed to the caller, so detokenizing and rendering overlap with device work."""
-    n_prompt = len(req.prompt)
-    grammar = req.controls.grammar if req.controls is not None else None
-    # A plain step is chained on the device token of the one before it, unless a grammar's
-    # masks must first see that token on the host.
-    chain = grammar is None
-    # Nothing to commit after a plain step but the token: no draft, no controls, no
-    # recurrent snapshots (the step then costs what mlx-lm's does).
-    lean = req.draft is None and req.controls is None and not req.keep_snapshots
-
-    def launch(anchor: mx.array, a: int, chained: bool) -> _Step:
-        """choose -> draft -> verify -> accept for the anchor at generated index `a`, started
-        on the device (`chained`: before the previous cycle's result reached the host)."""
-        tic = time.perf_counter()
-        # What a speculative cycle would first have to catch the draft's context up on.
-        behind = (
-            (0, 0) if req.draft is None or req.speculating else (req.pending_rows, req.lazy_rows)
-        )
-        w, rows, capture = choose(
-            chooser, width, draft_block, max_tokens - a - 1, n_prompt + a, behind
-        )
-        with mx.stream(generation_stream):
-            if req.draft is not None:
-                follow_capture(req, capture, n_prompt + a)
-                if w > 1 and any(behind):
-                    # Catching up on the positions decoded plainly (and a dormant prefill's
-                    # window) is paid once, when speculation resumes: run it apart, so it
-                    # is not taken for what every cycle of this width costs, and charge it
-                    # to the catch-up, which the chooser prices probes with.
-                    req.feed_draft()
-                    mx.eval(req.state.arrays)
-                    req.lazy_rows = 0
-                    if chooser is not None and learn_costs:
-                        chooser.observe_context(*behind, time.perf_counter() - tic)
-                    tic = time.perf_counter()
-            if w >= 3 and (req.trees is True or (req.trees and req.trees.tree_next())):
-                out, feats, shape = verify_tree(req, anchor, w, rows, capture)
-                built = time.perf_counter() - tic
-                size = shape[0].size
-                return _Step(None, out, feats, ({}, {}), size, built, chained, None, shape, [])
-            if w == 1:
-                out, feats, lp = plain_step(req, anchor, a, capture)
-                mx.async_eval(out, *(lp or ()))
-                built = time.perf_counter() - tic
-                return _Step(None, out, feats, NOTHING_SAVED, 1, built, chained, lp)
-            if w > rows > 1:  # a tree's budget asked for where chains run
-                w = rows
-            drafts, q, masks = make_drafts(req, anchor, a, w, rows)
-            logits, feats, saved = verify(req, anchor, drafts, capture)
-            if callable(masks):
-                # Masks along free proposals: computed on the host while the target's
-                # forward runs.
-                mx.async_eval(logits)
-                masks = masks()
-            n, out, lp = accept(req, drafts, q, logits, a, masks)
-            mx.async_eval(n, out, *(lp or ()))
-        # On a CPU much of the work runs inside async_eval: the launch time is part of
-        # what the cycle costs, wherever it falls between host syncs.
-        return _Step(n, out, feats, saved, drafts.size + 1, time.perf_counter() - tic, chained, lp)
-
-    with mx.stream(generation_stream):
-        anchor, lp = first_token(req, logits)
-        if req.controls is not None:
-            req.controls.commit(anchor)
-        # Started before the first cycle is built, as mlx-lm does: the prompt's last token
-        # runs on the device while the host builds that cycle.
-        mx.async_eval(anchor, *(lp or ()))
-    step = launch(anchor, 0, chained=True) if max_tokens > 1 and chain else None
-    tok = anchor.item()
-    if grammar is not None:
-        grammar.consume([tok])
-    clock.sync()
-    req.generated.append(tok)
-    if step is None and max_tokens > 1 and tok not in eos_ids:
-        step = launch(anchor, 0, chained=False)
-    yield Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
-    if tok in eos_ids or step is None:
-        return
-    prev_w = 0
-    while True:
-        nxt = None
-        plain = step.width == 1
-        if plain and chain:
-            # A plain step accepts nothing, so it commits with no host decision and the
-            # next step is chained on the device token before waiting, as mlx-lm does.
-            if not lean:
-                commit(req, step, 0)
-                snapshot(req, n_prompt + len(req.generated))  # before the next step feeds
-            if len(req.generated) + 1 < max_tokens:
-                nxt = launch(step.out, len(req.generated), chained=True)
-        n, new = result(req, step)  # the host sync
-        spent = clock.charge(step, prev_w, nxt)
-        if chooser is not None and spent is not None and not plain:
-            chooser.settle(n + 1, spent)  # against plain decoding as measured (the floor)
-        if isinstance(req.trees, ShapeChooser) and spent is not None and step.width >= 3:
-            req.trees.observe(step.tree is not None, n + 1, spent)
-        if not (plain and chain):
-            commit(req, step, n)
-            if chooser is not None and not plain:
-                # A tree's accepted path teaches the width chooser as a chain of its width
-                # would (about as long at equal width): it keeps probing and waking on it.
-                chooser.update(step.width, n)
-        new, cut = cut_at_eos(new, eos_ids)
-        if grammar is not None:
-            grammar.consume(new)
-        clear_cache_every(len(req.generated), len(new))
-        req.generated.extend(new)
-        if not (plain and chain) and not cut:
-            # Everything but the last emitted token was fed (after an EOS cut, more was).
-            snapshot(req, n_prompt + len(req.generated) - 1)
-        done = new[-1] in eos_ids or len(req.generated) >= max_tokens
-        if not done and nxt is None:
-            last = mx.array(new[-1:], dtype=mx.int32)
-            nxt = launch(last, len(req.generated) - 1, chained=False)
-        lp = read_logprobs(step.logprobs, range(len(new)), new)
-        yield Cycle(new, n, step.width, logprobs=lp, tree=step.tree is not None)
-        if done:
-            return
-        step, prev_w = nxt, step.width
-
-
 # -- the steps of the cycle -----------------------------------------------------------------
 
 
@@ -298,53 +89,8 @@ def first_token(req: Request, logits: mx.array) -> tuple[mx.array, tuple | None]
 # A plain step's rewind state: it commits its one position, so nothing is ever rewound.
 NOTHING_SAVED: tuple[dict, dict] = ({}, {})
 
-
-def plain_step(
-    req: Request, anchor: mx.array, a: int, capture: bool
-) -> tuple[mx.array, mx.array | None, tuple | None]:
-    """One plain decoding step (W = 1): the target on the anchor at generated index `a`
-    alone; its token `(1,)`, the anchor's features when `capture`, and its logprobs when
-    asked for. No drafts, no snapshot: nothing of it is rewound."""
-    logits, feats = req.target.forward(anchor[None], req.cache, req.ids if capture else None)
-    logits = logits[0]
-    if req.controls is None and req.params.greedy:
-        return mx.argmax(logits, axis=-1), feats, None
-    masks = None
-    if req.controls is not None and req.controls.grammar is not None:
-        masks = req.controls.grammar.mask()[None]
-    _, out, lp = accept(req, NO_DRAFTS, None, logits, a, masks)
-    return out, feats, lp
-
-
 NO_DRAFTS = mx.zeros((0,), dtype=mx.int32)
 mx.eval(NO_DRAFTS)  # a value shared by every thread's requests: computed once, here
-
-
-def choose(
-    chooser: WidthChooser | None,
-    width: int,
-    draft_block: int,
-    budget: int,
-    depth: int = 0,
-    behind: tuple[int, int] = (0, 0),
-) -> tuple[int, int, bool]:
-    """Verify width W, draft block L, and whether the pass captures features for the draft
-    (`budget`: tokens left; `behind`: the draft's context catch-up, see `WidthChooser`)."""
-    if chooser is None:
-        return min(width, budget), draft_block, True
-    w, rows = chooser.choose(limit=budget, depth=depth, context=behind)
-    return w, rows, chooser.capture
-
-
-def verify(
-    req: Request, anchor: mx.array, drafts: mx.array, capture: bool
-) -> tuple[mx.array, mx.array | None, tuple[dict, dict]]:
-    """The target on `[anchor, drafts]`: logits `(W, V)`, the features the draft reads
-    (when `capture`), and what a rewind needs (recurrent states before, inputs of the pass)."""
-    before = req.target.snapshot(req.cache)
-    tokens = mx.concatenate([anchor, drafts])[None]
-    logits, feats = req.target.forward(tokens, req.cache, req.ids if capture else None)
-    return logits[0], feats, (before, req.target.recorded_calls())
 
 
 def accept(

@@ -3,13 +3,12 @@
 Owns the public generation API: a `Pair` (or a model and a draft), a tokenizer, a prompt
 (text, token ids, chat messages) and one `GenerateOptions`; streaming detokenization, stop
 strings (never emitted, found across chunk boundaries, reported), finish reasons, and the
-request's `Stats`. The token decisions themselves all come from `decode.speculative_decode`.
+request's `Stats`. The token decisions themselves all come from the engine (`batch.BatchDecoder`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -26,8 +25,8 @@ from ..models.draft import DFlashDraft
 from ..options import GenerateOptions
 from ..pair import Pair
 from ..stats import Stats
-from .controls import TokenLogprob, compile_grammar
-from .decode import Cycle, speculative_decode
+from .controls import TokenLogprob
+from .decode import Cycle
 from .text import Prompt, StopMatcher, encode_prompt, special_token_ids
 
 __all__ = [
@@ -126,49 +125,12 @@ def stream_generate(
     """
     pair, tokenizer, prompt, options = _arguments(target, args, kwargs)
     opts = GenerateOptions.from_kwargs(options, **kwargs)
-    ids = encode_prompt(tokenizer, prompt)
-    pair.check_context(len(ids))
-    grammar = compile_grammar(opts, tokenizer, pair.target.logits_width)
-    width, rows, chooser = pair.plan(opts)
-    speculate = pair.draft is not None and (width > 1 or chooser is not None)
-    seed = opts.seed if opts.seed is not None else int.from_bytes(os.urandom(8), "little")
-    eos = frozenset(getattr(tokenizer, "eos_token_ids", None) or ())
+    from .batch import BatchDecoder  # the engine; a request alone is a batch of one
 
-    mx.reset_peak_memory()
-    reply = Reply(tokenizer, opts, len(ids), eos, chooser, speculate, width)
-    cycle_iter = speculative_decode(
-        pair,
-        ids,
-        opts,
-        width=width,
-        draft_block=rows,
-        chooser=chooser,
-        seed=seed,
-        eos_ids=eos,
-        learn_costs=opts.seed is None,
-        progress=prompt_progress if prompt_cache is None else prompt_cache.watch(prompt_progress),
-        prompt_cache=prompt_cache,
-        speculate=speculate,
-        grammar=grammar,
-    )
-    memory = contextlib.ExitStack()
-    memory.enter_context(_wired_limit())
-    try:
-        for cyc in cycle_iter:
-            response = reply.feed(cyc)
-            yield response
-            if response.finish_reason is not None:
-                return
-    except Exception as e:
-        # Our own code failed after a cycle (detokenizer, stop matcher): the request ends
-        # without committing its state to the prompt cache.
-        _abandon(cycle_iter, e)
-        raise
-    finally:
-        # Ended, or closed by the consumer between two responses: the cycle generator
-        # closes here, on this thread, and commits what was committed.
-        cycle_iter.close()
-        memory.close()
+    decoder = BatchDecoder(pair, tokenizer, max_batch=1)
+    row = decoder.submit(prompt, opts, prompt_cache=prompt_cache, progress=prompt_progress)
+    with _wired_limit():
+        yield from decoder.run(row)
 
 
 class Reply:
@@ -306,14 +268,6 @@ def _wired_limit() -> Iterator[None]:
     finally:
         mx.synchronize(generation_stream)  # no async eval may run across the change
         mx.set_wired_limit(old)
-
-
-def _abandon(cycle_iter: Iterator, error: BaseException) -> None:
-    """Raise `error` inside the (suspended) cycle generator, so that it ends as failed."""
-    try:
-        cycle_iter.throw(error)
-    except BaseException:  # noqa: BLE001 - it is `error`, re-raised by the caller
-        pass
 
 
 def generate(target: Pair | nn.Module, *args: Any, **kwargs: Any) -> GenerationResult:

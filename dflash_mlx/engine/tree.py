@@ -248,25 +248,6 @@ def propose_tree(
     return build(anchor, vals, top, budget)
 
 
-def verify_tree(
-    req: Request, anchor: mx.array, budget: int, rows: int, capture: bool
-) -> tuple[mx.array, mx.array | None, tuple[mx.array, mx.array, mx.array]]:
-    """Draft and build the tree (`propose_tree`) and verify it in one target pass, all
-    started on the device: the target's argmax (greedy) or distribution at each node, the
-    features the draft reads, and the tree's `(tokens, parents, depths)`."""
-    tokens, parents, depths, seen = propose_tree(req, anchor, budget, rows)
-    logits, feats = req.target.forward_tree(
-        tokens[None],
-        req.cache,
-        attention_mask(seen, req.cache[0].offset),
-        depths,
-        req.ids if capture else None,
-    )
-    out = node_outputs(req, logits[0])
-    mx.async_eval(out, tokens, parents, depths)
-    return out, feats, (tokens, parents, depths)
-
-
 def node_outputs(req: Request, logits: mx.array) -> mx.array:
     """What a tree's acceptance reads at each node: the target's argmax (greedy) or its
     distribution."""
