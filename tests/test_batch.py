@@ -168,12 +168,12 @@ def broken_shared_offset(self, drops):
 good_trim = batch_cache.RowsKVCache.trim_rows
 
 
-def broken_replay_together(target, cache, keeps, total, snapshot, calls):
+def broken_replay_together(target, cache, keeps, snapshot, calls):
     """Recurrent rows all replayed over the longest row's prefix."""
-    return good_rewind(target, cache, [max(keeps)] * len(keeps), total, snapshot, calls)
+    return good_replay(target, cache, [max(keeps)] * len(keeps), snapshot, calls)
 
 
-good_rewind = batch_cache.rewind_rows
+good_replay = batch_cache.replay_rows
 
 
 @pytest.mark.parametrize(
@@ -181,12 +181,12 @@ good_rewind = batch_cache.rewind_rows
     [
         (batch_cache.RowsKVCache, "trim_rows", broken_trim_every_row_alike),
         (batch_cache.RowsKVCache, "trim_rows", broken_shared_offset),
-        (batch_mod, "rewind_rows", broken_replay_together),
+        (batch_cache, "replay_rows", broken_replay_together),
     ],
 )
 def test_the_identity_check_catches_a_broken_batch(case, monkeypatch, where, what, broken):
     name, model, tok, ids, refs, lookup = case
-    if what == "rewind_rows" and name == "qwen3":
+    if what == "replay_rows" and name == "qwen3":
         pytest.skip("a dense target has no recurrent rows to replay")
     monkeypatch.setattr(where, what, broken)
     tokens, _, _ = run_mid_stream(Pair(model, lookup), tok, ids, 5)

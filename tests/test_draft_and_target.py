@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import Pair, load
+from dflash_mlx.engine import batch_cache
 from dflash_mlx.models.config import DraftConfig, default_target_layer_ids
 from dflash_mlx.models.draft import DFlashDraft
 from dflash_mlx.models.target import TargetAdapter
@@ -153,7 +154,7 @@ def test_rewind_then_regenerate_equals_a_clean_run(models_dir, name, keep):
     saved = t.snapshot(cache)
     junk = mx.array([[99, 98, 97, 96, 95, 94]])
     t.forward(mx.concatenate([seq[:, 5 : 5 + keep], junk[:, : 6 - keep]], axis=1), cache, None)
-    t.rewind(cache, keep=keep, total=6, snapshot=saved)
+    batch_cache.keep(t, cache, [keep], 6, (saved, t.recorded_calls()))
     out, feats = t.forward(seq[:, 5 + keep :], cache, [1, 2])
     assert mx.allclose(out, ref[:, 5 + keep :], atol=1e-4).item(), f"{name}: state after rewind"
     assert mx.allclose(feats, ref_feats[:, 5 + keep :], atol=1e-4).item()

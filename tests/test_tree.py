@@ -20,6 +20,7 @@ import dflash_mlx.engine.batch as batch
 import dflash_mlx.engine.tree as tree_module
 import dflash_mlx.models.target as target_module
 from dflash_mlx import GenerateOptions, Pair, generate, load
+from dflash_mlx.engine.batch_cache import keep
 from dflash_mlx.engine.tree import Tree, accept_sampled, build
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.draft import DFlashDraft
@@ -162,7 +163,7 @@ def test_keeping_a_path_leaves_the_cache_a_fresh_prefill_would(dense):
     model, _ = dense
     adapter, cache, _ = tree_pass(model, BRANCHY, PREFIX)
     path = [0, 1, 3, 6]  # 40 7 9 12
-    adapter.keep_path(cache, path, BRANCHY.size)
+    keep(adapter, cache, [len(path)], BRANCHY.size, ({}, {}), [path])
     fresh = make_prompt_cache(model)
     model(mx.array([PREFIX + path_of(BRANCHY, 6)]), cache=fresh)
     for c, f in zip(cache, fresh, strict=True):

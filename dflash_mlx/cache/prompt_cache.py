@@ -15,8 +15,8 @@ late clean-up could see half-written) and `commit`s its own state back when it e
 cleanly or is closed between two cycles. A request that fails anywhere else commits
 nothing, so the next one starts fresh. A commit is refused once another request has
 taken the cache since (an abandoned stream closed late by the garbage collector, on
-whatever thread, cannot overwrite a newer conversation). `decode.py` builds and reads
-the state; this module only keeps it.
+whatever thread, cannot overwrite a newer conversation). The engine (`prefill.py`,
+`batch.py`) builds and reads the state; this module only keeps it.
 
 With a `PromptStore` (`PromptCache(store=...)`), a request also resumes from the longest
 prefix of its prompt the store holds, whichever conversation or process left it, when

@@ -1,11 +1,12 @@
-"""Continuous batching with DFlash on (SPEC 8): requests join and leave between cycles.
+"""The engine: the one driver of the decode cycle (SPEC 1, 8), for one request or many.
 
-`BatchDecoder` runs the decode cycle of `decode.py` for several requests at once: each row
-is a `prefill.Request` of its own (draft state, sampling keys, controls, committed tokens),
-drafts and accepts with the same step functions a request alone does (`make_drafts`,
-`accept`, `commit_draft`), and the rows' blocks are verified in **one** target pass over a
-batch cache (`batch_cache`: each row its own positions, length and rewind). Rows of
-different widths are padded at their end; padding is rewound with the rejected drafts.
+`BatchDecoder` runs the cycle for every active row at once: each row is a
+`prefill.Request` of its own (draft state, sampling keys, controls, committed tokens), and
+the rows' blocks are verified in **one** target pass over a batch cache (`batch_cache`:
+each row its own positions, length and rewind). Rows of different widths are padded at
+their end; padding is rewound with the rejected drafts. A request alone is a batch of one:
+`stream_generate`, `generate`, chat, bench and `serve --max-batch 1` are `run` with one
+row, and `speculative_decode` reads its cycles.
 
 A request arriving while others decode is prefilled alone, in chunks, with one cycle of
 the running rows between chunks (a long prompt never stalls them for more than a chunk;

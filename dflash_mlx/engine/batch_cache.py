@@ -203,28 +203,48 @@ def keep_rows(cache: list[Any], rows: list[int]) -> None:
         c.filter(mx.array(rows))
 
 
-def rewind_rows(
+def keep(
     target: Any,
     cache: list[Any],
     keeps: list[int],
     total: int,
-    snapshot: dict[int, tuple],
-    calls: dict[int, tuple],
+    saved: tuple[dict[int, tuple], dict[int, tuple]],
+    paths: list[list[int] | None] | None = None,
 ) -> None:
-    """After a batched pass of `total` tokens per row, keep the first `keeps[b]` of row `b`
-    (SPEC 5.3, per row): attention rows drop the rest; recurrent layers go back to
-    `snapshot` and replay each row over its own first `keeps[b]` inputs, all rows in one
-    call (rows past their length are masked, and their state stops there)."""
+    """After a pass of `total` tokens a row, keep the first `keeps[b]` of row `b` (SPEC 5.3,
+    per row; one request alone is a batch of one): a tree's accepted path (`paths[b]`, node
+    ids in pass order) first moved to the front of its block, then attention rows drop the
+    rest, and recurrent layers go back to their snapshot and replay each row over its own
+    first `keeps[b]` inputs (`replay_rows`). `saved`: the recurrent states before the pass
+    and the pass's recorded inputs (`target.snapshot`, `target.recorded_calls`)."""
+    if paths is not None and any(p is not None for p in paths):
+        for c in cache:  # trees run on attention-only targets
+            move_paths(c, paths, total)
     drops = [total - k for k in keeps]
     if not any(drops):
         return
+    snapshot, calls = saved
     for i, c in enumerate(cache):
         if i not in snapshot:
-            c.trim_rows(drops)
-    if not snapshot:
-        return
+            trim_rows(c, drops)
+    if snapshot:
+        replay_rows(target, cache, keeps, snapshot, calls)
+
+
+def replay_rows(
+    target: Any,
+    cache: list[Any],
+    keeps: list[int],
+    snapshot: dict[int, tuple],
+    calls: dict[int, tuple],
+) -> None:
+    """Recurrent layers back to `snapshot`, then each row replayed over its own first
+    `keeps[b]` inputs of the pass (`calls`), all rows in one call (rows past their length
+    are masked, and their state stops there)."""
     target.restore(cache, snapshot)
     most = max(keeps)
+    if most == 0:
+        return
     mask = mx.arange(most)[None] < mx.array(keeps)[:, None]
     for i in snapshot:
         c = cache[i]
@@ -243,3 +263,30 @@ def rewind_rows(
             type(layer).__mro__[1].__call__(layer, x[:, :most], *args, **kwargs)
         finally:
             c.lengths = None
+
+
+def trim_rows(c: Any, drops: list[int]) -> None:
+    """Row `b` of an attention layer's cache forgets its last `drops[b]` positions (a
+    single request's cache: its one row)."""
+    if isinstance(c, RowsKVCache):
+        c.trim_rows(drops)
+    else:
+        (drop,) = drops
+        c.trim(drop)
+
+
+def move_paths(c: Any, paths: list[list[int] | None], total: int) -> None:
+    """`RowsKVCache.move_paths` for any attention layer's cache (a single request's: its
+    one row; a `QuantizedKVCache` stores its keys and values in parts)."""
+    if isinstance(c, RowsKVCache):
+        c.move_paths(paths, total)
+        return
+    (path,) = paths
+    if path is None or path == list(range(len(path))):
+        return
+    rows = mx.array(path)
+    start = c.offset - total
+    end = start + len(path)
+    parts = [*c.keys, *c.values] if isinstance(c.keys, (tuple, list)) else [c.keys, c.values]
+    for a in parts:
+        a[..., start:end, :] = a[..., start + rows, :]

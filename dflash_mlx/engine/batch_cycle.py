@@ -24,9 +24,9 @@ from ..options import GenerateOptions
 from ..speed.adaptive import WidthChooser
 from ..speed.costs import CostCurves
 from . import batch_draft
-from .batch_cache import rewind_rows, row_lengths
+from .batch_cache import keep, row_lengths
 from .bookkeeping import follow_capture
-from .decode import NO_DRAFTS, _Step, accept, commit, commit_draft, result
+from .decode import NO_DRAFTS, _Step, accept, commit_draft, result
 from .generate import Reply
 from .prefill import Request
 from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
@@ -363,22 +363,15 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
 
 
 def rewind(target, rows: list[Row], steps: list, results: list, cache: list, width: int):
-    """Each row keeps what it accepted: the batch's caches per row (one row alone: its own,
-    as a request alone rewinds); the drafts get their features."""
+    """Each row keeps what it accepted (`batch_cache.keep`, one row or many); the drafts
+    get their features."""
     with mx.stream(generation_stream):
-        if len(rows) > 1:
-            keeps = [n + 1 for n, _ in results]
-            paths = [s.path if s.tree is not None else None for s in steps]
-            if any(p is not None for p in paths):  # trees: every layer is a `RowsKVCache`
-                for c in cache:
-                    c.move_paths(paths, width)
-            before, calls = steps[0].saved
-            rewind_rows(target, cache, keeps, width, before, calls)
-            for r, s, (n, _) in zip(rows, steps, results):
-                if r.error is None:
-                    commit_draft(r.req, s, n)
-        elif rows[0].error is None:
-            commit(rows[0].req, steps[0], results[0][0])
+        keeps = [n + 1 for n, _ in results]
+        paths = [s.path if s.tree is not None else None for s in steps]
+        keep(target, cache, keeps, width, steps[0].saved, paths)
+        for r, s, (n, _) in zip(rows, steps, results):
+            if r.error is None:
+                commit_draft(r.req, s, n)
 
 
 def learn(

@@ -1,6 +1,6 @@
-"""Bookkeeping beside the decode cycle (`decode._cycles`): where a reply ends at EOS, the
-recurrent states kept for a prompt cache, MLX's buffer cache, a dormant draft's context,
-and the wall time each cycle is charged for the width chooser.
+"""Bookkeeping beside the decode cycle (`batch.BatchDecoder`): where a reply ends at EOS,
+the recurrent states kept for a prompt cache, MLX's buffer cache, a dormant draft's
+context.
 """
 
 from __future__ import annotations

@@ -140,20 +140,10 @@ def result(req: Request, step: _Step) -> tuple[int, list[int]]:
     return n, (out[: n + 1] if req.params.greedy or req.coupled else out[:n] + out[-1:])
 
 
-def commit(req: Request, step: _Step, n: int) -> None:
-    """Keep the first `n + 1` verified positions: the target rewinds the rest (SPEC 5.3), the
-    draft gets their features and its conv rows at block index `n`."""
-    with mx.stream(generation_stream):
-        if step.tree is not None:
-            req.target.keep_path(req.cache, step.path, step.width)
-        elif step.width > 1:
-            before, calls = step.saved
-            req.target.rewind(req.cache, n + 1, step.width, before, calls)
-        commit_draft(req, step, n)
-
-
 def commit_draft(req: Request, step: _Step, n: int) -> None:
-    """`commit` but for the target's cache (a batch rewinds its rows at once)."""
+    """A cycle's commit for the draft and the controls: the draft gets the features of
+    the first `n + 1` verified positions and its conv rows at block index `n` (the target's
+    cache is rewound per row by `batch_cache.keep`, SPEC 5.3)."""
     with mx.stream(generation_stream):
         if req.draft is not None:
             if step.feats is not None:

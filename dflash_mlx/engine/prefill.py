@@ -4,7 +4,7 @@
 committed tokens; the models hold none of it). `resume` takes what a previous request left in
 a `PromptCache` up to the longest common prefix; `prefill_prompt` feeds the rest of the prompt
 in chunks, growing the draft's context only where a block will read it. The cycle that
-follows is `decode.py`'s.
+follows is `batch.py`'s (the engine).
 """
 
 from __future__ import annotations

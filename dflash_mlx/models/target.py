@@ -242,24 +242,6 @@ class TargetAdapter:
         finally:
             rec.tree_mask, rec.tree_depths = None, None
 
-    def keep_path(self, cache: list[Any], path: list[int], total: int) -> None:
-        """After a tree pass of `total` nodes: keep the rows of the nodes on `path` (ids in
-        pass order, root first), gathered into place, and drop the rest."""
-        if path != list(range(len(path))):
-            rows = mx.array(path)
-            for c in cache:
-                start = c.offset - total
-                end = start + len(path)
-                if isinstance(c, QuantizedKVCache):
-                    for parts in (c.keys, c.values):
-                        for a in parts:
-                            a[..., start:end, :] = a[..., start + rows, :]
-                else:
-                    c.keys[..., start:end, :] = c.keys[..., start + rows, :]
-                    c.values[..., start:end, :] = c.values[..., start + rows, :]
-        for c in cache:
-            c.trim(total - len(path))
-
     @property
     def replay_ids(self) -> frozenset[int]:
         """Layers whose cache is replayed rather than trimmed (known after make_cache)."""
@@ -283,47 +265,6 @@ class TargetAdapter:
         """The recurrent layers' inputs in the latest forward pass (kept by a cycle for its
         rewind, so that another request's pass in between cannot replace them)."""
         return dict(self._rec.calls)
-
-    def rewind(
-        self,
-        cache: list[Any],
-        keep: int,
-        total: int,
-        snapshot: dict[int, tuple],
-        calls: dict[int, tuple] | None = None,
-    ) -> None:
-        """Undo the last `total - keep` positions of a forward pass.
-
-        Trimmable caches drop them; recurrent caches go back to `snapshot` and re-run their
-        layer over the first `keep` inputs it saw (SPEC 5.3): `calls`, as `recorded_calls`
-        returned them after that pass (default: the latest pass).
-        """
-        drop = total - keep
-        if drop <= 0:
-            return
-        calls = self._rec.calls if calls is None else calls
-        for i, c in enumerate(cache):
-            if i in snapshot:
-                continue
-            c.trim(drop)
-        self.restore(cache, snapshot)
-        for i in snapshot if keep > 0 else ():
-            x, args, kwargs = calls[i]
-            args = tuple(_slice_mask(a, keep) for a in args)
-            kwargs = {k: _slice_mask(v, keep) for k, v in kwargs.items()}
-            type(self.layers[i]).__mro__[1].__call__(self.layers[i], x[:, :keep], *args, **kwargs)
-        self._rec.clear()
-
-
-def _slice_mask(a: Any, keep: int) -> Any:
-    if isinstance(a, mx.array):
-        if a.ndim != 2:
-            raise BadCheckpoint(
-                f"cannot replay a recurrent layer called with a {a.ndim}-d array argument "
-                "(expected a (batch, length) mask or none)"
-            )
-        return a[:, :keep]
-    return a
 
 
 class _TreeRoPE(nn.Module):

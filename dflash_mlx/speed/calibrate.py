@@ -30,6 +30,7 @@ import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
 
+from ..engine.batch_cache import keep
 from ..engine.sampling import SamplingParams, propose
 from ..paths import cache_dir
 from .costs import CostCurves
@@ -163,7 +164,7 @@ def measure(
         saved = target.snapshot(cache)
         logits, f = target.forward(mx.zeros((1, w), dtype=mx.int32), cache, ids)
         mx.eval(logits, f)
-        target.rewind(cache, keep=0, total=w, snapshot=saved)
+        keep(target, cache, [0], w, (saved, {}))
 
     def drafting(n: int) -> None:
         tokens, _ = propose(draft, state, anchor, n, n - 1, greedy, None)
@@ -180,7 +181,7 @@ def measure(
             y = mx.argmax(logits[:, -1:], axis=-1).astype(mx.int32)
             mx.async_eval(y)
         mx.eval(y)
-        target.rewind(cache, keep=0, total=chain, snapshot=saved)
+        keep(target, cache, [0], chain, (saved, {}))
 
     def curves() -> tuple[tuple[float, ...], tuple[float, ...]]:
         nonlocal done
@@ -216,7 +217,7 @@ def measure(
         tic = time.perf_counter()
         mx.eval(f)
         spent = time.perf_counter() - tic
-        target.rewind(cache, keep=0, total=rows, snapshot=saved)
+        keep(target, cache, [0], rows, (saved, {}))
         return spent / rows
 
     deferred()  # warm-up
