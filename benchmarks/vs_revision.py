@@ -3,9 +3,10 @@
 For refactors of the engine: both trees run the same held-out prompts at a fixed verify
 width of 16, plainly (W = 1), with the automatic width, as trees of 12 nodes (`tree12`), and
 4 requests at once (`batch4`, `batch_generate`, automatic width: total tok/s over the wall
-time), each in its own process,
-alternating tree by tree for `--repeats` rounds; it prints each tree's mean tok/s and the
-geometric mean of the paired ratios (this / the revision). The revision is checked out into
+time). Each tree runs in a worker process of its own; every measurement is taken in both
+back to back, in alternating order, so that what else the machine does weighs on both
+alike. It prints each tree's mean tok/s and the geometric mean of the paired ratios (this /
+the revision) with a 95% interval. The revision is checked out into
 a temporary git worktree (removed afterwards). Use a fresh `DFLASH_MLX_CACHE` per regime;
 `--openblas` preloads Debian's OpenBLAS in both trees' processes.
 
@@ -15,9 +16,9 @@ a temporary git worktree (removed afterwards). Use a fresh `DFLASH_MLX_CACHE` pe
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,9 +27,10 @@ from pathlib import Path
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 WIDTHS = ("16", "1", "auto", "tree12", "batch4")
 
-# One tree's run: it imports dflash_mlx from the tree given in argv[1] (old API or new).
+# One tree's worker: it imports dflash_mlx from the tree given in argv[1] (old API or new),
+# then runs one measurement per line read from stdin, `mode index`, and prints its tok/s.
 CHILD = r"""
-import json, os, sys
+import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 import dflash_mlx
 from dflash_mlx.demo import demo_pair
@@ -37,54 +39,58 @@ model, tok = dflash_mlx.load(str(t))
 draft = dflash_mlx.load_draft(str(d))
 path = os.path.join(sys.argv[1], "dflash_mlx/demo_pair/heldout_prompts.jsonl")
 prompts = [json.loads(line)["prompt"] for line in open(path)][: int(sys.argv[2])]
+ids = [tok.encode(p)[:200] for p in prompts]
 pair = dflash_mlx.Pair(model, draft) if hasattr(dflash_mlx, "Pair") else None
-out = {}
-for name in ("16", "1", "auto"):
-    w = None if name == "auto" else int(name)
-    speeds = []
-    for p in prompts:
-        ids = tok.encode(p)[:200]
-        if pair is not None:
-            r = dflash_mlx.generate(pair, tok, ids, max_tokens=96, verify_width=w)
-            speeds.append(r.stats.generation_tps)
-        else:
-            r = dflash_mlx.generate(model, draft, tok, ids, max_tokens=96, block_size=w)
-            speeds.append(r.generation_tps)
-    out[name] = sum(speeds) / len(speeds)
-speeds = []
-for p in prompts:
-    ids = tok.encode(p)[:200]
-    r = dflash_mlx.generate(pair, tok, ids, max_tokens=96, verify_width=12, tree=True)
-    speeds.append(r.stats.generation_tps)
-out["tree12"] = sum(speeds) / len(speeds)
-import time
-groups = [prompts[i : i + 4] for i in range(0, len(prompts) - 3, 4)] or [prompts[:4]]
-tokens = seconds = 0.0
-for g in groups:
-    ids = [tok.encode(p)[:200] for p in g]
-    opts = dflash_mlx.GenerateOptions(max_tokens=96)
-    tic = time.perf_counter()
-    rs = dflash_mlx.batch_generate(pair, tok, ids, opts, max_batch=4)
-    seconds += time.perf_counter() - tic
-    tokens += sum(len(r.tokens) for r in rs)
-out["batch4"] = tokens / seconds
-print(json.dumps(out))
+
+def one(mode, i):
+    if mode == "batch4":  # 4 requests at once: total tok/s over the wall time
+        group = [ids[(i + k) % len(ids)] for k in range(4)]
+        opts = dflash_mlx.GenerateOptions(max_tokens=96)
+        tic = time.perf_counter()
+        rs = dflash_mlx.batch_generate(pair, tok, group, opts, max_batch=4)
+        return sum(len(r.tokens) for r in rs) / (time.perf_counter() - tic)
+    if mode == "tree12":
+        r = dflash_mlx.generate(pair, tok, ids[i], max_tokens=96, verify_width=12, tree=True)
+        return r.stats.generation_tps
+    w = None if mode == "auto" else int(mode)
+    if pair is None:
+        r = dflash_mlx.generate(model, draft, tok, ids[i], max_tokens=96, block_size=w)
+        return r.generation_tps
+    r = dflash_mlx.generate(pair, tok, ids[i], max_tokens=96, verify_width=w)
+    return r.stats.generation_tps
+
+print("ready", flush=True)
+for line in sys.stdin:
+    mode, i = line.split()
+    print(json.dumps(one(mode, int(i))), flush=True)
 """
 
 
-def run_tree(root: Path, prompts: int, openblas: bool) -> dict[str, float]:
-    env = dict(os.environ)
-    if openblas:
-        env["LD_PRELOAD"] = OPENBLAS
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(root), str(prompts)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tempfile.gettempdir(),  # never the checkout: the tree comes from argv[1]
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+class Tree:
+    """A worker process importing one tree's package."""
+
+    def __init__(self, root: Path, prompts: int, openblas: bool):
+        env = dict(os.environ)
+        if openblas:
+            env["LD_PRELOAD"] = OPENBLAS
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(root), str(prompts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=tempfile.gettempdir(),  # never the checkout: the tree comes from argv[1]
+        )
+        assert self.proc.stdout.readline().strip() == "ready"
+
+    def run(self, mode: str, i: int) -> float:
+        self.proc.stdin.write(f"{mode} {i}\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def main() -> None:
@@ -102,20 +108,34 @@ def main() -> None:
             check=True,
         )
         try:
-            runs: dict[str, list[dict[str, float]]] = {"this": [], "old": []}
+            trees = {"old": Tree(old, args.prompts, args.openblas)}
+            trees["this"] = Tree(here, args.prompts, args.openblas)
+            runs: dict[str, dict[str, list[float]]] = {"this": {}, "old": {}}
+            for mode in WIDTHS:  # warm-up: compilation, calibration, the choosers' first lessons
+                for t in trees.values():
+                    t.run(mode, 0)
             for r in range(args.repeats):
-                for name, root in (("old", old), ("this", here)):
-                    runs[name].append(run_tree(root, args.prompts, args.openblas))
-                    print(f"round {r + 1} {name}: {json.dumps(runs[name][-1])}", file=sys.stderr)
+                for i in range(args.prompts):
+                    for mode in WIDTHS:
+                        # Paired in time: the two trees back to back, in alternating order.
+                        order = ("old", "this") if (r + i) % 2 == 0 else ("this", "old")
+                        for name in order:
+                            runs[name].setdefault(mode, []).append(trees[name].run(mode, i))
+                print(f"round {r + 1} done", file=sys.stderr, flush=True)
+            for t in trees.values():
+                t.close()
         finally:
             subprocess.run(["git", "-C", str(here), "worktree", "remove", "--force", str(old)])
-    print(f"{'width':>6} {'this tok/s':>11} {args.revision + ' tok/s':>14} {'this/old':>9}")
+    rev = args.revision + " tok/s"
+    print(f"{'mode':>6} {'this tok/s':>11} {rev:>14} {'this/old':>9}  95% interval")
     for w in WIDTHS:
-        this = [x[w] for x in runs["this"]]
-        before = [x[w] for x in runs["old"]]
-        ratio = math.exp(sum(math.log(a / b) for a, b in zip(this, before)) / len(this))
+        this, before = runs["this"][w], runs["old"][w]
+        logs = [math.log(a / b) for a, b in zip(this, before)]
+        mean = statistics.fmean(logs)
+        half = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
         print(
-            f"{w:>6} {sum(this) / len(this):11.1f} {sum(before) / len(before):14.1f} {ratio:9.3f}"
+            f"{w:>6} {statistics.fmean(this):11.1f} {statistics.fmean(before):14.1f} "
+            f"{math.exp(mean):9.3f}  [{math.exp(mean - half):.3f}, {math.exp(mean + half):.3f}]"
         )
 
 
