@@ -3,7 +3,10 @@
 For refactors of the engine: both trees run the same held-out prompts at a fixed verify
 width of 16, plainly (W = 1), with the automatic width, as trees of 12 nodes (`tree12`), and
 4 requests at once (`batch4`, `batch_generate`, automatic width: total tok/s over the wall
-time). Each tree runs in a worker process of its own; every measurement is taken in both
+time). Speeds are a request's tokens over its wall time, prefill included (an engine
+that hands out its first token sooner, before launching the next cycle, must not look
+slower: decode-only rates start their clock at the first token). Each tree runs in a
+worker process of its own; every measurement is taken in both
 back to back, in alternating order, so that what else the machine does weighs on both
 alike. It prints each tree's mean tok/s and the geometric mean of the paired ratios (this /
 the revision) with a 95% interval. The revision is checked out into
@@ -49,15 +52,15 @@ def one(mode, i):
         tic = time.perf_counter()
         rs = dflash_mlx.batch_generate(pair, tok, group, opts, max_batch=4)
         return sum(len(r.tokens) for r in rs) / (time.perf_counter() - tic)
-    if mode == "tree12":
-        r = dflash_mlx.generate(pair, tok, ids[i], max_tokens=96, verify_width=12, tree=True)
-        return r.stats.generation_tps
-    w = None if mode == "auto" else int(mode)
+    tree = mode == "tree12"
+    w = 12 if tree else None if mode == "auto" else int(mode)
+    extra = {"tree": True} if tree else {}
+    tic = time.perf_counter()
     if pair is None:
         r = dflash_mlx.generate(model, draft, tok, ids[i], max_tokens=96, block_size=w)
-        return r.generation_tps
-    r = dflash_mlx.generate(pair, tok, ids[i], max_tokens=96, verify_width=w)
-    return r.stats.generation_tps
+    else:
+        r = dflash_mlx.generate(pair, tok, ids[i], max_tokens=96, verify_width=w, **extra)
+    return len(r.tokens) / (time.perf_counter() - tic)
 
 print("ready", flush=True)
 for line in sys.stdin:
