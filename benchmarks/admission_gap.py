@@ -5,7 +5,7 @@
 Starts the real server (uvicorn, `--max-batch 8`) over the demo pair on a free 127.0.0.1
 port, streams one greedy chat reply (A) and, once A has streamed a few events, sends B:
   * long prompt - a prompt of about 2000 tokens (`--prompt-words` 330), 8 greedy tokens;
-  * costly schema - a short prompt whose `response_format` is a JSON schema with a 20 000-way
+  * costly schema - a short prompt whose `response_format` is a JSON schema with a 4 600-way
                     `pattern` alternation (its grammar takes a while to build).
 For each, by the client's clock: A's worst gap between two events while B was in flight,
 B's own time (sent to last event), and their ratio (the issue's goal: under a third).
@@ -95,7 +95,8 @@ def measure(args) -> dict:
                 if line.startswith("data:"):
                     stamps.append(time.perf_counter())
 
-    alts = "|".join(f"[a-z]{{{i % 7 + 1}}}x{i}" for i in range(20000))
+    # As costly as the server accepts: a pattern under its 65,536-character bound.
+    alts = "|".join(f"[a-z]{{{i % 7 + 1}}}x{i}" for i in range(4600))
     schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": f"^({alts})$"}}}
     cases = {
         "long prompt": lambda k: {
