@@ -340,21 +340,37 @@ NO_PROMPT = (
 
 def read_schema(path: Path | None) -> dict | None:
     """The JSON schema in `path` (None: none); a file that cannot be read, is not JSON or
-    holds no schema object is a `BadArgument` naming it."""
+    holds no schema object is a `BadArgument` naming it, and so is one beyond the server's
+    bounds (`dflash_mlx.json_schema`: nesting, no JSON Schema, a string or a pattern's
+    counted repetitions beyond 65,536 characters), all before any model loads."""
     if path is None:
         return None
     import json
 
+    from dflash_mlx.json_schema import MAX_DEPTH, schema_problem, schema_too_large, too_deep
+
+    deep = f"--json-schema {path}: nests arrays and objects more than {MAX_DEPTH} levels deep"
     try:
         schema = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise BadArgument(f"--json-schema {path}: cannot read it ({e.strerror or e})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadArgument(f"--json-schema {path}: not JSON ({e})") from None
+    except RecursionError:  # past Python's own limit, far past ours
+        raise BadArgument(deep) from None
     if not isinstance(schema, dict):
         raise BadArgument(
             f"--json-schema {path}: a JSON schema is an object, not {type(schema).__name__}"
         )
+    where = too_deep(schema)
+    if where is not None:
+        raise BadArgument(f"{deep} (at {'/'.join(map(str, where[:8]))}/...)")
+    problem = schema_problem(schema)
+    if problem is not None:
+        raise BadArgument(f"--json-schema {path}: not a JSON Schema: {problem}")
+    problem = schema_too_large(schema)
+    if problem is not None:
+        raise BadArgument(f"--json-schema {path}: too large to constrain a reply: {problem}")
     return schema
 
 

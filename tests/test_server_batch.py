@@ -45,6 +45,12 @@ def jobs(health: dict) -> int:
     return health["running"] + health["waiting"]
 
 
+def admitted(health: dict) -> int:
+    """Requests the engine has taken since it started: those it holds and those it ended.
+    Never decreases (a request moves from held to ended under one lock)."""
+    return jobs(health) + health["completed"] + health["cancelled"] + health["failed"]
+
+
 @contextmanager
 def gate(server: Server, held: Callable[[], bool]) -> Iterator[None]:
     """The server's target passes wait while `held()` is true (bounded by TIMEOUT)."""
@@ -77,13 +83,17 @@ def until_engine_holds(server: Server, n: int) -> Callable[[], bool]:
 
 
 def in_order(server: Server, pool: ThreadPoolExecutor, calls: list[Callable]) -> list:
-    """Start `calls` on `pool`, each once the engine holds the requests before it; their
-    futures, in order."""
-    before = jobs(server.health())
+    """Start `calls` on `pool`, each once the engine has taken the requests before it; their
+    futures, in order.
+
+    Waits on the count of requests the engine has taken, which never decreases: once the
+    last one is in, a `gate` opens and the batch may finish (and the engine hold none)
+    before a poll of /health on a loaded machine sees it held."""
+    before = admitted(server.health())
     futures = []
     for i, call in enumerate(calls):
         futures.append(pool.submit(call))
-        server.wait_until(lambda h, i=i: jobs(h) >= before + i + 1, f"request {i + 1} queued")
+        server.wait_until(lambda h, i=i: admitted(h) >= before + i + 1, f"request {i + 1} queued")
     return futures
 
 

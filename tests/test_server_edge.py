@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from dflash_mlx.errors import EXIT_INTERRUPTED, EXIT_TERMINATED
-from dflash_mlx.server.request import MAX_SCHEMA_STRING, pattern_size, schema_too_large
+from dflash_mlx.json_schema import MAX_SCHEMA_STRING, pattern_size, schema_too_large
 
 from .test_cli_serve import exe
 from .test_server import MODEL, TIMEOUT, serving

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import typing
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -25,11 +25,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from ..json_schema import MAX_DEPTH, too_deep
 from .errors import APIError
 
-# Arrays and objects within each other: templates, JSON encoders and validators recurse per
-# level (Python's own limit is ~1000 frames); real schemas and arguments nest a few levels.
-MAX_DEPTH = 64
 # JSON values in a body, bounded by its commas and brackets (those in strings count too):
 # more than any context holds, and few enough that parsing them never stalls the server.
 MAX_VALUES = 1_000_000
@@ -50,32 +48,6 @@ def field_name(path: list[str | int], parts: int = 8) -> str:
             step = step if len(step) <= 40 else step[:40] + "..."
             out += f".{step}" if out else step
     return out
-
-
-def _children(value: dict | list) -> Iterator[tuple[str | int, Any]]:
-    return iter(value.items()) if isinstance(value, dict) else enumerate(value)
-
-
-def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[str | int] | None:
-    """The path to the first array or object nested more than `limit` levels deep, or None
-    (iterative: any depth is safe)."""
-    if not isinstance(value, (dict, list)):
-        return None
-    path: list[str | int] = []
-    stack = [_children(value)]
-    while stack:
-        for key, child in stack[-1]:
-            if isinstance(child, (dict, list)):
-                path.append(key)
-                if len(stack) >= limit:
-                    return path
-                stack.append(_children(child))
-                break
-        else:
-            stack.pop()
-            if path:
-                path.pop()
-    return None
 
 
 def count_values(value: Any, limit: int) -> int:

@@ -20,7 +20,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .request import schema_problem, schema_too_large
+from ..json_schema import schema_problem, schema_too_large
 
 
 class Strict(BaseModel):
