@@ -546,3 +546,101 @@ def test_bad_draft_windows_are_the_callers_errors(target, draft):
     for bad in (1, 0, -4, "8", 2.5, True):
         with pytest.raises(BadArgument, match=f"draft_window {bad!r}"):
             generate(model, draft, tok, "hi", max_tokens=3, draft_window=bad)
+
+
+# -- one engine: what a request alone gets from it ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kind", ["sampled", "penalised", "logprobs", "capturing", "recurrent-cached"]
+)
+def test_a_request_alone_chains_its_plain_passes_and_decodes_the_same(
+    models_dir, draft, kind, monkeypatch
+):
+    """A row alone decoding plainly launches each pass on the last one's device token
+    before that token reaches the host (as mlx-lm chains its steps), whatever it samples,
+    processes, reports or keeps; and what it decodes is what the same request decodes
+    with every pass waiting for the host."""
+    from dflash_mlx import GenerateOptions, Pair, PromptCache
+    from dflash_mlx.engine import batch as batch_mod
+    from dflash_mlx.engine import batch_cycle
+
+    name = "qwen35" if kind == "recurrent-cached" else "qwen3"
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(PROMPTS[0])
+    opts = {
+        "sampled": GenerateOptions(max_tokens=24, temperature=0.8, seed=5, verify_width=1),
+        "penalised": GenerateOptions(max_tokens=24, repetition_penalty=1.3, verify_width=1),
+        "logprobs": GenerateOptions(max_tokens=24, logprobs=3, verify_width=1),
+        # Automatic width on a draft the chooser keeps dormant-free: plain cycles capture.
+        "capturing": GenerateOptions(max_tokens=24),
+        "recurrent-cached": GenerateOptions(max_tokens=24, verify_width=1),
+    }[kind]
+    pair = Pair(model, draft)
+    if kind == "capturing":
+        # Automatic width kept plain, with the draft's context kept warm (features captured
+        # at every plain pass, as before a probe).
+        from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
+
+        block = draft.config.block_size
+
+        class PlainButWarm(WidthChooser):
+            def choose(self, limit=None, depth=None, context=(0, 0)):
+                self.capture = True
+                return 1, block
+
+        curves = CostCurves(tuple(1e-3 * w for w in range(1, block + 1)), (1e-3,) * block)
+        monkeypatch.setattr(pair, "plan", lambda o: (block, block, PlainButWarm(curves, block)))
+
+    def run():
+        dec = batch_mod.BatchDecoder(pair, tok, max_batch=1)
+        cache = PromptCache() if kind == "recurrent-cached" else None
+        row = dec.submit(ids, opts, prompt_cache=cache)
+        out = [r for r in dec.run(row)]
+        if kind == "capturing":  # each plain pass fed the draft its features
+            assert out[-1].stats.draft == "active" and out[-1].stats.plain_tokens >= 20
+        return [t for r in out for t in r.tokens], [r.logprobs for r in out], dec.chained
+
+    tokens, logprobs, chained = run()
+    assert chained >= len(tokens) - 4, f"{kind}: {chained} of {len(tokens)} passes chained"
+    monkeypatch.setattr(batch_cycle, "plain", lambda *a: False)  # every pass waits
+    want, want_lp, unchained = run()
+    assert unchained == 0
+    assert tokens == want, f"{kind}: a chained pass changed the reply"
+    if kind == "logprobs":
+        assert logprobs == want_lp and all(lp for lp in logprobs)
+
+
+def test_a_request_alone_settles_its_speculation_against_plain_decoding(target, draft, monkeypatch):
+    """The floor under the width chooser (settling each speculative cycle against plain
+    decoding as measured) and its pricing of the draft's catch-up hold for a request
+    alone, as for a batch: both are called with what the engine measured."""
+    from dflash_mlx import Pair
+    from dflash_mlx.speed.adaptive import WidthChooser
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    ref = target_greedy(model, ids, 160)
+    settled, caught = [], []
+    settle, observe_context = WidthChooser.settle, WidthChooser.observe_context
+
+    def spy_settle(self, tokens, seconds):
+        settled.append((tokens, seconds))
+        return settle(self, tokens, seconds)
+
+    def spy_context(self, rows, lazy, seconds):
+        caught.append((rows, lazy, seconds))
+        return observe_context(self, rows, lazy, seconds)
+
+    monkeypatch.setattr(WidthChooser, "settle", spy_settle)
+    monkeypatch.setattr(WidthChooser, "observe_context", spy_context)
+    # Right drafts in stretches: speculation, plain steps, and speculation resumed.
+    d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 40) % 2 else 0)
+    ch, _ = dormant_chooser(probe_interval=3, max_probe_interval=6)
+    ch.observe_context = lambda *a: spy_context(ch, *a)  # the helper stubs it: spy instead
+    cycles = auto_decode(Pair(model, d), d, ids, 160, ch)
+    assert [t for c in cycles for t in c.tokens] == ref
+    spec = [c for c in cycles[2:] if c.width > 1]
+    assert spec and len(settled) >= len(spec) - 2, (len(settled), len(spec))
+    assert all(seconds > 0 and tokens >= 1 for tokens, seconds in settled)
+    assert caught and all(rows >= 1 and seconds >= 0 for rows, _, seconds in caught)
