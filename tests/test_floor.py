@@ -111,3 +111,19 @@ def test_speculation_resumes_when_the_text_turns_predictable():
     assert ch.choose(depth=0)[0] == 1 or ch.probing
     log = blind(ch, BLAS, 0.95, 1500)
     assert speed(log[300:]) >= 0.9 * best_fixed_rate(BLAS, 0.95)
+
+
+def test_a_new_text_is_looked_at_while_the_floor_says_speculation_loses():
+    """Short requests whose drafts are never right grow the interval between probes past a
+    request's length and leave the floor losing; a request whose text is predictable is
+    still probed within it (as its own budget affords) and speculates, instead of staying
+    plain on the interval earlier texts grew."""
+    ch = WidthChooser(BLAS, BLOCK)
+    for _ in range(40):  # texts the draft never gets right
+        ch.begin_request()
+        blind(ch, BLAS, 0.0, 96, extra=0.5)
+    assert ch.floor.losing and ch.probe_interval > 96, (ch.floor.losing, ch.probe_interval)
+    ch.begin_request()
+    log = blind(ch, BLAS, 0.95, 96)  # a predictable text: speculation pays on this device
+    assert max(t for t, _ in log) > 1, "the predictable text was never probed"
+    assert sum(t for t, _ in log) / len(log) > 2.0, "it did not speculate once it paid"
