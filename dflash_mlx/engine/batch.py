@@ -234,8 +234,13 @@ class BatchDecoder:
         progress = between_chunks
         if row.prompt_cache is not None:
             progress = row.prompt_cache.watch(between_chunks)
+        # Alone, a request whose chooser expects to decode plainly prefills no draft context
+        # but a window (a dormant prefill); a decoder that batches prefills it all, since
+        # its batch may speculate where the pair alone would not (with a window only, its
+        # drafts miss and teach the pair's chooser that this text drafts badly).
+        dormant = chooser if self.max_batch == 1 else None
         with mx.stream(generation_stream):
-            logits = prefill_prompt(req, opts.prefill_step, progress, chooser)
+            logits = prefill_prompt(req, opts.prefill_step, progress, dormant)
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)
