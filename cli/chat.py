@@ -70,6 +70,7 @@ def command(
     tree: options.Tree = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
+    draft_sink: options.DraftSink = None,
     json_out: Annotated[
         bool,
         typer.Option(
@@ -132,6 +133,7 @@ def command(
             hide_thinking=hide_thinking,
             plain=plain,
             draft_window=draft_window,
+            draft_sink=draft_sink,
             prompt_cache_dir=cache.prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
         )
     except UserError as e:  # LoadError included
@@ -166,6 +168,7 @@ def run(
     hide_thinking: bool = False,
     plain: bool = False,
     draft_window: int | None = None,
+    draft_sink: int | None = None,
     top_k: int = 0,
     min_p: float = 0.0,
     penalties: dict | None = None,
@@ -197,6 +200,7 @@ def run(
         tree=tree,
         seed=seed,
         draft_window=draft_window,
+        draft_sink=draft_sink,
         **(penalties or {}),
     )
     if system is not None:

@@ -48,6 +48,7 @@ def command(
     tree: options.Tree = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
+    draft_sink: options.DraftSink = None,
     json_schema: Annotated[
         Path | None,
         typer.Option(
@@ -107,6 +108,7 @@ def command(
                 verify_width=options.verify_width(verify_width, block_size),
                 tree=tree,
                 draft_window=draft_window,
+                draft_sink=draft_sink,
                 json_schema=read_schema(json_schema),
             ),
         )

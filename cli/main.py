@@ -109,6 +109,26 @@ def train(
     regen_tokens: Annotated[int, typer.Option(help="Most tokens per regenerated reply.")] = 128,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from --out's state.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Train into a non-empty --out.")] = False,
+    long_context: Annotated[
+        str | None,
+        typer.Option(
+            help="Train on long prompts: windows of these many tokens (e.g. 1024,3072) cut "
+            "from --data's texts, each continued by the target; reports held-out τ at each "
+            "length before and after.",
+            show_default=False,
+        ),
+    ] = None,
+    long_windows: Annotated[
+        int, typer.Option(help="With --long-context: windows per length.")
+    ] = 64,
+    init: Annotated[
+        str | None,
+        typer.Option(
+            help="Fine-tune this draft (local folder or Hub id) instead of a new one: its "
+            "config and weights (--layers, --block-size, --target-layer-ids are its own).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Distil a DFlash draft for a target (target frozen; its embedding and head shared)."""
     from . import train as train_command
@@ -126,6 +146,9 @@ def train(
             regen_tokens=regen_tokens,
             resume=resume,
             force=force,
+            long_context=long_context,
+            long_windows=long_windows,
+            init=init,
             settings=dict(
                 steps=steps,
                 batch=batch,

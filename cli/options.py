@@ -164,7 +164,16 @@ SETTINGS = (
         "--draft-window",
         "draft_window",
         "Positions a draft block sees on long contexts: its anchor and the N - 1 before "
-        "it (default: the draft's own sliding window, else all).",
+        "it (default: the draft's own sliding window, else the context it was trained "
+        "on if its config says, else all).",
+    ),
+    Setting(
+        "draft_sink",
+        "--draft-sink",
+        "draft_sink",
+        "Under a draft window, the context's first N positions a draft block sees as well "
+        "(an attention sink; 0: none; default: the draft's own, else 0).",
+        bench=False,
     ),
     Setting(
         "presence_penalty",
@@ -221,6 +230,7 @@ PresencePenalty = Annotated[float, option("presence_penalty")]
 FrequencyPenalty = Annotated[float, option("frequency_penalty")]
 RepetitionPenalty = Annotated[float | None, option("repetition_penalty", show_default=False)]
 DraftWindow = Annotated[int | None, option("draft_window", show_default=False)]
+DraftSink = Annotated[int | None, option("draft_sink", show_default=False)]
 Tree = Annotated[bool | None, option("tree", show_default=False)]
 
 

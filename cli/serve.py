@@ -154,6 +154,7 @@ def serve(
     tree: options.Tree = None,
     block_size: options.BlockSize = None,
     draft_window: options.DraftWindow = None,
+    draft_sink: options.DraftSink = None,
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
@@ -206,6 +207,7 @@ def serve(
             verify_width=options.verify_width(verify_width, block_size),
             tree=tree,
             draft_window=draft_window,
+            draft_sink=draft_sink,
             cors_origins=tuple(cors_origin or ()),
             max_body_mb=max_body_mb,
         )
@@ -289,6 +291,7 @@ def run(
     cors_origins: tuple[str, ...] = (),
     max_body_mb: float = 32.0,
     draft_window: int | None = None,
+    draft_sink: int | None = None,
     sampling: dict | None = None,
     prompt_cache_dir: Path | None = None,
     prompt_cache_gb: float = DISK_GB,
@@ -337,6 +340,7 @@ def run(
         max_tokens=default_max_tokens,
         verify_width=verify_width,
         draft_window=draft_window,
+        draft_sink=draft_sink,
         tree=tree,
     )
     defaults.replace(**sampling)

@@ -90,6 +90,9 @@ def run(
     resume: bool,
     force: bool,
     settings: dict,
+    long_context: str | None = None,
+    long_windows: int = 64,
+    init: str | None = None,
 ) -> None:
     # Before anything heavy loads: where the draft goes, and data that can be used at all.
     writable_folder(out, "--out")
@@ -98,6 +101,16 @@ def run(
     if resume and not (out / "config.json").is_file():
         raise BadArgument(f"--resume: {out} holds no draft to resume (no config.json)")
     check_data(data, regenerate)
+    lengths = None
+    if long_context is not None:  # before anything loads
+        from dflash_mlx.train.long_context import parse_lengths
+
+        lengths = parse_lengths(long_context)
+        if long_windows < 1:
+            raise BadArgument(f"--long-windows {long_windows} must be >= 1")
+        settings = {**settings, "seq_len": max(settings["seq_len"], lengths[-1] + regen_tokens)}
+    if init is not None and resume:
+        raise BadArgument("pass either --init (a draft to start from) or --resume, not both")
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
     from dflash_mlx.models.draft import DFlashDraft
@@ -117,23 +130,48 @@ def run(
     if regenerate:
         regen = _regenerator(model, tokenizer, regen_tokens)
     what = "training data (the target writes the replies)" if regenerate else "training data"
-    with ui.loading(what, str(data)):
-        examples, skipped = read_examples(
-            data,
-            tokenizer,
-            seq_len=st.seq_len,
-            regenerate=regen,
-            reply_room=min(regen_tokens, st.seq_len // 2) if regenerate else 0,
-        )
+    depth = None
+    if lengths is not None:
+        from dflash_mlx.train import long_context as lc
+
+        what = f"long windows of the training data ({long_context} tokens; the target continues)"
+        with ui.loading(what, str(data)):
+            windows, depth = lc.cut_windows(
+                lc.file_tokens(data, tokenizer, lengths[-1] + regen_tokens),
+                lengths,
+                long_windows,
+                regen_tokens,
+                st.seed,
+            )
+            examples = lc.long_examples(windows, _regenerator(model, tokenizer, regen_tokens))
+            skipped = []
+    else:
+        with ui.loading(what, str(data)):
+            examples, skipped = read_examples(
+                data,
+                tokenizer,
+                seq_len=st.seq_len,
+                regenerate=regen,
+                reply_room=min(regen_tokens, st.seq_len // 2) if regenerate else 0,
+            )
     for line in skipped[:20]:
         ui.note(line)
     if len(skipped) > 20:
         ui.note(f"… and {len(skipped) - 20} more skipped lines")
-    examples, held = split_held_out(examples, st.eval_prompts, st.seed)
+    if depth:  # whole files held out: their windows
+        held = [w for _, w in depth]
+    else:
+        examples, held = split_held_out(examples, st.eval_prompts, st.seed)
 
     if resume:
         config = json.loads((out / "config.json").read_text())
         pair = dflash_mlx.Pair(model, DFlashDraft(DraftConfig.from_dict(config)))
+    elif init is not None:
+        with ui.loading("draft to fine-tune", init):
+            start = dflash_mlx.load_draft(init)
+        pair = dflash_mlx.Pair(model, start)  # checks that it fits the target
+        config = json.loads(json.dumps(start.config.raw))
+        layers = start.config.num_hidden_layers
     else:
         ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
         mask = default_mask_token(tokenizer) if mask_token_id is None else mask_token_id
@@ -141,7 +179,13 @@ def run(
             model, layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask
         )
         pair = init_draft(model, config, seed=st.seed)
+    # The longest context a block saw: the default draft window (SPEC-like, long-context.md).
+    trained = config["dflash_config"].get("training_context") or 0
+    config["dflash_config"]["training_context"] = max(trained, st.seq_len)
     console = Console(stderr=True)
+    before = None
+    if depth:
+        before = lc.tau_at_depth(pair, tokenizer, depth, st.eval_tokens)
     console.print(
         f"training a {layers}-layer draft (block {config['dflash_config']['block_size']}, "
         f"target layers {config['dflash_config']['target_layer_ids']}) on "
@@ -159,6 +203,17 @@ def run(
             held_out=held,
             resume=resume,
             progress=progress,
+        )
+    if depth:
+        pair.draft.config.training_context = config["dflash_config"]["training_context"]
+        after = lc.tau_at_depth(pair, tokenizer, depth, st.eval_tokens)
+        (out / "long_context.json").write_text(
+            json.dumps({"lengths": lengths, "tau_before": before, "tau_after": after}, indent=1)
+        )
+        console.print(
+            "held-out τ at depth, before → after: "
+            + " · ".join(f"{n} tokens {before[n]:.2f} → {after[n]:.2f}" for n in after),
+            style="cyan",
         )
     last = log.steps[-1] if log.steps else {}
     console.print(

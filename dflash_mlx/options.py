@@ -33,6 +33,8 @@ OPTIONS = {
     "verify_width": "tokens the target verifies per cycle, W (None: chosen per cycle; 1: plain)",
     "draft_block": "rows the draft runs per cycle, L (None: its trained block)",
     "draft_window": "positions a draft block sees (None: the draft's own window, else all)",
+    "draft_sink": "under a draft window, the context's first positions a block sees too "
+    "(None: the draft's default)",
     "stop": "strings that end the reply (never shown)",
     "prefill_step": "prompt tokens per prefill chunk",
     "presence_penalty": "subtract this from the logit of every token already generated (0: off)",
@@ -90,6 +92,7 @@ class GenerateOptions:
     verify_width: int | None = None
     draft_block: int | None = None
     draft_window: int | None = None
+    draft_sink: int | None = None
     stop: tuple[str, ...] = ()
     prefill_step: int = 512
     presence_penalty: float = 0.0
@@ -124,6 +127,8 @@ class GenerateOptions:
                 " (the anchor and at least one position before it), or None for the draft's "
                 "own window",
             )
+        if self.draft_sink is not None:
+            _int("draft_sink", self.draft_sink, 0, " (0: none), or None for the draft's default")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) for s in self.stop):
             raise BadArgument(
                 f"stop {self.stop!r} must be a tuple of strings (from_kwargs and replace also "

@@ -69,11 +69,13 @@ class Pair:
         """A prompt must leave at least one position of the target's context to generate."""
         check_context(prompt_tokens, self.context_limit)
 
-    def draft_state(self, window: int | None = None, base: int = 0) -> DraftState:
+    def draft_state(
+        self, window: int | None = None, base: int = 0, sink: int | None = None
+    ) -> DraftState:
         """A fresh draft context for one request (see `DFlashDraft.make_state`)."""
         if self.draft is None:
             raise BadArgument("this pair has no draft")
-        return self.draft.make_state(base, window, self.head)
+        return self.draft.make_state(base, window, self.head, sink)
 
     @property
     def is_quantized(self) -> bool:

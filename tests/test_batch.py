@@ -388,20 +388,24 @@ def test_a_batch_of_one_runs_as_a_request_alone(target, draft):
 
 
 def test_batched_drafts_equal_each_rows_own(target, draft):
-    """One draft pass over rows of different contexts, gaps and windows gives each row
-    what its own pass gives."""
+    """One draft pass over rows of different contexts, gaps, windows and sinks gives each
+    row what its own pass gives."""
     model, tok = target
     pair = Pair(model, draft)
     dec = BatchDecoder(pair, tok)
     for k, p in enumerate(PROMPTS[:3]):
-        window = 16 if k else None
-        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, draft_window=window))
+        window, sink = (16 if k else None), (3 if k == 2 else None)
+        dec.submit(
+            p,
+            GenerateOptions(max_tokens=60, verify_width=4, draft_window=window, draft_sink=sink),
+        )
     for _ in range(8):
         dec.step()
     reqs = [r.req for r in dec.active]
     assert len(reqs) == 3 and all(batch_draft.batchable(r) for r in reqs)
     for r in reqs:
         r.feed_draft()
+    assert reqs[2].state.sink == 3 and reqs[2].state.context_length > 3 + 15, "no sink to see"
     reqs[1].state.skip_to(reqs[1].state.context_end + 5)  # a gap: RoPE distances kept
     anchors = [mx.array([t]) for t in (5, 9, 17)]
     starts = [len(r.generated) - 1 for r in reqs]

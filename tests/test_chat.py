@@ -139,9 +139,9 @@ def test_set_confirms_each_change_and_shows_every_setting(session, tmp_path):
     assert "draft_window set to 64" in err and "top_k set to 5" in err
     assert (
         "temp 0 · top_p 1 · top_k 5 · min_p 0.1 · max_tokens 6 · verify_width auto · "
-        "tree auto · seed none · draft_window 64 · presence_penalty 0 · frequency_penalty 0 · "
-        "repetition_penalty off · thinking shown"
-    ) in err
+        "tree auto · seed none · draft_window 64 · draft_sink auto · presence_penalty 0 · "
+        "frequency_penalty 0 · repetition_penalty off · thinking shown"
+    ) in " ".join(err.split())  # wrapped at the console's width
     help_text = err.split("thinking shown")[-1]
     for name in ("top_k", "min_p", "verify_width", "seed", "draft_window", "thinking"):
         assert name in help_text, f"/help does not list {name}"

@@ -267,6 +267,30 @@ def test_chat_and_serve_report_internal_errors_as_ours(monkeypatch, command):
     assert result.stderr.startswith("error: ") and "internal" not in result.stderr
 
 
+def test_draft_sink_reaches_the_engine_and_keeps_the_output(pair, target, monkeypatch):
+    import importlib
+
+    generate_module = importlib.import_module("dflash_mlx.engine.generate")
+    seen = []
+    real = generate_module.stream_generate
+
+    def spy(*args, **kwargs):
+        options = [a for a in args if isinstance(a, dflash_mlx.GenerateOptions)]
+        seen.append((options[0].draft_window, options[0].draft_sink))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", spy)
+    monkeypatch.setattr(generate_module, "stream_generate", spy)
+    args = generate_args(pair, "--raw", "--json", "--verify-width", "4")
+    result = run(*args, "--draft-window", "4", "--draft-sink", "2")
+    assert result.exit_code == 0, result.output
+    assert seen == [(4, 2)]
+    monkeypatch.undo()
+    model, tokenizer = target
+    plain = dflash_mlx.generate(model, None, tokenizer, PROMPT, max_tokens=MAX_TOKENS)
+    assert json.loads(result.stdout)["tokens"] == plain.tokens
+
+
 def test_draft_window_reaches_the_engine_and_bad_ones_exit_2(pair, target, draft, monkeypatch):
     import importlib
 

@@ -47,6 +47,15 @@ def test_a_bad_draft_window_names_the_flag_and_its_cli_spelling(pair, command):
     assert "None" not in line and "draft_window" not in line
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_a_bad_draft_sink_names_the_flag_before_loading(pair, command):
+    done = dflash(command, *pair, "--draft-window", "8", "--draft-sink", "-1", input="hi")
+    (line,) = text(done)[1].strip().splitlines()
+    assert done.returncode == 2, line
+    assert line.startswith("error: --draft-sink -1 must be an integer >= 0"), line
+    assert "or left out for the draft's default" in line and "draft_sink" not in line
+
+
 def test_pair_errors_name_the_flag_typed(pair):
     done = dflash("generate", *pair, "--verify-width", "99", "hi")
     err = text(done)[1]

@@ -512,6 +512,67 @@ def test_prefill_projects_only_the_positions_the_window_shows(target, draft, mon
     assert out.tokens == target_greedy(model, ids, 1)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "qwen35"])
+def test_a_sink_and_window_stay_lossless_and_keep_the_prompts_first_rows(models_dir, draft, name):
+    """Sink + window past the point where the rows between are dropped: the scripted draft
+    checks its context ends at each anchor, the real one attends over sink and window;
+    the sink's rows are the prompt's first positions, captured in prefill."""
+    from dflash_mlx import PromptCache
+    from dflash_mlx.models.draft import FORGET_SLACK
+
+    model, tok = load(str(models_dir / name))
+    ids = tok.encode(PROMPTS[0] * 6)
+    n = FORGET_SLACK + 40
+    ref = target_greedy(model, ids, n)
+    scripted = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: (c * 5) % 9)
+    for d in (scripted, draft):
+        pc = PromptCache()
+        out = generate(
+            model,
+            d,
+            tok,
+            ids,
+            max_tokens=n,
+            verify_width=8,
+            draft_window=8,
+            draft_sink=4,
+            prompt_cache=pc,
+        )
+        assert out.tokens == ref, f"{name}: a sink changed the output"
+        st, pending = pc.state.draft, sum(f.shape[1] for f in pc.state.pending)
+        assert (st.keep, st.sink, st.base) == (7, 4, 0)
+        assert st.gaps[0][0] == 4, "the sink's rows are not the prompt's first positions"
+        assert st.context_length <= 4 + 7 + FORGET_SLACK
+        assert st.context_end + pending == len(ids) + n - 1
+        if d is scripted:
+            assert scripted.calls > 10 and 1 < out.mean_acceptance
+
+
+def test_prefill_projects_the_sink_and_the_window_only(target, draft, monkeypatch):
+    model, tok = target
+    ids = tok.encode(PROMPTS[1] * 8)
+    assert len(ids) > 100
+    rows = []
+    add = DFlashDraft.add_context
+    monkeypatch.setattr(
+        DFlashDraft, "add_context", lambda self, f, st: (rows.append(f.shape[1]), add(self, f, st))
+    )
+    out = generate(
+        model, draft, tok, ids, max_tokens=1, verify_width=4, draft_window=16, draft_sink=5
+    )
+    assert rows[0] == 5 and sum(rows) == 5 + 15, f"prefill projected {rows}"
+    assert out.tokens == target_greedy(model, ids, 1)
+
+
+def test_bad_draft_sinks_are_the_callers_errors(target, draft):
+    from dflash_mlx.errors import BadArgument
+
+    model, tok = target
+    for bad in (-1, "4", 2.5, True):
+        with pytest.raises(BadArgument, match=f"draft_sink {bad!r}"):
+            generate(model, draft, tok, "hi", max_tokens=3, draft_window=8, draft_sink=bad)
+
+
 def test_a_conversation_resumes_under_another_draft_window(target, draft):
     from dflash_mlx import PromptCache
 

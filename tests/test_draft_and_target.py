@@ -278,3 +278,76 @@ def test_the_window_defaults_to_the_checkpoints_sliding_window(target, tmp_path)
     mixed = load_draft(build_draft(tmp_path / "m", cfg, seed=0))
     assert mixed.make_state().keep is None  # a full layer reads everything: nothing dropped
     assert mixed.make_state(window=16).windows == [8, 16]
+
+
+# -- the attention sink (draft_sink / --draft-sink) -------------------------------------------
+
+
+@pytest.mark.parametrize("sink", [1, 4])
+def test_a_sink_and_window_draft_as_if_given_only_those_rows(target, draft, sink):
+    """Under sink S and window N a block sees the context's first S rows and its last N - 1,
+    at their true positions, also after the rows between were dropped (and across a gap):
+    as a fresh context holding just those rows, with the rest a gap, would."""
+    from dflash_mlx.models.draft import FORGET_SLACK
+
+    model, _ = target
+    head = Pair(model, draft).head
+    mx.random.seed(5)
+    window, n = 24, 295
+    feats = mx.random.normal((1, n, 2 * 64))
+    block = draft.config.block_size
+    st = draft.make_state(head=head, window=window, sink=sink)
+    draft.add_context(feats[:, :100], st)
+    st.skip_to(130)  # positions 100..129 without features
+    for i in range(100, n - 5, 38):
+        draft.add_context(feats[:, i : min(i + 38, n - 5)], st)
+    assert st.context_length == sink + window - 1, "the rows between were not dropped"
+    assert st.base == 0 and st.gaps[0][0] == sink, "the sink's rows were dropped"
+    draft.add_context(feats[:, n - 5 :], st)
+    assert st.context_end == n + 30 and st.context_length <= sink + window - 1 + FORGET_SLACK
+    windowed = draft.block_logits(mx.array([5]), block, None, st)
+    only = draft.make_state(head=head)
+    draft.add_context(feats[:, :sink], only)
+    only.skip_to(n + 30 - (window - 1))
+    draft.add_context(feats[:, n - (window - 1) :], only)
+    alone = draft.block_logits(mx.array([5]), block, None, only)
+    assert mx.allclose(windowed, alone, atol=1e-4).item(), "the block saw other rows"
+    no_sink = draft.make_state(head=head, window=window)
+    draft.add_context(feats, no_sink)
+    plain_window = draft.block_logits(mx.array([5]), block, None, no_sink)
+    assert not mx.allclose(windowed, plain_window, atol=1e-3).item(), "the sink was ignored"
+
+
+def test_a_sink_is_kept_through_trims_and_only_under_a_window(target, draft):
+    model, _ = target
+    head = Pair(model, draft).head
+    feats = mx.random.normal((1, 700, 2 * 64))
+    st = draft.make_state(head=head, window=16, sink=3)
+    draft.add_context(feats[:, :600], st)
+    assert st.context_length == 3 + 15 and st.gaps == [(3, 600 - 18)]
+    st.trim_to(590)  # a rejected draft's rows go; the sink and the hole stay
+    assert st.context_end == 590 and st.gaps == [(3, 582)] and st.context_length == 8
+    draft.add_context(feats[:, 590:700], st)
+    assert st.context_end == 700 and st.base == 0
+    assert draft.make_state(head=head, sink=3).sink == 0, "a sink without a window"
+    assert draft.make_state(head=head, window=16).sink == 0, "the test draft declares none"
+
+
+def test_the_draft_config_declares_its_training_context_and_sink(target, tmp_path):
+    from dflash_mlx import load_draft
+
+    from .conftest import build_draft
+
+    cfg = draft_config(4, [1, 2])
+    cfg["dflash_config"].update(training_context=64, context_sink=4)
+    d = load_draft(build_draft(tmp_path / "t", cfg, seed=0))
+    assert (d.config.training_context, d.config.context_sink) == (64, 4)
+    st = d.make_state()
+    assert (st.windows, st.keep, st.sink) == ([64, 64], 63, 4), "not the default policy"
+    st = d.make_state(window=256, sink=0)  # the request's own: wider, no sink
+    assert (st.windows, st.sink) == ([256, 256], 0)
+    for field, bad in [("training_context", 1), ("training_context", "8"), ("context_sink", -1)]:
+        cfg = draft_config(4, [1, 2])
+        cfg["dflash_config"][field] = bad
+        with pytest.raises(ValueError, match=f"{field} {bad!r}"):
+            DraftConfig.from_dict(cfg)

@@ -23,17 +23,19 @@ NAMES = {
     "tree": "tree",
     "seed": "seed",
     "draft_window": "draft_window",
+    "draft_sink": "draft_sink",
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "repetition_penalty": "repetition_penalty",
 }
 DEPRECATED = {"block_size": "verify_width"}  # old names: they work, with a note
-INTEGERS = {"top_k", "max_tokens", "verify_width", "seed", "draft_window"}
+INTEGERS = {"top_k", "max_tokens", "verify_width", "seed", "draft_window", "draft_sink"}
 # Fields that take None, and the words that mean it (the first is how it is shown).
 UNSET = {
     "verify_width": ("auto", "none"),
     "seed": ("none", "auto", "random"),
     "draft_window": ("auto", "none", "default"),
+    "draft_sink": ("auto", "none", "default"),
     "repetition_penalty": ("off", "none"),
     "tree": ("auto", "none", "chosen"),
 }

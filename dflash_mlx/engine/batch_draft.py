@@ -125,10 +125,7 @@ def _context(layer, caches: list, positions: mx.array) -> RowsContext:
             values.append(None)
             counts.append(0)
             continue
-        k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
-        window = narrowest(attn.window, c.window)
-        if window is not None:
-            k, v = k[..., -(window - 1) :, :], v[..., -(window - 1) :, :]
+        k, v = c.visible(narrowest(attn.window, c.window))  # its window and sink
         keys.append(k)
         values.append(v)
         counts.append(k.shape[2])

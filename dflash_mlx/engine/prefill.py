@@ -121,7 +121,9 @@ def open_request(
     from .controls import Controls
 
     with mx.stream(generation_stream):
-        cache, state, start = resume(pair, draft, prompt, saved, options.draft_window)
+        cache, state, start = resume(
+            pair, draft, prompt, saved, options.draft_window, options.draft_sink
+        )
     return Request(
         pair,
         draft,
@@ -145,11 +147,12 @@ def resume(
     prompt: list[int],
     saved: CachedState | None,
     window: int | None = None,
+    sink: int | None = None,
 ) -> tuple[list, DraftState | None, int]:
     """The target cache and draft state holding the first `start` prompt positions, and
     `start` (0: fresh ones), from what a previous request left in a `PromptCache`, or from
     its `PromptStore` when that holds a longer prefix of `prompt`; the draft state (None
-    when `draft` is) sees `window` positions (see `DFlashDraft.make_state`)."""
+    when `draft` is) sees `window` positions and `sink` (see `DFlashDraft.make_state`)."""
     link = saved.link if saved is not None else None
     if saved is not None and not saved.tokens:  # a store's placeholder: nothing of its own
         saved = None
@@ -159,13 +162,13 @@ def resume(
         start = link.restore(pair, prompt, fresh, _reach(pair, prompt, saved))
         if start:
             cache = fresh
-            state = pair.draft_state(window) if draft is not None else None
+            state = pair.draft_state(window, sink=sink) if draft is not None else None
             if state is not None:
                 # No rows for the stored prefix: the draft's context starts where the
                 # prefill does (measured: its tau barely changes, see docs/server.md).
                 state.skip_to(start)
     if cache is None:
-        cache, state, start = _resume(pair, draft, prompt, saved, window)
+        cache, state, start = _resume(pair, draft, prompt, saved, window, sink)
     if link is not None:
         link.started(pair.target, prompt, cache, start)
     return cache, state, start
@@ -187,11 +190,12 @@ def _resume(
     prompt: list[int],
     saved: CachedState | None,
     window: int | None,
+    sink: int | None = None,
 ) -> tuple[list, DraftState | None, int]:
     """`resume` from the conversation's own cached state."""
     target = pair.target
     fresh = target.make_cache()
-    new_state = pair.draft_state(window) if draft is not None else None
+    new_state = pair.draft_state(window, sink=sink) if draft is not None else None
     if saved is None:
         return fresh, new_state, 0
     # Positions of all but the last known token are committed; one prompt token must be
@@ -217,7 +221,7 @@ def _resume(
         if i not in target.replay_ids:
             c.trim(c.offset - start)
     if draft is not None:
-        state.set_windows(draft.windows(window))
+        state.set_windows(draft.windows(window), draft.context_sink(sink))
         state.trim_to(start)
     return cache, state, start
 
@@ -293,16 +297,20 @@ def prefill_prompt(
         # would cost the captured layers over the whole chunk at the first probe: the
         # draft's context starts at the prompt's last token instead.
         cut = max(cut, total - 1)
-    if cut > req.reused:
+    lo = req.reused
+    if cut > lo:
+        # A sink's rows (the context's first positions) are captured before the skip.
+        lo = req.state.sink_end(lo, cut)
+        prefill(req, req.reused, lo, step, progress)
         req.state.skip_to(cut)
     # All but the last token first, as mlx-lm does: only their caches are evaluated, so
     # the LM head never runs over the prompt (vocabulary x prompt logits).
     if dormant:
-        prefill(req, req.reused, cut, step, progress, capture_from=cut)
+        prefill(req, lo, cut, step, progress, capture_from=cut)
         prefill(req, cut, total - 1, step, progress, defer=True)
     else:
         # Split at the cut: the target's layers the draft reads run only where it reads.
-        prefill(req, req.reused, cut, step, progress, capture_from=cut)
+        prefill(req, lo, cut, step, progress, capture_from=cut)
         prefill(req, cut, total - 1, step, progress)
     if req.keep_snapshots:
         # Recurrent state cannot be trimmed later: keep it as it is before the last token.

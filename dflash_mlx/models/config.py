@@ -11,6 +11,11 @@ from typing import Any
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
+# The context's first rows a windowed block sees besides its window (an attention sink),
+# unless the checkpoint declares its own (`dflash_config.context_sink`): measured on the
+# demo pair, see docs/long-context.md.
+DEFAULT_SINK = 0
+
 _REQUIRED = (
     "hidden_size",
     "num_hidden_layers",
@@ -60,6 +65,11 @@ class DraftConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
     conv_cross_block_state: bool = False
+    # The longest context a block saw in training (`dflash_config.training_context`, which
+    # `dflash-mlx train` writes): the default draft window; None: not declared.
+    training_context: int | None = None
+    # Under a window, the context's first rows a block sees as well (`context_sink`).
+    context_sink: int = DEFAULT_SINK
     # The checkpoint's config.json as read (for tools that rewrite the checkpoint).
     raw: dict | None = field(default=None, repr=False, compare=False)
 
@@ -114,6 +124,23 @@ class DraftConfig:
                     f"conv_group_size {self.conv_group_size} does not divide "
                     f"hidden_size {self.hidden_size}"
                 )
+        if self.training_context is not None and (
+            isinstance(self.training_context, bool)
+            or not isinstance(self.training_context, int)
+            or self.training_context < 2
+        ):
+            raise ValueError(
+                f"dflash_config.training_context {self.training_context!r}: expected an "
+                "integer >= 2 (the longest context a block saw in training)"
+            )
+        if (
+            isinstance(self.context_sink, bool)
+            or not isinstance(self.context_sink, int)
+            or self.context_sink < 0
+        ):
+            raise ValueError(
+                f"dflash_config.context_sink {self.context_sink!r}: expected an integer >= 0"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} outside the vocabulary of {self.vocab_size}"
@@ -187,6 +214,8 @@ class DraftConfig:
                 output_multiplier=float(dcfg.get("output_multiplier", 1.0)),
                 final_logit_softcapping=dcfg.get("final_logit_softcapping"),
                 input_embedding_scale=float(dcfg.get("input_embedding_scale", 1.0)),
+                training_context=dcfg.get("training_context"),
+                context_sink=dcfg.get("context_sink", DEFAULT_SINK),
                 architectures=list(cfg.get("architectures") or []),
                 quantization=cfg.get("quantization"),
                 raw=cfg,

@@ -102,10 +102,7 @@ class DraftAttention(nn.Module):
             ck, cv = cache.keys, cache.values
             visible = cache.visible(self.window)
         elif cache.offset > 0:
-            ck, cv = cache.keys_and_values()
-            window = narrowest(self.window, cache.window)
-            if window is not None:
-                ck, cv = ck[..., -(window - 1) :, :], cv[..., -(window - 1) :, :]
+            ck, cv = cache.visible(narrowest(self.window, cache.window))
         if isinstance(cache, BlockContext) or cache.offset > 0:
             n_ctx = ck.shape[2]
             k = mx.concatenate([ck, k], axis=2)
@@ -214,17 +211,37 @@ class DFlashDraft(nn.Module):
         return TargetHead(embed, lm_head, embed_scale * self.config.input_embedding_scale)
 
     def make_state(
-        self, base: int = 0, window: int | None = None, head: TargetHead | None = None
+        self,
+        base: int = 0,
+        window: int | None = None,
+        head: TargetHead | None = None,
+        sink: int | None = None,
     ) -> DraftState:
         """An empty context whose first row will stand for target position `base`; blocks
         see at most `window` positions (the anchor and `window - 1` context rows; None: the
-        checkpoint's own, a sliding layer's `sliding_window`, else all); `head`: the target
+        checkpoint's own, a sliding layer's `sliding_window`, else the context it was
+        trained on where its config says, else all) and, under a window, the context's first
+        `sink` rows (None: the checkpoint's default, `context_sink`); `head`: the target
         it drafts for (`Pair.draft_state` passes it)."""
-        return DraftState(len(self.layers), len(self._convs()), base, self.windows(window), head)
+        return DraftState(
+            len(self.layers),
+            len(self._convs()),
+            base,
+            self.windows(window),
+            head,
+            self.context_sink(sink),
+        )
 
     def windows(self, window: int | None = None) -> list[int | None]:
         """Each layer's window under a request's `window` (see `make_state`)."""
+        if window is None:
+            window = self.config.training_context
         return [narrowest(layer.self_attn.window, window) for layer in self.layers]
+
+    def context_sink(self, sink: int | None = None) -> int:
+        """The sink a request's `sink` means (None: the checkpoint's, see `DraftConfig`);
+        it applies only where every layer has a window (`DraftState.set_windows`)."""
+        return self.config.context_sink if sink is None else sink
 
     def _convs(self) -> list[DynamicConv]:
         return [c for layer in self.layers for c in layer.convs()]

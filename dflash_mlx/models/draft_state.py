@@ -49,18 +49,46 @@ class ContextCache(KVCache):
     its rows (decoded without capturing their features) or dropped in front of them (a
     window), so the next row's RoPE position is `offset + gap`: RoPE is relative, and the
     rows keep their true distances. `window`: the block sees at most its last `window - 1`
-    rows (None: all; a sliding layer's own window applies as well)."""
+    rows (None: all; a sliding layer's own window applies as well), and under a window its
+    first `sink` rows as well (an attention sink: the context's first positions)."""
 
-    def __init__(self, window: int | None = None) -> None:
+    def __init__(self, window: int | None = None, sink: int = 0) -> None:
         super().__init__()
         self.gap = 0
         self.window = window
+        self.sink = sink
 
-    def forget(self, rows: int) -> None:
-        """Drop the first `rows` rows."""
-        self.keys = self.keys[..., rows : self.offset, :]
-        self.values = self.values[..., rows : self.offset, :]
+    def forget(self, rows: int, at: int = 0) -> None:
+        """Drop `rows` rows from row `at` on."""
+        end = self.offset
+        if at == 0:
+            self.keys = self.keys[..., rows:end, :]
+            self.values = self.values[..., rows:end, :]
+        else:
+            cut = (slice(None), slice(None))
+            self.keys = mx.concatenate(
+                [self.keys[(*cut, slice(0, at))], self.keys[(*cut, slice(at + rows, end))]], axis=2
+            )
+            self.values = mx.concatenate(
+                [self.values[(*cut, slice(0, at))], self.values[(*cut, slice(at + rows, end))]],
+                axis=2,
+            )
         self.offset -= rows
+
+    def visible(self, window: int | None) -> tuple[mx.array, mx.array]:
+        """The rows a block sees under `window` (None: all): the first `sink` rows and the
+        last `window - 1`, in order, at their true positions."""
+        keys, values = self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        if window is None or self.offset <= self.sink + window - 1:
+            return keys, values
+        tail = slice(self.offset - (window - 1), self.offset)
+        if not self.sink:
+            return keys[..., tail, :], values[..., tail, :]
+        head = slice(0, self.sink)
+        return (
+            mx.concatenate([keys[..., head, :], keys[..., tail, :]], axis=2),
+            mx.concatenate([values[..., head, :], values[..., tail, :]], axis=2),
+        )
 
     @property
     def position(self) -> int:
@@ -79,6 +107,8 @@ class DraftState:
     `windows`: per layer, how many positions a block sees (the anchor and `window - 1`
     context rows; None: all). When every layer has one, rows older than the widest are
     dropped (at most `FORGET_SLACK` rows late): memory stays bounded on long contexts.
+    `sink`: under a window, the context's first `sink` rows are kept and seen as well (an
+    attention sink; the rows dropped are those between it and the window).
     """
 
     def __init__(
@@ -88,18 +118,25 @@ class DraftState:
         base: int = 0,
         windows: list[int | None] | None = None,
         head: TargetHead | None = None,
+        sink: int = 0,
     ):
         self.head = head  # the target's embedding and head, as this request's pair sees them
         self.caches = [ContextCache() for _ in range(layers)]
         self.conv = [ConvRows() for _ in range(convs)]
         self.base = self.origin = base  # origin: the target position of RoPE position 0
         self.gaps: list[tuple[int, int]] = []
-        self.set_windows(windows or [None] * layers)
+        self.set_windows(windows or [None] * layers, sink)
 
-    def set_windows(self, windows: list[int | None]) -> None:
+    def set_windows(self, windows: list[int | None], sink: int | None = None) -> None:
+        """Each layer's window and the sink (see the class; None: as it was); a sink only
+        matters under a window, so without one it is 0."""
+        self.keep = None if None in windows or not windows else max(windows) - 1
+        if sink is None:
+            sink = getattr(self, "sink", 0)
+        self.sink = sink if self.keep is not None else 0
         for c, w in zip(self.caches, windows, strict=True):
             c.window = w
-        self.keep = None if None in windows or not windows else max(windows) - 1
+            c.sink = self.sink if w is not None else 0
 
     @property
     def windows(self) -> list[int | None]:
@@ -126,16 +163,30 @@ class DraftState:
             c.gap = total
 
     def forget(self) -> None:
-        """Drop the rows no window reaches any more (see `windows`)."""
-        rows = self.context_length
-        if self.keep is None or rows <= self.keep + FORGET_SLACK:
+        """Drop the rows no window reaches any more (see `windows`); under a sink, those
+        between it and the window: the positions they stood for become a gap after it."""
+        rows, s = self.context_length, self.sink
+        if self.keep is None or rows <= s + self.keep + FORGET_SLACK:
             return
-        k = rows - self.keep
-        self.base += k + sum(g for r, g in self.gaps if r <= k)
-        self.gaps = [(r - k, g) for r, g in self.gaps if r > k]
+        k = rows - s - self.keep
+        if s:
+            hole = k + sum(g for r, g in self.gaps if s <= r <= s + k)
+            gaps = [(r, g) for r, g in self.gaps if r < s] + [(s, hole)]
+            self.gaps = gaps + [(r - k, g) for r, g in self.gaps if r > s + k]
+        else:
+            self.base += k + sum(g for r, g in self.gaps if r <= k)
+            self.gaps = [(r - k, g) for r, g in self.gaps if r > k]
         for c in self.caches:
-            c.forget(k)
+            c.forget(k, at=s)
         self._set_gap()
+
+    def sink_end(self, start: int, cut: int) -> int:
+        """Where a prefill from `start` that skips to `cut` must capture up to first, so that
+        the sink gets its rows: the context's first positions (`start` when there is no sink,
+        it is full, or the context does not begin at `start`)."""
+        if not self.sink or self.gaps or self.context_end != start:
+            return start
+        return min(cut, start + max(0, self.sink - self.context_length))
 
     def skip_to(self, position: int) -> None:
         """Positions from `context_end` up to `position` will have no row (their features
@@ -169,7 +220,9 @@ class DraftState:
             end -= cut
         self._set_gap()
         if position < self.base:
-            self.__init__(len(self.caches), len(self.conv), position, self.windows, self.head)
+            self.__init__(
+                len(self.caches), len(self.conv), position, self.windows, self.head, self.sink
+            )
         elif position > end:
             self.skip_to(position)
 
