@@ -91,8 +91,10 @@ def train_target(
     lr: float = 3e-3,
     seed: int = 0,
     log=None,
+    init: Path | None = None,
 ) -> dict:
-    """A Qwen3 target trained from scratch on `texts` (with its own BPE) into `folder`."""
+    """A Qwen3 target trained from scratch on `texts` (with its own BPE) into `folder`, or
+    (`init`) trained further from the target in `init` (its tokenizer and weights)."""
     from functools import partial
 
     import mlx.core as mx
@@ -105,10 +107,17 @@ def train_target(
 
     from dflash_mlx.models.tiny import write_tokenizer
 
-    write_tokenizer(folder, texts, vocab)
+    if init is not None:
+        import shutil
+
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(init / name, folder / name)
+    else:
+        write_tokenizer(folder, texts, vocab)
     # A raw-text model: its "chat template" passes the text through, as the demo target's.
     cfg_path = folder / "tokenizer_config.json"
-    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg = json.loads(cfg_path.read_text())  # (already so when copied)
     tok_cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     cfg_path.write_text(json.dumps(tok_cfg))
     tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -117,6 +126,9 @@ def train_target(
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(cfg))
+    if init is not None:
+        model.load_weights(str(init / "model.safetensors"))
+        seed += 1  # other batches than the first run's
     rng = np.random.default_rng(seed)
 
     def loss_fn(m, x):
@@ -191,7 +203,9 @@ def cmd_build(args) -> None:
         vocab=spec["vocab"],
         steps=args.steps,
         batch=args.batch,
+        lr=args.lr,
         log=lambda s: print(s, flush=True),
+        init=args.init,
     )
     tk = Tokenizer.from_file(str(target / "tokenizer.json"))
     # 480 training prompts: 10 windows from each of 48 held-in texts (the longest ones).
@@ -201,6 +215,9 @@ def cmd_build(args) -> None:
     held = windows(held_out, tk, 3, 100, 2, "prompt")[:16]
     (args.out / "heldout.jsonl").write_text("\n".join(json.dumps(d) for d in held) + "\n")
     build.update(name=args.name, corpus=spec["corpus"], prompts=len(data), held_out=len(held))
+    if args.init is not None:  # the steps before, from the first run's BUILD.json
+        before = json.loads((args.init.parent / "BUILD.json").read_text())
+        build["trained_from"] = {k: before[k] for k in ("steps", "lr", "final_loss")}
     (args.out / "BUILD.json").write_text(json.dumps(build, indent=1))
     print(json.dumps(build), flush=True)
 
@@ -251,7 +268,18 @@ def cmd_sweep(args) -> None:
             model, layers=2, block_size=8, target_layer_ids=ids,
             mask_token_id=default_mask_token(tok),
         )  # fmt: skip
+        init = over.pop("init", "copy")
         pair = T.init_draft(model, cfg, seed=0)
+        if init == "random":  # the draft's own random layers and fc, the target's norm
+            import mlx.core as mx
+
+            from dflash_mlx import Pair
+            from dflash_mlx.models.config import DraftConfig
+            from dflash_mlx.models.draft import DFlashDraft
+
+            mx.random.seed(0)
+            pair = Pair(model, DFlashDraft(DraftConfig.from_dict(cfg)))
+            mx.eval(pair.draft.parameters())
         fields = {
             f: type(getattr(T.TrainSettings(), f)) for f in T.TrainSettings.__dataclass_fields__
         }
@@ -342,6 +370,8 @@ def main() -> None:
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--steps", type=int, default=200)
     b.add_argument("--batch", type=int, default=16)
+    b.add_argument("--lr", type=float, default=3e-3)
+    b.add_argument("--init", type=Path, help="train further the target in this folder")
     w = sub.add_parser("sweep", help="short runs of recipe variants (key=value,... settings)")
     w.add_argument("folder", type=Path)
     w.add_argument("--steps", type=int, default=60)
