@@ -362,6 +362,34 @@ def cmd_profile(args) -> None:
         print(f"{name}: median {ts[len(ts) // 2]:.3f} s, min {ts[0]:.3f} s")
 
 
+def cmd_check(args) -> None:
+    """Whether a target writes text or loops: its greedy continuations of the held-out
+    prompts (128 tokens), the share of distinct 4-grams in them and the most repeated token
+    (a target that only repeats itself makes any draft look good)."""
+    from collections import Counter
+
+    from mlx_lm.generate import batch_generate
+
+    import dflash_mlx
+
+    model, tok = dflash_mlx.load(str(args.folder / "target"))
+    lines = (args.folder / "heldout.jsonl").read_text().splitlines()
+    prompts = [tok.encode(json.loads(x)["prompt"]) for x in lines if x.strip()]
+    r = batch_generate(model, tok, prompts, max_tokens=128, return_token_ids=True)
+    grams, top = [], Counter()
+    for ids in r.token_ids:
+        ids = list(ids)
+        g = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
+        grams.append(len(set(g)) / max(1, len(g)))
+        top.update(ids)
+    token, n = top.most_common(1)[0]
+    print(json.dumps({
+        "distinct_4grams": round(sum(grams) / len(grams), 3),
+        "most_common_token": tok.decode([token]), "its_share": round(n / sum(top.values()), 3),
+        "sample": tok.decode(list(r.token_ids[0]))[:300],
+    }, ensure_ascii=False))  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -379,8 +407,11 @@ def main() -> None:
     f = sub.add_parser("profile", help="where a training step's time goes")
     f.add_argument("folder", type=Path)
     f.add_argument("--steps", type=int, default=6)
+    k = sub.add_parser("check", help="does the target write text or loop")
+    k.add_argument("folder", type=Path)
     args = ap.parse_args()
-    {"build": cmd_build, "sweep": cmd_sweep, "profile": cmd_profile}[args.cmd](args)
+    commands = {"build": cmd_build, "sweep": cmd_sweep, "profile": cmd_profile}
+    {**commands, "check": cmd_check}[args.cmd](args)
 
 
 if __name__ == "__main__":

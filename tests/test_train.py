@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from dflash_mlx import Pair, generate, load_draft
@@ -21,6 +22,7 @@ from dflash_mlx.train.trainer import (
     Example,
     TargetRows,
     TrainSettings,
+    block_targets,
     draft_config_for,
     held_out_tau,
     init_draft,
@@ -350,3 +352,19 @@ def test_the_time_left_counts_steps_checks_and_saves_at_their_own_speed():
     assert lines[1].startswith(f"train: 0/100 steps · {FEATURES} · ") and "left: –" in lines[1]
     assert "loss nan" not in buf.getvalue()
     assert any(x.startswith("train: 50/100 steps · held-out τ check") for x in lines), lines
+
+
+def test_a_half_precision_target_gets_a_float32_draft(models_dir):
+    """A bf16 target (a GPU, or a CPU without an optimized BLAS: no upcast) once gave a bf16
+    draft: its late updates rounded away and it took the slower, worse fused bf16 path."""
+    from dflash_mlx import load
+    from dflash_mlx.train.blocks import fast_path
+
+    model, _ = load(str(models_dir / "qwen3"))
+    model.set_dtype(mx.bfloat16)
+    pair, _ = fresh_pair(model)
+    dtypes = {v.dtype for _, v in tree_flatten(pair.draft.trainable_parameters())}
+    assert dtypes == {mx.float32}
+    assert fast_path(pair.draft)
+    feats, _ = block_targets(pair, mx.array([[3, 4, 5, 6]]))
+    assert feats.dtype == mx.bfloat16, "the target itself is left as it is"

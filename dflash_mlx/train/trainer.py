@@ -139,6 +139,11 @@ def init_draft(model: nn.Module, config: dict, seed: int = 0) -> Pair:
     d, n = draft.config.hidden_size, len(draft.config.target_layer_ids)
     fc = mx.zeros((d, n * d))
     draft.fc.weight = fc.at[:, (n - 1) * d :].add(mx.eye(d))
+    # Trained in float32 whatever the target's precision: a half-precision target (bf16
+    # checkpoints, on a GPU or a CPU without an optimized BLAS, where no upcast happens) made
+    # a half-precision draft, whose small late updates round away and which takes the fused
+    # bf16 attention that trained a worse draft (blocks.fast_path).
+    draft.set_dtype(mx.float32)
     mx.eval(draft.parameters())
     return pair
 
@@ -293,6 +298,7 @@ class TargetRows:
             for r, i in enumerate(rows):
                 tokens[r, : len(examples[i].tokens)] = examples[i].tokens
             feats, nxt = block_targets(pair, mx.array(tokens))
+            feats = feats.astype(mx.float32)
             for r, i in enumerate(rows):
                 n = len(examples[i].tokens)
                 self.feats[i], self.nxt[i] = mx.array(feats[r, :n]), mx.array(nxt[r, :n])
