@@ -222,21 +222,30 @@ def cmd_build(args) -> None:
     print(json.dumps(build), flush=True)
 
 
-def examples_of(folder: Path, model, tok, seq_len: int = 256, reply: int = 128):
+def examples_of(folder: Path, model, tok, seq_len: int = 256, reply: int = 128, first=None):
     """The command's own training examples of `folder`'s data (the target writes the replies
-    with `train --regenerate`'s batched regenerator), cached in folder/examples.json."""
+    with `train --regenerate`'s batched regenerator), cached in folder/examples.json; or of
+    its `first` lines only (not cached)."""
+    import tempfile
+
     from dflash_mlx.cli.train import _regenerator
     from dflash_mlx.train.trainer import Example, read_examples
 
     cache = folder / "examples.json"
-    if cache.is_file():
+    data = folder / "data.jsonl"
+    if first is not None:
+        data = Path(tempfile.mkdtemp()) / "data.jsonl"
+        data.write_text("\n".join((folder / "data.jsonl").read_text().splitlines()[:first]))
+    elif cache.is_file():
         return [Example(*e) for e in json.loads(cache.read_text())]
     tic = time.perf_counter()
     examples, _ = read_examples(
-        folder / "data.jsonl", tok, seq_len=seq_len, regenerate=_regenerator(model, tok, reply),
+        data, tok, seq_len=seq_len, regenerate=_regenerator(model, tok, reply),
         reply_room=min(reply, seq_len // 2),
     )  # fmt: skip
     print(f"regenerated {len(examples)} replies in {time.perf_counter() - tic:.0f} s", flush=True)
+    if first is not None:
+        return examples
     cache.write_text(json.dumps([[e.tokens, e.start] for e in examples]))
     return examples
 
@@ -319,7 +328,7 @@ def cmd_profile(args) -> None:
     from dflash_mlx.train.blocks import grouped_blocks
 
     model, tok = dflash_mlx.load(str(args.folder / "target"))
-    examples = examples_of(args.folder, model, tok)
+    examples = examples_of(args.folder, model, tok, first=args.examples)
     cfg = T.draft_config_for(
         model, layers=2, block_size=8, target_layer_ids=[1, 3],
         mask_token_id=default_mask_token(tok),
@@ -356,7 +365,8 @@ def cmd_profile(args) -> None:
         timed("draft forward", T.block_loss, *a, layout)
         _, g = timed("draft forward + backward", grad, *a, layout)
         timed("clip + AdamW", update, g)
-    print(f"the target reads all {len(examples)} examples once: {kept:.1f} s")
+    n = sum(len(e.tokens) for e in examples)
+    print(f"the target reads {len(examples)} examples ({n} tokens) once: {kept:.2f} s")
     for name, ts in parts.items():
         ts = sorted(ts[1:])
         print(f"{name}: median {ts[len(ts) // 2]:.3f} s, min {ts[0]:.3f} s")
@@ -407,6 +417,7 @@ def main() -> None:
     f = sub.add_parser("profile", help="where a training step's time goes")
     f.add_argument("folder", type=Path)
     f.add_argument("--steps", type=int, default=6)
+    f.add_argument("--examples", type=int, default=64, help="the data's first lines only")
     k = sub.add_parser("check", help="does the target write text or loop")
     k.add_argument("folder", type=Path)
     args = ap.parse_args()
