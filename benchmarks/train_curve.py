@@ -249,9 +249,18 @@ def cmd_reference(args) -> None:
     cached = args.replies is not None and args.replies.is_file()
     replies = json.loads(args.replies.read_text()) if cached else []
     data = []
-    for i, line in enumerate(args.data.read_text().splitlines()):
-        ids = tok.encode(json.loads(line)["text"])[-(args.seq_len - args.reply) :]
-        if not cached:
+    prompts = [
+        tok.encode(json.loads(line)["text"])[-(args.seq_len - args.reply) :]
+        for line in args.data.read_text().splitlines()
+        if line.strip()
+    ]
+    if not cached and args.batched:  # mlx-lm's batched greedy decoding, not the command's code
+        from mlx_lm.generate import batch_generate
+
+        r = batch_generate(model, tok, prompts, max_tokens=args.reply, return_token_ids=True)
+        replies = [list(t) for t in r.token_ids]
+    for i, ids in enumerate(prompts):
+        if not cached and not args.batched:
             replies.append(greedy_reply(model, ids, args.reply, eos))
         if len(replies[i]) >= 2:
             data.append(Example(ids + replies[i], len(ids)))
@@ -407,6 +416,9 @@ def main() -> None:
     r.add_argument("--replies", type=Path, help="a JSON file of the replies: read, or written")
     r.add_argument(
         "--bias-correction", action="store_true", help="textbook AdamW (MLX's default: off)"
+    )
+    r.add_argument(
+        "--batched", action="store_true", help="write the replies with mlx-lm's batch_generate"
     )
     t = sub.add_parser("steptime", help="seconds a training step, tree against tree")
     t.add_argument("roots", nargs="+")

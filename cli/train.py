@@ -16,7 +16,6 @@ from rich.progress import (
     Progress,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 
 from dflash_mlx.errors import BadArgument
@@ -192,7 +191,11 @@ def run(
         f"{len(examples)} sequences; {len(held)} held out for τ",
         style="dim",
     )
-    with TrainProgress(console, st.steps, start=_resumed_step(out) if resume else 0) as progress:
+    begin = _resumed_step(out) if resume else 0
+    with TrainProgress(
+        console, st.steps, start=begin, eval_every=st.eval_every if held else None,
+        save_every=st.save_every,
+    ) as progress:  # fmt: skip
         log = train(
             pair,
             tokenizer,
@@ -233,17 +236,37 @@ def _resumed_step(out: Path) -> int:
 
 class TrainProgress:
     """`progress(entry)` of `dflash_mlx.train.trainer.train`: in a terminal a bar naming the phase
-    (training, held-out τ check, saving a checkpoint) with loss, speed, τ, elapsed time and
-    the time left; on a pipe or in a log, plain lines: each phase change, and about every
-    5% of the steps, each with the time left."""
+    (the target reading the data, training, held-out τ check, saving a checkpoint) with loss,
+    speed, τ, elapsed time and the time left; on a pipe or in a log, plain lines: each phase
+    change, and about every 5% of the steps, each with the time left.
+
+    The time left is what is left of each kind of work at the speed it went so far: the
+    steps to go at the median time of the recent steps, plus the held-out τ checks and
+    checkpoints still to come at the time the last one took (none yet: not counted, and the
+    line says so), not the elapsed time spread over the steps (which counted the one-off
+    phases as if every step paid them)."""
 
     LINES = 20
 
-    def __init__(self, console: Console, steps: int, start: int = 0):
+    def __init__(
+        self,
+        console: Console,
+        steps: int,
+        start: int = 0,
+        *,
+        eval_every: int | None = None,
+        save_every: int | None = None,
+        clock=time.perf_counter,
+    ):
         self.console, self.steps, self.start = console, steps, start
+        self.eval_every, self.save_every = eval_every, save_every
+        self.clock = clock
         self.tau = "–"
         self.phase = "training"
-        self._tic = time.perf_counter()
+        self._tic = clock()
+        self._since = self._tic  # when the current phase began
+        self._step_s: list[float] = []
+        self._phase_s: dict[str, float] = {}  # the last duration of each one-off phase
         self._bar: Progress | None = None
         self._task = None
 
@@ -259,8 +282,7 @@ class TrainProgress:
                     "τ {task.fields[tau]}"
                 ),
                 TimeElapsedColumn(),
-                TextColumn("· left"),
-                TimeRemainingColumn(),
+                TextColumn("· {task.fields[left]}"),
                 console=self.console,
             )
             self._bar.start()
@@ -271,6 +293,7 @@ class TrainProgress:
                 loss=float("nan"),
                 tps=0.0,
                 tau="–",
+                left="left: –",
             )
         else:
             self.console.print(f"train: {self.steps - self.start} steps to go", style="dim")
@@ -280,37 +303,64 @@ class TrainProgress:
         if self._bar is not None:
             self._bar.stop()
 
+    def _to_come(self, step: int, every: int | None) -> int:
+        """How many of a phase run after `step` (every `every` steps, and after the last)."""
+        if not every or step >= self.steps:
+            return 0
+        return (self.steps // every - step // every) + (self.steps % every != 0)
+
     def left(self, step: int) -> str:
-        """The time left, from the speed of the steps so far (held-out checks included)."""
-        done = step - self.start
-        if done <= 0:
+        """The time left: the steps to go at the recent steps' median time, plus the held-out
+        checks and checkpoints to come at what the last of each took."""
+        if not self._step_s:
             return "left: –"
-        seconds = (time.perf_counter() - self._tic) / done * (self.steps - step)
-        return f"left ~{_clock(seconds)}"
+        recent = sorted(self._step_s[-20:])
+        seconds = recent[len(recent) // 2] * (self.steps - step)
+        unknown = False
+        for phase, every in (
+            ("held-out τ check", self.eval_every),
+            ("saving a checkpoint", self.save_every),
+        ):
+            n = self._to_come(step, every)
+            if n and phase in self._phase_s:
+                seconds += n * self._phase_s[phase]
+            elif n:
+                unknown = True
+        return f"left ~{_clock(seconds)}" + (" + checks" if unknown else "")
 
     def __call__(self, entry: dict) -> None:
         phase = entry.get("phase", "training")
+        now = self.clock()
+        if phase != self.phase and self.phase != "training":
+            self._phase_s[self.phase] = now - self._since  # the one-off phase just ended
+        if phase == "training" and entry.get("step_s"):
+            self._step_s.append(entry["step_s"])
         if "tau" in entry and phase == "training":
             self.tau = f"{entry['tau']:.2f}"
             self.console.print(f"step {entry['step']}: held-out τ {self.tau}", style="cyan")
         step = entry["step"]
-        changed, self.phase = phase != self.phase, phase
+        changed = phase != self.phase
+        if changed:
+            self._since = now
+        self.phase = phase
+        loss = entry.get("loss", float("nan"))
         if self._bar is not None:
             self._bar.update(
                 self._task,
                 completed=step,
                 description=phase if phase != "training" else "",
-                loss=entry["loss"],
-                tps=entry["tokens_per_s"],
+                loss=loss,
+                tps=entry.get("tokens_per_s", 0.0),
                 tau=self.tau,
+                left=self.left(step),
             )
             return
         every = max(1, -(-self.steps // self.LINES))
         if (changed and phase != "training") or step % every == 0 or step == self.steps:
-            elapsed = _clock(time.perf_counter() - self._tic)
+            elapsed = _clock(now - self._tic)
+            said = f" · loss {loss:.3f}" if loss == loss else ""
             self.console.print(
-                f"train: {step}/{self.steps} steps · {phase} · loss {entry['loss']:.3f} · "
-                f"{elapsed} · {self.left(step)}",
+                f"train: {step}/{self.steps} steps · {phase}{said} · {elapsed} · {self.left(step)}",
                 soft_wrap=True,
                 style="dim",
             )

@@ -7,6 +7,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from dflash_mlx import Pair, generate, load_draft
@@ -14,8 +15,14 @@ from dflash_mlx.cli.main import app
 from dflash_mlx.cli.train import _regenerator
 from dflash_mlx.models.tiny import CORPUS
 from dflash_mlx.train.trainer import (
+    FEATURES,
+    HELD_OUT,
+    SAVING,
+    TRAINING,
     Example,
+    TargetRows,
     TrainSettings,
+    block_targets,
     draft_config_for,
     held_out_tau,
     init_draft,
@@ -263,3 +270,101 @@ def test_an_empty_text_to_regenerate_from_is_skipped_and_reported(target, tmp_pa
     examples, skipped = read_examples(path, tok, seq_len=64, regenerate=regenerate)
     assert len(examples) == 1 and len(seen) == 1
     assert skipped == [f"{path}:1: skipped (empty text: nothing for the target to continue)"]
+
+
+def test_the_targets_rows_kept_once_train_exactly_as_computed_each_step(
+    target, regen_data, tmp_path
+):
+    """The frozen target's features and next tokens, computed once before the first step
+    (`TargetRows`), give the losses the per-step forward gives; the run says the phase."""
+    model, tok = target
+    losses, phases = {}, {}
+    for mb in (0, 2048):
+        pair, cfg = fresh_pair(model)
+        settings = TrainSettings(
+            steps=6, batch=3, anchors_per_seq=6, seq_len=96, eval_every=1000, save_every=1000,
+            feature_cache_mb=mb,
+        )  # fmt: skip
+        seen = []
+        log = train(pair, tok, cfg, regen_data, settings, tmp_path / str(mb), progress=seen.append)
+        losses[mb] = [s["loss"] for s in log.steps]
+        phases[mb] = [e["phase"] for e in seen]
+    np.testing.assert_allclose(losses[2048], losses[0], rtol=1e-5)
+    assert phases[2048][0] == FEATURES and FEATURES not in phases[0]
+    assert phases[2048][1:] == phases[0]
+
+
+def test_rows_too_big_for_the_budget_are_computed_each_step(target, regen_data, tmp_path):
+    model, tok = target
+    pair, _ = fresh_pair(model)
+    need = TargetRows.nbytes(pair, regen_data)
+    assert need == sum(len(e.tokens) for e in regen_data) * (
+        len(pair.draft.config.target_layer_ids) * pair.target.hidden_size * 4 + 4
+    )
+    pair, cfg = fresh_pair(model)
+    seen = []
+    settings = TrainSettings(
+        steps=2, batch=2, anchors_per_seq=4, seq_len=96, eval_every=1000, save_every=1000,
+        feature_cache_mb=need / 2**20 * 0.99,  # just too small
+    )  # fmt: skip
+    train(pair, tok, cfg, regen_data, settings, tmp_path / "d", progress=seen.append)
+    assert FEATURES not in [e["phase"] for e in seen]
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_time_left_counts_steps_checks_and_saves_at_their_own_speed():
+    """Steps of 2 s, a held-out check of 30 s, a checkpoint of 5 s, and a 60 s phase before
+    the first step: the time left is the steps to go at 2 s plus the checks and
+    checkpoints to come, not the elapsed time spread over the steps done."""
+    import io
+
+    from rich.console import Console
+
+    from dflash_mlx.cli.train import TrainProgress
+
+    clock, buf = FakeClock(), io.StringIO()
+    console = Console(file=buf, force_terminal=False, width=200)
+    p = TrainProgress(console, 100, eval_every=50, save_every=50, clock=clock)
+    with p:
+        p({"step": 0, "loss": float("nan"), "tokens_per_s": 0, "phase": FEATURES})
+        clock.now += 60  # the target reads the data
+        for step in range(1, 51):
+            clock.now += 2
+            entry = {"step": step, "loss": 1.0, "tokens_per_s": 1, "step_s": 2.0}
+            if step == 50:
+                assert p.left(50) == "left ~1 min 40 s + checks", "no check timed yet"
+                p({**entry, "phase": HELD_OUT})
+                clock.now += 30
+                p({**entry, "phase": SAVING})
+                clock.now += 5
+            p({**entry, "phase": TRAINING})
+    # 50 steps at 2 s, one check (30 s) and one save (5 s) to come.
+    assert p.left(50) == "left ~2 min 15 s"
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "train: 100 steps to go"
+    assert lines[1].startswith(f"train: 0/100 steps · {FEATURES} · ") and "left: –" in lines[1]
+    assert "loss nan" not in buf.getvalue()
+    assert any(x.startswith("train: 50/100 steps · held-out τ check") for x in lines), lines
+
+
+def test_a_half_precision_target_gets_a_float32_draft(models_dir):
+    """A bf16 target (a GPU, or a CPU without an optimized BLAS: no upcast) once gave a bf16
+    draft: its late updates rounded away and it took the slower, worse fused bf16 path."""
+    from dflash_mlx import load
+    from dflash_mlx.train.blocks import fast_path
+
+    model, _ = load(str(models_dir / "qwen3"))
+    model.set_dtype(mx.bfloat16)
+    pair, _ = fresh_pair(model)
+    dtypes = {v.dtype for _, v in tree_flatten(pair.draft.trainable_parameters())}
+    assert dtypes == {mx.float32}
+    assert fast_path(pair.draft)
+    feats, _ = block_targets(pair, mx.array([[3, 4, 5, 6]]))
+    assert feats.dtype == mx.bfloat16, "the target itself is left as it is"

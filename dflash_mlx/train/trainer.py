@@ -49,6 +49,7 @@ class TrainSettings:
     save_every: int = 100
     eval_prompts: int = 8
     eval_tokens: int = 128
+    feature_cache_mb: float = 2048  # the target's rows computed once when they fit; 0: each step
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "seq_len", "anchors_per_seq"):
@@ -138,6 +139,11 @@ def init_draft(model: nn.Module, config: dict, seed: int = 0) -> Pair:
     d, n = draft.config.hidden_size, len(draft.config.target_layer_ids)
     fc = mx.zeros((d, n * d))
     draft.fc.weight = fc.at[:, (n - 1) * d :].add(mx.eye(d))
+    # Trained in float32 whatever the target's precision: a half-precision target (bf16
+    # checkpoints, on a GPU or a CPU without an optimized BLAS, where no upcast happens) made
+    # a half-precision draft, whose small late updates round away and which takes the fused
+    # bf16 attention that trained a worse draft (blocks.fast_path).
+    draft.set_dtype(mx.float32)
     mx.eval(draft.parameters())
     return pair
 
@@ -241,6 +247,13 @@ def sample_batch(
     """(tokens (B, S), lengths (B,), seq_index (n,), anchors (n,)) for `step`: a pure
     function of the seed and step, so a resumed run sees exactly the batches it would
     have seen."""
+    return sample_rows(examples, settings, step)[1:]
+
+
+def sample_rows(
+    examples: list[Example], settings: TrainSettings, step: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`sample_batch` with the chosen examples' indices first."""
     rng = np.random.default_rng((settings.seed, step))
     chosen = rng.choice(len(examples), size=settings.batch, replace=len(examples) < settings.batch)
     seqs = [examples[i] for i in chosen]
@@ -254,7 +267,7 @@ def sample_batch(
         anchors += list(rng.choice(positions, size=take, replace=False))
         seq_index += [b] * take
     lengths = np.array([len(e.tokens) for e in seqs], np.int32)
-    return tokens, lengths, np.array(seq_index, np.int32), np.array(anchors, np.int32)
+    return chosen, tokens, lengths, np.array(seq_index, np.int32), np.array(anchors, np.int32)
 
 
 # -- the loss ----------------------------------------------------------------------------------
@@ -265,6 +278,46 @@ def block_targets(pair: Pair, tokens: mx.array) -> tuple[mx.array, mx.array]:
     logits, feats = pair.target.forward(tokens, None, pair.draft.config.target_layer_ids)
     nxt = mx.argmax(logits, axis=-1).astype(mx.int32)  # nxt[p] = target's token at p + 1
     return mx.stop_gradient(feats), nxt
+
+
+class TargetRows:
+    """The frozen target's features and own next tokens for every example, computed once
+    before training (a few dozen batched forwards instead of one per step: the target is
+    frozen and the data fixed, so every step would compute the same rows again). Kept when
+    they fit in `TrainSettings.feature_cache_mb`; `batch` pads a step's rows as
+    `block_targets` would have computed them."""
+
+    def __init__(self, pair: Pair, examples: list[Example], batch: int = 16):
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].tokens))
+        self.feats: list[mx.array | None] = [None] * len(examples)
+        self.nxt: list[mx.array | None] = [None] * len(examples)
+        for j in range(0, len(order), batch):
+            rows = order[j : j + batch]
+            S = max(len(examples[i].tokens) for i in rows)
+            tokens = np.zeros((len(rows), S), np.int32)
+            for r, i in enumerate(rows):
+                tokens[r, : len(examples[i].tokens)] = examples[i].tokens
+            feats, nxt = block_targets(pair, mx.array(tokens))
+            feats = feats.astype(mx.float32)
+            for r, i in enumerate(rows):
+                n = len(examples[i].tokens)
+                self.feats[i], self.nxt[i] = mx.array(feats[r, :n]), mx.array(nxt[r, :n])
+            mx.eval(*(self.feats[i] for i in rows), *(self.nxt[i] for i in rows))
+
+    @staticmethod
+    def nbytes(pair: Pair, examples: list[Example]) -> int:
+        """What the rows of `examples` take (float32 features of every captured layer)."""
+        width = len(pair.draft.config.target_layer_ids) * pair.target.hidden_size
+        return sum(len(e.tokens) for e in examples) * (width * 4 + 4)
+
+    def batch(self, chosen, S: int) -> tuple[mx.array, mx.array]:
+        """(features (B, S, K*D), next tokens (B, S)) of the chosen examples, right-padded."""
+
+        def pad(a):
+            return mx.pad(a, [(0, S - a.shape[0])] + [(0, 0)] * (a.ndim - 1))
+
+        feats = mx.stack([pad(self.feats[i]) for i in chosen])
+        return feats, mx.stack([pad(self.nxt[i]) for i in chosen])
 
 
 def block_loss(
@@ -339,6 +392,7 @@ def split_held_out(
 # entry after the step (TRAINING), and before a held-out τ check or a checkpoint, the same
 # entry with the phase about to run.
 TRAINING, HELD_OUT, SAVING = "training", "held-out τ check", "saving a checkpoint"
+FEATURES = "the target reads the data"  # before the first step, when the rows are kept
 
 
 def held_out_tau(pair: Pair, tokenizer, prompts: list[list[int]], tokens: int) -> float:
@@ -371,9 +425,19 @@ def train(
     if resume:
         start, log = _load_state(draft, optimizer, out, state_dir)
     loss_and_grad = nn.value_and_grad(draft, block_loss)
+    rows = None
+    if settings.feature_cache_mb > 0 and start < settings.steps:
+        if TargetRows.nbytes(pair, examples) <= settings.feature_cache_mb * 2**20:
+            if progress is not None:
+                progress({"step": start, "loss": float("nan"), "lr": 0.0, "tokens_per_s": 0.0,
+                          "step_s": 0.0, "phase": FEATURES})  # fmt: skip
+            rows = TargetRows(pair, examples, settings.batch)
 
-    def step_fn(tokens, lengths, seq_index, anchors, layout):
-        feats, nxt = block_targets(pair, tokens)
+    def step_fn(tokens, lengths, seq_index, anchors, layout, chosen):
+        if rows is None:
+            feats, nxt = block_targets(pair, tokens)
+        else:
+            feats, nxt = rows.batch(chosen, tokens.shape[1])
         loss, grads = loss_and_grad(
             pair, feats, nxt, tokens, seq_index, anchors, lengths, gamma, layout
         )
@@ -383,10 +447,11 @@ def train(
 
     tic, seen = time.perf_counter(), 0
     for step in range(start, settings.steps):
-        batch = sample_batch(examples, settings, step)
+        t0 = time.perf_counter()
+        chosen, *batch = sample_rows(examples, settings, step)
         tokens = batch[0]
         m, slot = grouped_blocks(batch[2], len(tokens))
-        loss = step_fn(*(mx.array(a) for a in batch), (m, mx.array(slot)))
+        loss = step_fn(*(mx.array(a) for a in batch), (m, mx.array(slot)), chosen)
         mx.eval(loss, draft.parameters(), optimizer.state)
         seen += tokens.size
         entry = {
@@ -394,6 +459,7 @@ def train(
             "loss": loss.item(),
             "lr": float(optimizer.learning_rate),
             "tokens_per_s": seen / (time.perf_counter() - tic),
+            "step_s": time.perf_counter() - t0,
         }
         log.steps.append(entry)
         done = step + 1 == settings.steps
