@@ -824,11 +824,12 @@ def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case,
             assert r.tokens == refs[i][: LENGTHS[i] - extra], f"row {i}, {extra} fewer"
 
 
-@pytest.mark.parametrize("max_batch", [1, 2])
-def test_only_a_request_alone_prefills_a_dormant_draft_context(target, draft, max_batch):
+@pytest.mark.parametrize("others", [0, 1])
+def test_only_a_request_alone_prefills_a_dormant_draft_context(target, draft, others):
     """A chooser that expects plain decoding: alone, the prompt's draft context is left
-    out but for a window (a dormant prefill); in a decoder that batches, the whole prompt's
-    context is built, since its batch may speculate where the pair alone would not."""
+    out but for a window (a dormant prefill); with another request waiting to join it, the
+    whole prompt's context is built, since their batch may speculate where the pair alone
+    would not."""
     from dflash_mlx.speed.adaptive import WidthChooser
 
     from .test_adaptive import BLOCK, CPU
@@ -839,12 +840,14 @@ def test_only_a_request_alone_prefills_a_dormant_draft_context(target, draft, ma
     assert ch.expects_plain(len(ids))
     pair = Pair(model, draft)
     pair.plan = lambda o: (BLOCK, BLOCK, ch)
-    dec = BatchDecoder(pair, tok, max_batch=max_batch)
+    dec = BatchDecoder(pair, tok, max_batch=2)
     row = dec.submit(ids, GenerateOptions(max_tokens=4))
+    for _ in range(others):
+        dec.submit(ids, GenerateOptions(max_tokens=4))
     dec.step()  # its admission: prefill and first token
     state = row.req.state
     seen = state.context_length + len(row.req.pending)
-    if max_batch == 1:
+    if not others:
         assert seen <= ch.window + 1, f"a dormant prefill kept {seen} positions"
     else:
         assert state.context_length >= len(ids) - 1, state.context_length

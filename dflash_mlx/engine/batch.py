@@ -235,10 +235,11 @@ class BatchDecoder:
         if row.prompt_cache is not None:
             progress = row.prompt_cache.watch(between_chunks)
         # Alone, a request whose chooser expects to decode plainly prefills no draft context
-        # but a window (a dormant prefill); a decoder that batches prefills it all, since
-        # its batch may speculate where the pair alone would not (with a window only, its
-        # drafts miss and teach the pair's chooser that this text drafts badly).
-        dormant = chooser if self.max_batch == 1 else None
+        # but a window (a dormant prefill); one that joins or awaits others prefills it all,
+        # since their batch may speculate where the pair alone would not (with a window
+        # only, its drafts miss and teach the pair's chooser that this text drafts badly).
+        alone = not self.active and not self.waiting
+        dormant = chooser if alone else None
         with mx.stream(generation_stream):
             logits = prefill_prompt(req, opts.prefill_step, progress, dormant)
             anchor, lp = first_token(req, logits)
