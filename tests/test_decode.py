@@ -493,17 +493,21 @@ def test_a_draft_window_stays_lossless_and_bounds_the_drafts_memory(models_dir, 
             assert scripted.calls > 10 and 1 < out.mean_acceptance
 
 
-def test_prefill_projects_only_the_positions_the_window_shows(target, draft, monkeypatch):
-    from dflash_mlx.models.draft import DFlashDraft
-
-    model, tok = target
-    ids = tok.encode(PROMPTS[1] * 8)
-    assert len(ids) > 100
+def projected_rows(monkeypatch) -> list[int]:
+    """The rows of target features each `DFlashDraft.add_context` call projects, as made."""
     rows = []
     add = DFlashDraft.add_context
     monkeypatch.setattr(
         DFlashDraft, "add_context", lambda self, f, st: (rows.append(f.shape[1]), add(self, f, st))
     )
+    return rows
+
+
+def test_prefill_projects_only_the_positions_the_window_shows(target, draft, monkeypatch):
+    model, tok = target
+    ids = tok.encode(PROMPTS[1] * 8)
+    assert len(ids) > 100
+    rows = projected_rows(monkeypatch)
     out = generate(model, draft, tok, ids, max_tokens=1, verify_width=4, draft_window=16)
     assert sum(rows) == 15, f"prefill projected {sum(rows)} rows for a window of 16"
     rows.clear()
@@ -552,11 +556,7 @@ def test_prefill_projects_the_sink_and_the_window_only(target, draft, monkeypatc
     model, tok = target
     ids = tok.encode(PROMPTS[1] * 8)
     assert len(ids) > 100
-    rows = []
-    add = DFlashDraft.add_context
-    monkeypatch.setattr(
-        DFlashDraft, "add_context", lambda self, f, st: (rows.append(f.shape[1]), add(self, f, st))
-    )
+    rows = projected_rows(monkeypatch)
     out = generate(
         model, draft, tok, ids, max_tokens=1, verify_width=4, draft_window=16, draft_sink=5
     )
