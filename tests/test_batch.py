@@ -17,6 +17,7 @@ from dflash_mlx import GenerateOptions, Pair, generate, load
 from dflash_mlx.engine import batch_cache, batch_draft
 from dflash_mlx.engine import batch_cycle as batch_mod
 from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
+from dflash_mlx.engine.prefill import Request
 from dflash_mlx.engine.sampling import PositionKeys, propose
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.draft import DFlashDraft
@@ -734,6 +735,50 @@ def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
     assert len(shared) > 10, shared
 
 
+def test_the_rows_context_is_fed_in_one_pass_as_each_alone(target, draft, monkeypatch):
+    """The batch's draft pass feeds every row's committed features at once (`feed_rows`:
+    one projection for all rows, each at its own RoPE position, across gaps, windows and
+    sinks): each row's context then holds what feeding it alone gives, and the per-row
+    path is not what ran."""
+    model, tok = target
+    pair = Pair(model, draft)
+    feats = draft.config.hidden_size * len(draft.config.target_layer_ids)
+
+    def rows() -> list:
+        dec = BatchDecoder(pair, tok)
+        for k, p in enumerate(PROMPTS[:3]):
+            window, sink = (16 if k else None), (3 if k == 2 else None)
+            opts = GenerateOptions(
+                max_tokens=60, verify_width=4, draft_window=window, draft_sink=sink
+            )
+            dec.submit(p, opts)
+        for _ in range(8):
+            dec.step()
+        reqs = [r.req for r in dec.active]
+        for r in reqs:
+            r.feed_draft()
+        reqs[1].state.skip_to(reqs[1].state.context_end + 5)  # a gap: RoPE positions jump
+        mx.random.seed(1)
+        for b, r in enumerate(reqs):  # pending rows of different counts, in pieces
+            r.pending = [mx.random.normal((1, n, feats)) for n in (2, b + 1)]
+        return reqs
+
+    alone, together = rows(), rows()
+    for r in alone:
+        r.feed_draft()
+    fed = []
+    real = Request.feed_draft
+    monkeypatch.setattr(Request, "feed_draft", lambda self: fed.append(self) or real(self))
+    batch_draft.feed_rows(together)
+    assert not fed, "the rows were fed one by one"
+    for a, t in zip(alone, together):
+        assert not t.pending and t.state.context_end == a.state.context_end
+        got, want = [np.array(x) for x in t.state.arrays], [np.array(x) for x in a.state.arrays]
+        assert [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperature):
     """DFlash 2 rows (issue 34): one draft pass for the batch, each row's conv rows
@@ -750,7 +795,7 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
     dec = BatchDecoder(pair, tok)
     for p in PROMPTS[:3]:
         dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, temperature=temperature))
-    for _ in range(8):
+    for _ in range(5):  # three admissions, two cycles (a sampled row may end early)
         dec.step()
     reqs = [r.req for r in dec.active]
     assert len(reqs) == 3 and all(batch_draft.batchable(r) for r in reqs)

@@ -15,9 +15,10 @@ computes its blocks its own way drafts alone.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..models.conv import ConvRows
-from ..models.draft import BlockContext, DFlashDraft, narrowest
+from ..models.draft import BlockContext, DFlashDraft, DraftAttention, narrowest
 from .prefill import Request
 from .walks import make_drafts
 
@@ -73,8 +74,7 @@ def block_rows(
     block indices `1..rows` (row `b` what `DFlashDraft.block_hidden` / `block_logits`
     give that request alone; a DFlash 2 draft's conv rows are each request's own)."""
     draft = reqs[0].draft
-    for req in reqs:
-        req.feed_draft()
+    feed_rows(reqs)
     block = mx.full((len(reqs), length), draft.config.mask_token_id, dtype=mx.int32)
     block[:, 0] = mx.concatenate([a.reshape(1) for a in anchors]).astype(mx.int32)
     head = reqs[0].state.head
@@ -90,6 +90,54 @@ def block_rows(
         req.lazy_rows = 0
     h = draft.norm(x)[:, 1 : rows + 1]
     return h, draft.logits(h, head).astype(mx.float32)
+
+
+def feed_rows(reqs: list[Request]) -> None:
+    """Every request's committed features not yet fed (`Request.feed_draft`), projected in
+    one pass for all of them: the draft's `fc`, norm and each layer's K/V on the rows side
+    by side, each row at its own RoPE position, then appended to each request's context.
+    What each context holds is what feeding it alone gives (per request: 20-odd small
+    operations, which at 8 rows cost a batched cycle's draft pass a third of its time)."""
+    todo = [r for r in reqs if r.pending]
+    draft = todo[0].draft if todo else None
+    if len(todo) < 2 or not _feeds_by_row(draft):
+        for req in todo:
+            req.feed_draft()
+        return
+    feats = [p for r in todo for p in r.pending]
+    counts = [sum(p.shape[1] for p in r.pending) for r in todo]
+    c = draft.hidden_norm(draft.fc(mx.concatenate(feats, axis=1)))[0]  # (M, D)
+    for i, layer in enumerate(draft.layers):
+        attn = layer.self_attn
+        caches = [r.state.caches[i] for r in todo]
+        positions = mx.concatenate(
+            [mx.arange(ch.position, ch.position + n) for ch, n in zip(caches, counts)]
+        )
+        m = c.shape[0]
+        k = attn.k_norm(attn.k_proj(c).reshape(m, attn.n_kv_heads, 1, -1))
+        k = attn.rope(k, offset=positions)  # (M, Hkv, 1, Dh): each row at its own position
+        v = attn.v_proj(c).reshape(m, attn.n_kv_heads, 1, -1)
+        start = 0
+        for ch, n in zip(caches, counts):
+            rows = slice(start, start + n)
+            ch.update_and_fetch(
+                k[rows].transpose(2, 1, 0, 3), v[rows].transpose(2, 1, 0, 3)
+            )  # (1, Hkv, n, Dh)
+            start += n
+    for r in todo:
+        r.pending.clear()
+        r.state.forget()
+
+
+def _feeds_by_row(draft: DFlashDraft) -> bool:
+    """Whether `draft` projects context as `DFlashDraft` does, with RoPE that takes one
+    offset per batch row (MLX's own): else each request is fed on its own."""
+    return type(draft).add_context is DFlashDraft.add_context and all(
+        type(layer.self_attn).add_context is DraftAttention.add_context
+        and type(layer.self_attn)._kv is DraftAttention._kv
+        and type(layer.self_attn.rope) is nn.RoPE
+        for layer in draft.layers
+    )
 
 
 class _RowsConv(ConvRows):
