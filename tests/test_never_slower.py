@@ -162,6 +162,46 @@ def test_the_decode_loop_tells_the_chooser_what_a_probe_must_catch_up_on(target,
     assert len(cycles) > 1
 
 
+def test_a_batch_prices_and_pays_for_catching_its_rows_drafts_up(target, draft, monkeypatch):
+    """Rows of a batch that resume speculating after plain cycles catch their drafts'
+    context up first (in one pass): the batch's chooser is told the rows they are behind,
+    summed over the rows, before it decides, and what the catch-up took is reported to it
+    (priced for the next probes, charged to its floor as time that committed nothing)."""
+    from dflash_mlx.engine.batch import BatchDecoder
+
+    model, tok = target
+    prompts = ["def parse(line):\n    return line.split(',')\n" * 3, "class Stack:\n" * 6]
+    seen, observed = [], []
+    choose, observe_context = WidthChooser.choose, WidthChooser.observe_context
+
+    def spy_choose(self, limit=None, depth=None, context=(0, 0)):
+        w, n = choose(self, limit, depth, context)
+        seen.append((self, w, context))
+        return w, n
+
+    def spy_context(self, rows, lazy, seconds):
+        observed.append((self, rows, lazy))
+        return observe_context(self, rows, lazy, seconds)
+
+    monkeypatch.setattr(WidthChooser, "choose", spy_choose)
+    monkeypatch.setattr(WidthChooser, "observe_context", spy_context)
+    flat = CostCurves(VERIFY, DRAFT, context=1e-4)
+    base = WidthChooser(flat, BLOCK, window=8, request_budget=1.0)
+    dec = BatchDecoder(Pair(model, draft), tok, max_batch=2)
+    for p in prompts:
+        row = dec.submit(p, GenerateOptions(max_tokens=24))
+        row.plan = (BLOCK, BLOCK, base)
+    steps = 0
+    while dec.busy and steps < 200:
+        dec.step()
+        steps += 1
+    batched = [(c, w, ctx) for c, w, ctx in seen if c is not base and w > 1 and ctx[0]]
+    assert batched, "the batch never resumed speculating with its drafts behind"
+    chooser, _, (rows, lazy) = batched[0]
+    assert rows >= 2, "both rows' drafts are behind: their rows are summed"
+    assert (chooser, rows, lazy) in observed, "what was caught up is reported"
+
+
 def test_forced_plain_decoding_builds_nothing_for_the_draft(target, draft, monkeypatch):
     import mlx.core as mx
     from mlx_lm.generate import generate_step

@@ -375,10 +375,10 @@ class BatchDecoder:
             self._plain_cycle(rows, chooser, captures=captures)
             return
         caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
-        late = bc.catch_up(rows, widths, captures)
-        if chooser is not None and size == 1 and rows[0].learn:
-            for _, behind, seconds in late:
-                chooser.observe_context(*behind, seconds)
+        late, caught = bc.catch_up(rows, widths, captures)
+        if chooser is not None and any(late) and all(r.fixed is None and r.learn for r in rows):
+            # Priced for the next probes, and charged to the floor: time that committed nothing.
+            chooser.observe_context(*late, caught)
         cache = self.cache if size > 1 else rows[0].req.cache
         target = self.pair.target
         with mx.stream(generation_stream):
@@ -388,7 +388,7 @@ class BatchDecoder:
         bc.rewind(target, rows, steps, results, cache, width)
         spent = self._sync()
         if spent is not None:
-            spent -= sum(seconds for _, _, seconds in late)
+            spent -= caught
         tree = size == 1 and steps[0].tree is not None
         bc.learn(chooser, rows, widths, results, width, spent, caught_up, tree)
         for r, s, (n, _) in zip(rows, steps, results):

@@ -119,14 +119,16 @@ def batch_chooser(
 
 def plan(rows: list[Row], chooser: WidthChooser | None, ahead: int = 0) -> tuple[list, list[bool]]:
     """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft
-    (`ahead`: planned a cycle ahead, before the last one's token is committed). A row alone
-    tells the chooser what a speculative cycle would first catch its draft's context up on
-    (`behind`)."""
+    (`ahead`: planned a cycle ahead, before the last one's token is committed). The chooser
+    is told what a speculative cycle would first catch the rows' draft contexts up on
+    (`behind`, summed over the rows)."""
     auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
     if chooser is not None:
         budget = max(r.options.max_tokens - r.generated - ahead for r in auto)
         depth = max(len(r.prompt) + r.generated - 1 + ahead for r in auto)  # the anchor's
-        context = behind(rows[0].req) if len(rows) == 1 else (0, 0)
+        # What a speculative cycle would first catch every row's draft context up on.
+        late = [behind(r.req) for r in auto]
+        context = (sum(n for n, _ in late), sum(z for _, z in late))
         w_auto, l_auto = chooser.choose(limit=budget, depth=depth, context=context)
     out = []
     for r in rows:
@@ -155,24 +157,29 @@ def behind(req: Request) -> tuple[int, int]:
     return (req.pending_rows, req.lazy_rows)
 
 
-def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> list:
-    """Rows about to speculate after plain cycles feed their drafts' context first, apart
-    from the cycle (so it is not taken for what every cycle of the width costs): each row's
-    `(behind, seconds)`, for the chooser's pricing of probes (`observe_context`)."""
-    spent = []
+def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> tuple[tuple[int, int], float]:
+    """Rows about to speculate after plain cycles feed their drafts' context first (all in
+    one pass, `batch_draft.feed_rows`), apart from the cycle (so it is not taken for what
+    every cycle of the width costs): the `(rows, lazy)` caught up, summed over the rows, and
+    the seconds it took, for the chooser's pricing of probes (`observe_context`)."""
+    late = []
     for b, (r, (w, _)) in enumerate(zip(rows, widths)):
         if r.req.draft is None:
             continue
         follow_capture(r.req, captures[b], len(r.req.prompt) + r.generated - 1)
-        late = behind(r.req)
-        if w > 1 and any(late):
-            tic = time.perf_counter()
-            with mx.stream(generation_stream):
-                r.req.feed_draft()
-                mx.eval(r.req.state.arrays)
-            r.req.lazy_rows = 0
-            spent.append((r, late, time.perf_counter() - tic))
-    return spent
+        if w > 1 and any(behind(r.req)):
+            late.append(r)
+    if not late:
+        return (0, 0), 0.0
+    done = [behind(r.req) for r in late]
+    tic = time.perf_counter()
+    with mx.stream(generation_stream):
+        batch_draft.feed_rows([r.req for r in late])
+        mx.eval([a for r in late for a in r.req.state.arrays])
+    for r in late:
+        r.req.lazy_rows = 0
+    seconds = time.perf_counter() - tic
+    return (sum(n for n, _ in done), sum(z for _, z in done)), seconds
 
 
 def plain(target, rows: list[Row], widths: list) -> bool:

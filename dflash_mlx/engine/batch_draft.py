@@ -97,7 +97,7 @@ def feed_rows(reqs: list[Request]) -> None:
     one pass for all of them: the draft's `fc`, norm and each layer's K/V on the rows side
     by side, each row at its own RoPE position, then appended to each request's context.
     What each context holds is what feeding it alone gives (per request: 20-odd small
-    operations, which at 8 rows cost a batched cycle's draft pass a third of its time)."""
+    operations, which at 8 rows cost a batched cycle's draft pass a quarter of its time)."""
     todo = [r for r in reqs if r.pending]
     draft = todo[0].draft if todo else None
     if len(todo) < 2 or not _feeds_by_row(draft):
