@@ -491,6 +491,35 @@ def test_a_batch_chooser_starts_afresh_when_a_request_joins(target, draft):
     assert not stuck.req_done
 
 
+def test_a_batchs_probe_is_one_probe_not_one_a_row():
+    """A probe the batch's chooser made is judged once for the cycle: its interval grows
+    once (not once a row, which put the next probe off by 2^rows), and a follow-up at twice
+    the width comes only when every row's drafts were all accepted (not when the last row
+    read happened to accept all). The pair's chooser, which did not choose the cycle, learns
+    its rows' acceptance and nothing of the probe."""
+    from dflash_mlx.speed.adaptive import WidthChooser
+
+    # A verify of w tokens costs w plain steps: the batch's plain pass is what pays, and
+    # each probe confirms it.
+    base = WidthChooser(CostCurves([1e-3 * w for w in range(1, 17)], [1e-4] * 16), 16)
+    chooser = batch_mod.batch_chooser({}, 4, base)
+    rows = auto_rows(4, base)
+    chooser.probing, chooser.probe_interval = True, 8
+    base.probing, base_interval = True, base.probe_interval
+    mixed = [(0, [1]), (3, [1] * 4), (1, [1] * 2), (3, [1] * 4)]  # the last row got all
+    trials = list(base.trials)
+    batch_mod.learn(chooser, rows, [(4, 4)] * 4, mixed, 4, None)
+    assert chooser.probe_interval == 16, "the interval doubles once for the cycle"
+    assert chooser.follow_up == 0, "a row's drafts were rejected: no follow-up"
+    assert base.probe_interval == base_interval and base.follow_up == 0
+    assert base.trials[1] == pytest.approx(
+        trials[1] * base.decay**4 + sum(base.decay**k for k in range(4))
+    ), "every row's acceptance reaches the pair's chooser"
+    chooser.probing = True
+    batch_mod.learn(chooser, rows, [(4, 4)] * 4, [(3, [1] * 4)] * 4, 4, None)
+    assert chooser.follow_up == 8, "every row accepted all: the next probe is twice as wide"
+
+
 def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     """Speculative batched cycles are settled against the batch's plain pass as measured:
     one that lost is evidence enough (it is every row's); none is judged against the

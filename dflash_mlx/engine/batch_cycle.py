@@ -414,8 +414,15 @@ def learn(
         # others' texts taught (the batch would go plain on the prior alone).
         for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
             c.pooled()
-    for r, (w, _), (n, _) in zip(rows, widths, results):
-        if r.fixed is None and w > 1 and r.error is None:
-            chooser.update(w, n)  # its probes' bookkeeping
-            if chooser is not r.chooser:
-                r.chooser.update(w, n)
+    cycles = [
+        (w, n)
+        for r, (w, _), (n, _) in zip(rows, widths, results)
+        if r.fixed is None and w > 1 and r.error is None
+    ]
+    # Every row's acceptance; the probe's outcome once, for the cycle (a batch's rows are
+    # one probe, not one each); the pair's chooser, which every size reads, learns the
+    # acceptance only (it did not choose this cycle).
+    chooser.update_rows(cycles)
+    bases = {id(r.chooser): r.chooser for r in rows if r.chooser not in (None, chooser)}
+    for base in bases.values():
+        base.update_rows(cycles, chose=False)

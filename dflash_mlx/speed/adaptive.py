@@ -487,15 +487,31 @@ class WidthChooser:
         if accepted < width - 1:
             self.follow_up = 0  # a rejected draft since: no follow-up promised
         if self.probing:
-            rates = self.rates()
-            if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
-                self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
-            else:
-                self.probe_interval = self.base_probe
-            self.follow_up = 0
-            if accepted == width - 1 and width < self.block:
-                self.follow_up = min(2 * width, self.block)
-                self.since_probe = self.probe_interval  # the next plain choice probes
+            self._probed(width, accepted == width - 1)
+
+    def update_rows(self, cycles: list[tuple[int, int]], chose: bool = True) -> None:
+        """Learn from one cycle of several rows, `(width, accepted)` each: every row's
+        acceptance, and (when this chooser `chose` the cycle's width) the probe's outcome
+        once, for the cycle: a follow-up only when every row's drafts were all accepted."""
+        probing, self.probing = self.probing, False
+        for width, accepted in cycles:
+            self.update(width, accepted)
+        self.probing = probing
+        if probing and chose and cycles:
+            self._probed(max(w for w, _ in cycles), all(n == w - 1 for w, n in cycles))
+
+    def _probed(self, width: int, all_accepted: bool) -> None:
+        """A probe of `width` ran: its interval grows while plain decoding wins, and a probe
+        whose drafts were all accepted is followed by one at twice the width."""
+        rates = self.rates()
+        if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
+            self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
+        else:
+            self.probe_interval = self.base_probe
+        self.follow_up = 0
+        if all_accepted and width < self.block:
+            self.follow_up = min(2 * width, self.block)
+            self.since_probe = self.probe_interval  # the next plain choice probes
 
     def probe_loss(self, width: int) -> float:
         """Seconds a probe of `width` is expected to lose against plain decoding, at the
