@@ -522,15 +522,20 @@ def test_a_batchs_probe_is_one_probe_not_one_a_row():
 
 def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     """Speculative batched cycles are settled against the batch's plain pass as measured:
-    one that lost is evidence enough (it is every row's); none is judged against the
-    calibration's price of a plain pass before one is measured, nor one whose time
-    includes its drafts catching up."""
+    one that lost is evidence enough (it is every row's); before a plain pass is measured,
+    against twice the calibration's price of one (a cycle a little dearer than that price
+    is not judged lost, one that lost far more is); none whose time includes its drafts
+    catching up."""
     base = flat_chooser()
     chooser = batch_mod.batch_chooser({}, 4, base)
     rows = auto_rows(4, base)
     lost = [(0, [5])] * 4  # a 16-wide pass committing a token a row
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
-    assert not chooser.floor.losing, "judged against a plain pass never measured"
+    plain = chooser.plain_cost()
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 1.5 * plain)
+    assert not chooser.floor.losing, "judged against the calibration's plain price alone"
+    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 50 * plain)
+    assert chooser.floor.losing, "a cycle that lost far more than any plain pass could"
+    chooser.floor = type(chooser.floor)(evidence=1.0)
     chooser.observe(1, 1e-3)  # a plain batched pass, measured
     # Right after plain passes, a cycle's time is also its rows' drafts catching up.
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05, caught_up=False)

@@ -685,9 +685,9 @@ def test_a_request_alone_settles_its_speculation_against_plain_decoding(target, 
     settled, caught = [], []
     settle, observe_context = WidthChooser.settle, WidthChooser.observe_context
 
-    def spy_settle(self, tokens, seconds):
+    def spy_settle(self, tokens, seconds, doubt=False):
         settled.append((tokens, seconds))
-        return settle(self, tokens, seconds)
+        return settle(self, tokens, seconds, doubt)
 
     def spy_context(self, rows, lazy, seconds):
         caught.append((rows, lazy, seconds))

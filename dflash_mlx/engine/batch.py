@@ -97,6 +97,8 @@ class BatchDecoder:
         self._planned: tuple | None = None  # the next cycle's widths, decided in advance
         self._synced = 0.0  # when the last cycle's result reached the host
         self.chained = 0  # plain passes launched before the last result reached the host
+        self._last_chooser: WidthChooser | None = None  # the last cycle's, and its size
+        self._last_size = 0
 
     # -- requests -------------------------------------------------------------------------
 
@@ -261,6 +263,7 @@ class BatchDecoder:
         # is no longer so. Their acceptance is read from the pair's chooser every cycle.
         for _, chooser in self.choosers.values():
             chooser.begin_request()
+        self._last_chooser = None
         if self.active:
             with mx.stream(generation_stream):
                 if self.cache is None:  # one row so far: its own caches become the batch's
@@ -360,7 +363,7 @@ class BatchDecoder:
         if not size:
             return
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser) if auto else None
+        chooser = self._chooser(size, auto)
         if planned is not None and planned[0] == [id(r) for r in rows]:
             # Decided when the last cycle chained nothing, before its token was committed:
             # no row may verify more than it has tokens left now.
@@ -396,6 +399,18 @@ class BatchDecoder:
                 r.req.trees.observe(s.tree is not None, n + 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._commit_rows(rows, steps, results, size)
+
+    def _chooser(self, size: int, auto: list[Row]) -> WidthChooser | None:
+        """The width chooser of a cycle of `size` rows, `auto` the automatic ones (None:
+        none), carrying on from the last cycle's when the batch's size changed."""
+        if not auto:
+            return None
+        last = self._last_chooser
+        if last is not None and self._last_size <= size:
+            last = None  # a request joined (each chooser began anew) or nothing changed
+        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser, last)
+        self._last_chooser, self._last_size = chooser, size
+        return chooser
 
     def _sync(self) -> float | None:
         """A cycle's result reached the host: its seconds since the last cycle's sync, host
@@ -471,7 +486,7 @@ class BatchDecoder:
                 r.snapped = True
         auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
         if chooser is None and auto:
-            chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser)
+            chooser = self._chooser(size, auto)
         if (
             chain
             and not self.waiting

@@ -94,12 +94,32 @@ def batch_curves(curves: CostCurves, rows: int) -> CostCurves:
 
 
 def batch_chooser(
-    known: dict[int, tuple[WidthChooser, WidthChooser]], size: int, base: WidthChooser
+    known: dict[int, tuple[WidthChooser, WidthChooser]],
+    size: int,
+    base: WidthChooser,
+    last: WidthChooser | None = None,
 ) -> WidthChooser:
     """The width chooser for cycles of `size` rows (alone: `base`, the pair's own). A batch's
-    prices its own costs (`batch_curves`) but reads the acceptance `base` has learnt.
-    `known`: the decoder's, `{size: (base, chooser)}`."""
+    prices its own costs (`batch_curves`) but reads the acceptance `base` has learnt, and
+    until it measures speculative cycles of its own, what the pair's other choosers found
+    them to cost against their calibration (`WidthChooser.learn_from`). `last`: the chooser
+    of the batch's previous cycle, when the batch's size changed since (a row left): the
+    batch's probe budget and its time since the last probe go on (`WidthChooser.carry`),
+    so that a batch shrinking row by row still probes. `known`: the decoder's,
+    `{size: (base, chooser)}`."""
+    chooser = _size_chooser(known, size, base)
+    if last is not None and last is not chooser:
+        chooser.carry(last)
+    return chooser
+
+
+def _size_chooser(
+    known: dict[int, tuple[WidthChooser, WidthChooser]], size: int, base: WidthChooser
+) -> WidthChooser:
+    sizes = [c for b, c in known.values() if b is base]
     if size == 1:
+        if not base._spec_seen:
+            base.learn_from(sizes)
         return base
     kept = known.get(size)
     if kept is None or kept[0] is not base:
@@ -114,6 +134,8 @@ def batch_chooser(
         kept = known[size] = (base, chooser)
     chooser = kept[1]
     chooser.read_acceptance(base)
+    if not chooser._spec_seen:
+        chooser.learn_from([base, *sizes])
     return chooser
 
 
@@ -404,11 +426,13 @@ def learn(
         if not tree:
             chooser.observe(width, spent)
         alone = len(rows) == 1
-        if width > 1 and (alone or (caught_up and chooser.plain_measured)):
-            # Against plain decoding as measured now (a plain pass commits a token a row;
-            # not the calibration's price of it, which leaves out the batch's own host
-            # work): while speculating at this size has lately lost, it only probes.
-            chooser.settle(sum(len(new) for _, new in results) / len(rows), spent)
+        if width > 1 and (alone or caught_up):
+            # Against plain decoding as measured now (a plain pass commits a token a row),
+            # or before it is, twice the calibration's price of it (which leaves out the
+            # batch's own host work): while speculating at this size has lately lost, it
+            # only probes.
+            tokens = sum(len(new) for _, new in results) / len(rows)
+            chooser.settle(tokens, spent, doubt=not alone)
     if len(rows) > 1:
         # Every row's text at once: one row's short first cycle must not drop what the
         # others' texts taught (the batch would go plain on the prior alone).

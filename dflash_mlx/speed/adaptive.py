@@ -117,8 +117,16 @@ class WidthChooser:
         # disagreement means the calibration was taken under other conditions.
         self.disagreement = 0.0
         self._spec_seen = 0
+        # What other choosers of the pair (a batch's other sizes, the pair's own) found
+        # speculative cycles to cost against their calibration (log ratio), while this one
+        # has measured none: a calibration from elsewhere is found out once, not once a size.
+        self.kin = 0.0
         self.req_time = 0.0  # seconds the current request's cycles are expected to take
         self.req_lost = 0.0  # seconds its probes were expected to lose
+        # The same over the chooser's life (requests before the current one): what early
+        # looks at new texts may spend while speculation loses (`begin_request`).
+        self.life_time = 0.0
+        self.life_lost = 0.0
         # No speculation can pay back its cost in what is left of this request: no more
         # probes, and plain steps capture nothing for the draft.
         self.req_done = False
@@ -209,7 +217,9 @@ class WidthChooser:
         key = (_depth_key(depth), self._version, optimistic)
         if self._curve_memo is not None and self._curve_memo[0] == key:
             return self._curve_memo[1]
-        out = measured_curve(self.calibrated(depth), self._buckets, depth_bucket(depth), optimistic)
+        kin = self.kin if not self._spec_seen else 0.0
+        cal = self.calibrated(depth)
+        out = measured_curve(cal, self._buckets, depth_bucket(depth), optimistic, kin)
         self._curve_memo = (key, out)
         return out
 
@@ -222,11 +232,15 @@ class WidthChooser:
         self.catch_up.observe(rows, lazy, seconds, self.depth)
         self.floor.charge(seconds)
 
-    def settle(self, tokens: int, seconds: float) -> float:
+    def settle(self, tokens: int, seconds: float, doubt: bool = False) -> float:
         """A speculative cycle (chain or tree) committed `tokens` in `seconds`, sync to
-        sync: settled against plain decoding as measured here now (`Floor`). Returns the
-        seconds it saved (negative: lost)."""
-        return self.floor.settle(tokens, seconds, self.plain_cost())
+        sync: settled against plain decoding as measured here now (`Floor`; as calibrated
+        before a plain step is measured). `doubt`: until one is, against twice the
+        calibration's price of a plain step (a batch's: the calibration prices a request
+        alone, so it does not make a batch's speculation look lost; a cycle that lost more
+        than that did lose). Returns the seconds it saved (negative: lost)."""
+        plain = self.plain_cost() * (2.0 if doubt and not self.plain_measured else 1.0)
+        return self.floor.settle(tokens, seconds, plain)
 
     def saving(self, tokens: int | None, perfect: bool = False) -> float:
         """Seconds speculating could save against plain decoding over the next `tokens`
@@ -330,6 +344,24 @@ class WidthChooser:
             for b in self._buckets.values()
         )
 
+    def carry(self, other: WidthChooser) -> None:
+        """Go on from `other`'s request as its own: the batch this chooser now decodes
+        is the one `other` did, a row fewer (its time, its probes' losses, the plain steps
+        since its last probe)."""
+        self.req_time, self.req_lost = other.req_time, other.req_lost
+        self.since_probe = max(self.since_probe, other.since_probe)
+        self.req_done = False
+        self._coast = 0
+
+    def learn_from(self, others: list[WidthChooser]) -> None:
+        """Take the widest disagreement with the calibration that `others` measured on
+        speculative cycles as this chooser's prior for them (`kin`), until it measures its own."""
+        seen = [o.disagreement for o in others if o is not self and o._spec_seen]
+        kin = max(seen) if seen else 0.0
+        if abs(kin - self.kin) > 0.01:
+            self.kin = kin
+            self._version += 1
+
     # -- decisions -------------------------------------------------------------------------
 
     def expects_plain(self, depth: int) -> bool:
@@ -348,6 +380,8 @@ class WidthChooser:
         first speculative cycle, on that prior alone, may lose no more than half its probe
         budget were every draft wrong, and when it falls well short of the prior, the
         prior goes (`update`)."""
+        self.life_time += self.req_time
+        self.life_lost += self.req_lost
         self.req_time = 0.0
         self.req_lost = 0.0
         self.req_done = False
@@ -363,13 +397,17 @@ class WidthChooser:
         if self.probe_interval > self.base_probe and not self.floor.losing:
             self.probe_interval = self.base_probe
             self.since_probe = 0
-        elif self.probe_interval > self.base_probe:
+        elif self.probe_interval > self.base_probe and (
+            self.life_lost <= 1.5 * self.probe_budget * self.life_time
+        ):
             # While speculation keeps losing on this device (measured), the interval keeps
             # what probes grew it to, but a new text is looked at: its first probe comes
             # within the base interval (as the request's budget affords it, `_probe`), not
             # after the interval that earlier texts grew, which a short request never
             # reaches (a chat of 96-token replies then stayed plain on texts whose drafts
-            # were right 13 times in 14, at 0.4x the speed it had before).
+            # were right 13 times in 14, at 0.4x the speed it had before). Such looks spend
+            # at most 1.5 times the probe budget over the chooser's life: one a request cost
+            # short requests on a device where nothing pays 1.8% of their time.
             self.since_probe = max(self.since_probe, self.probe_interval - self.base_probe)
 
     def choose(
@@ -502,14 +540,16 @@ class WidthChooser:
 
     def _probed(self, width: int, all_accepted: bool) -> None:
         """A probe of `width` ran: its interval grows while plain decoding wins, and a probe
-        whose drafts were all accepted is followed by one at twice the width."""
+        whose drafts were all accepted, and that did not lose against plain decoding (where
+        a pass costs what its tokens do, all accepted still loses), is followed by one at
+        twice the width."""
         rates = self.rates()
         if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
             self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
         else:
             self.probe_interval = self.base_probe
         self.follow_up = 0
-        if all_accepted and width < self.block:
+        if all_accepted and width < self.block and self.floor.last >= 0.0:
             self.follow_up = min(2 * width, self.block)
             self.since_probe = self.probe_interval  # the next plain choice probes
 

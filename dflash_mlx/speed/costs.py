@@ -180,10 +180,12 @@ def nearest(buckets: dict[int, _Bucket], b: int, test: Callable[[_Bucket], bool]
 
 
 def measured_curve(
-    cal: list[float], buckets: dict[int, _Bucket], b: int, optimistic: bool
+    cal: list[float], buckets: dict[int, _Bucket], b: int, optimistic: bool, kin: float = 0.0
 ) -> list[float]:
     """Seconds per cycle of each width (index w - 1) in depth bucket `b`, `cal` the calibrated
-    ones there: see `WidthChooser.curve`."""
+    ones there: see `WidthChooser.curve`. `kin`: before any speculative width is measured,
+    how far (log ratio) other choosers of the pair found speculative cycles from their
+    calibration (`WidthChooser.kin`)."""
     src = nearest(buckets, b, lambda k: k.seen[1])
     # Speculative widths measured in this bucket; with fewer than two, those of the
     # nearest bucket that has two (its own win): the shape is what carries over.
@@ -206,7 +208,9 @@ def measured_curve(
     for w in range(2, len(cal) + 1):
         x = cal[w - 1]
         if not known:
-            c = rp * x  # nothing measured: the calibration, scaled as plain steps are
+            # Nothing measured: the calibration, scaled as plain steps are and as other
+            # sizes of the batch found speculative cycles.
+            c = rp * x * math.exp(kin)
         elif w in ratio:
             c = ratio[w] * x
         else:
@@ -217,10 +221,13 @@ def measured_curve(
                 lo, hi = known[i - 1], known[i]
                 c = _between(cal, lo, hi, ratio[lo] * cal[lo - 1], ratio[hi] * cal[hi - 1], w)
             elif len(known) == 1:
-                # Only one width measured yet: a wider one is priced no dearer than it,
-                # so a calibration that is too steep is found out by trying one.
+                # Only one width measured yet: one up to twice as wide is priced no dearer
+                # than it, so a calibration that is too steep is found out by trying one, a
+                # doubling at a time (beyond, the calibrated shape: a batch of 4 rows that
+                # jumped from W=4 to W=16 on a compute-bound device lost 80 steps' time in
+                # one cycle).
                 c = ratio[known[0]] * x
-                if optimistic:
+                if optimistic and w <= 2 * known[0]:
                     c = min(c, ratio[known[0]] * cal[known[0] - 1])
             else:  # beyond the widest: along the last measured segment
                 lo, hi = known[-2], known[-1]
@@ -250,11 +257,13 @@ class Floor:
         self.saved = 0.0  # decayed seconds saved against plain decoding
         self.weight = 0.0  # decayed speculative cycles
         self.plain = 0.0  # decayed seconds plain decoding would have taken for their tokens
+        self.last = 0.0  # seconds the latest speculative cycle saved (negative: lost)
 
     def settle(self, tokens: int, seconds: float, plain_step: float) -> float:
         """A speculative cycle committed `tokens` in `seconds`; a plain step costs
         `plain_step` seconds here now. Returns the seconds it saved (negative: lost)."""
         gain = tokens * plain_step - seconds
+        self.last = gain
         d = self.decay
         self.saved = d * self.saved + gain
         self.plain = d * self.plain + tokens * plain_step
