@@ -129,6 +129,22 @@ def train(
             show_default=False,
         ),
     ] = None,
+    dflash2: Annotated[
+        bool,
+        typer.Option(
+            "--dflash2",
+            help="Train a DFlash 2 draft (two-tap conv and candidate selector; docs/training.md).",
+        ),
+    ] = False,
+    upgrade_from: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="Upgrade this DFlash 1 draft to DFlash 2: its weights, identity convs and a "
+            "selector that starts at its argmax, then fine-tuned (implies --dflash2).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Distil a DFlash draft for a target (target frozen; its embedding and head shared)."""
     from . import train as train_command
@@ -149,6 +165,8 @@ def train(
             long_context=long_context,
             long_windows=long_windows,
             init=init,
+            dflash2=dflash2,
+            upgrade_from=upgrade_from,
             settings=dict(
                 steps=steps,
                 batch=batch,

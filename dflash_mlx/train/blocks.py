@@ -26,16 +26,29 @@ def grouped_blocks(seq_index: np.ndarray, batch: int) -> tuple[int, np.ndarray]:
 
 
 def fast_path(draft: DFlashDraft) -> bool:
-    """DFlash 1 layers (no dynamic convs) in float32: `grouped_logits` computes exactly their
-    view. In half precision its products trained a markedly worse draft than the fused
+    """A float32 draft (DFlash 1, or DFlash 2 with its convs): `grouped_logits` computes
+    exactly its view. In half precision its products trained a markedly worse draft than the fused
     attention of `training_logits` (held-out loss 4.66 against 3.74 on the demo target in
     bfloat16, 40 steps; 3.93 with its scores in float32), so half-precision drafts take the
     fused path."""
     dtypes = {v.dtype for _, v in tree_flatten(draft.trainable_parameters())}
-    return dtypes <= {mx.float32} and all("attention_conv" not in layer for layer in draft.layers)
+    return dtypes <= {mx.float32}
 
 
 def grouped_logits(
+    draft: DFlashDraft,
+    features: mx.array,
+    anchors: mx.array,
+    block_ids: mx.array,
+    head,
+    m: int,
+) -> mx.array:
+    """`grouped_hidden` through the LM head: logits (B*m, L-1, V), float32."""
+    h = grouped_hidden(draft, features, anchors, block_ids, head, m)
+    return draft.logits(h[:, 1:], head).astype(mx.float32)
+
+
+def grouped_hidden(
     draft: DFlashDraft,
     features: mx.array,
     anchors: mx.array,
@@ -50,7 +63,9 @@ def grouped_logits(
     context scores are one matrix product per sequence and head group, not a gathered
     (blocks, S) copy of the keys and values per layer and its scatter in the backward
     pass (the time of a step went there: 32 anchors per sequence, 16 x 228 tokens, block 8:
-    draft 2.3 s of a 3.8 s step). Returns logits (B*m, L-1, V), float32."""
+    draft 2.3 s of a 3.8 s step). A DFlash 2 layer's convs wrap its sublayers as
+    `DraftLayer` does (zero before block index 0, as in training). Returns the final normed
+    hidden states of every block row (B*m, L, D)."""
     B, S = features.shape[0], features.shape[1]
     N, L = block_ids.shape
     c = draft.hidden_norm(draft.fc(features))
@@ -62,6 +77,10 @@ def grouped_logits(
         H, Hkv = attn.n_heads, attn.n_kv_heads
         G = H // Hkv
         h = layer.input_layernorm(x)
+        convs = layer.convs()
+        if convs:
+            d_attn = convs[0].deltas(h)
+            h = convs[0].prepare(h, d_attn)
         q = attn.q_norm(attn.q_proj(h).reshape(N, L, H, -1))
         q = attn.rope(q.transpose(0, 2, 1, 3), offset=anchors) * attn.scale  # (N, H, L, Dh)
         Dh = q.shape[-1]
@@ -84,6 +103,13 @@ def grouped_logits(
         oc = oc.transpose(0, 2, 1, 3, 4, 5).reshape(N, Hkv, G, L, Dh)
         pb = pb.transpose(0, 2, 1, 3, 4, 5).reshape(N, Hkv, G, L, L)
         o = (oc + pb @ vb[:, :, None]).reshape(N, H, L, Dh)
-        h = x + attn.o_proj(o.transpose(0, 2, 1, 3).reshape(N, L, -1))
-        x = h + layer.mlp(layer.post_attention_layernorm(h))
-    return draft.logits(draft.norm(x)[:, 1:], head).astype(mx.float32)
+        a = attn.o_proj(o.transpose(0, 2, 1, 3).reshape(N, L, -1))
+        if not convs:
+            h = x + a
+            x = h + layer.mlp(layer.post_attention_layernorm(h))
+            continue
+        h = x + convs[0].finish(a, d_attn)
+        v = layer.post_attention_layernorm(h)
+        d_mlp = convs[1].deltas(v)
+        x = h + convs[1].finish(layer.mlp(convs[1].prepare(v, d_mlp)), d_mlp)
+    return draft.norm(x)

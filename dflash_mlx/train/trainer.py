@@ -414,8 +414,10 @@ def train(
     resume: bool = False,
     progress: Callable[[dict], None] | None = None,
     log: TrainLog | None = None,
+    loss_fn: Callable[..., mx.array] = block_loss,
 ) -> TrainLog:
-    """Train `pair.draft` for `settings.steps` steps, checkpointing to `out` (resumable)."""
+    """Train `pair.draft` for `settings.steps` steps, checkpointing to `out` (resumable).
+    `loss_fn`: `block_loss`'s signature (DFlash 2: `dflash2.dflash2_loss`)."""
     draft = pair.draft
     optimizer = make_optimizer(settings)
     gamma = settings.loss_gamma or gamma_for_block(draft.config.block_size)
@@ -424,7 +426,7 @@ def train(
     state_dir = out / "training_state"
     if resume:
         start, log = _load_state(draft, optimizer, out, state_dir)
-    loss_and_grad = nn.value_and_grad(draft, block_loss)
+    loss_and_grad = nn.value_and_grad(draft, loss_fn)
     rows = None
     if settings.feature_cache_mb > 0 and start < settings.steps:
         if TargetRows.nbytes(pair, examples) <= settings.feature_cache_mb * 2**20:
