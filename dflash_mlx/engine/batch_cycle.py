@@ -289,8 +289,8 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
         block = blocks[b]
         try:
             if trees[b]:
-                logits = block[1] if block is not None else None
-                shape = propose_tree(r.req, r.anchor, w, length, logits)
+                hidden, logits = block if block is not None else (None, None)
+                shape = propose_tree(r.req, r.anchor, w, length, logits, hidden)
                 out.append((shape[0][1:], None, None, shape))
             else:
                 got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)

@@ -5,12 +5,15 @@ only its top token at each. A tree verifies, in the same one target pass, the li
 continuations under the draft's per-position marginals: `build` picks the `budget - 1`
 drafted nodes of highest path probability (best-first, vectorised per depth: the draft's
 marginals do not depend on the parent, so every node's children are the same ranked tokens
-of the next position). `attention_mask` lets each node see the committed prefix and its own
-ancestors only, at position `prefix + depth`. `accept_greedy` and `accept_sampled` walk the
-verified tree from the root (SPEC 7): greedy follows the child equal to the target's argmax;
-sampling tests a node's children in rank order with the rule for deterministically chosen
-children (accept child `c` with probability `r(c)`; on rejection `r(c) = 0`, renormalise),
-which leaves the output distributed exactly as the target's.
+of the next position). A DFlash 2 draft's tree comes from its candidate selector instead
+(`selector_tree`): each node's children are the next slot's candidates scored given that
+node's token, the paths the selector would walk, best first. `attention_mask` lets each node
+see the committed prefix and its own ancestors only, at position `prefix + depth`.
+`accept_greedy` and `accept_sampled` walk the verified tree from the root (SPEC 7): greedy
+follows the child equal to the target's argmax; sampling tests a node's children in rank
+order with the rule for deterministically chosen children (accept child `c` with probability
+`r(c)`; on rejection `r(c) = 0`, renormalise), which leaves the output distributed exactly
+as the target's.
 
 Why that rule is exact: at node `v` with target distribution `p`, the children `c_1..c_m`
 are fixed before any draw. Accepting `c_1` with probability `p(c_1)` and otherwise drawing
@@ -72,21 +75,27 @@ def build(
     the device with no host sync, so that its verify pass is launched as a chain's is.
 
     `ranked` `(D, K)`: the draft's K likeliest tokens at each depth `1..D`, best first, and
-    `logprobs` `(D, K)` theirs. A node's path score is the sum of its path's log-probs; every
-    child scores at most its parent, so the `budget - 1` best nodes over all depths form a
-    tree (each node's parent is among them): each depth keeps its best `budget - 1`
-    extensions of the depth before, and the best of all are kept, in depth order. Equal
-    scores keep the shallower, lower-rank node first, so a node never comes without its
-    parent. Returns `(tokens, parents, depths)`, `(N,)` each (the root's parent is -1), and
-    `ancestors` `(N, N)` bool; shapes follow from `budget` and `ranked.shape` alone."""
+    `logprobs` `(D, K)` theirs; or, for DFlash 2's selector (`selector_tree`), `ranked` its
+    candidates `C_d` and `logprobs` `(D, K, K)`: `[d, i, j]` the log-probability of candidate
+    `j` at depth `d + 1` after candidate `i` at depth `d` (row 0 after the anchor at `d = 0`),
+    so a node's children depend on its token. A node's path score is the sum of its path's
+    log-probs; every child scores at most its parent, so the `budget - 1` best nodes over all
+    depths form a tree (each node's parent is among them): each depth keeps its best `budget -
+    1` extensions of the depth before, and the best of all are kept, in depth order. Equal
+    scores keep the shallower, lower-rank node first, so a node never comes without its parent.
+    Returns `(tokens, parents, depths)`, `(N,)` each (the root's parent is -1), and `ancestors`
+    `(N, N)` bool; shapes follow from `budget` and `ranked.shape` alone."""
     depth, k = ranked.shape
     keep_most = budget - 1
     scores, parents, ranks, levels = [], [], [], []
     frontier = mx.zeros((1,))
     frontier_ids = mx.zeros((1,), dtype=mx.int32)
+    frontier_rank = mx.zeros((1,), dtype=mx.int32)  # each frontier node's candidate index
+    pairs = logprobs.ndim == 3
     next_id = 1
     for d in range(depth):
-        cand = (frontier[:, None] + logprobs[d][None, :]).reshape(-1)
+        step = logprobs[d][frontier_rank] if pairs else logprobs[d][None, :]
+        cand = (frontier[:, None] + step).reshape(-1)
         n = min(cand.size, keep_most)
         keep = mx.argsort(-cand)[:n]
         scores.append(cand[keep])
@@ -94,6 +103,7 @@ def build(
         ranks.append(keep % k)
         levels.append(mx.full((n,), d + 1, dtype=mx.int32))
         frontier = cand[keep]
+        frontier_rank = keep % k
         frontier_ids = mx.arange(next_id, next_id + n, dtype=mx.int32)
         next_id += n
     score, parent = mx.concatenate(scores), mx.concatenate(parents)
@@ -229,16 +239,29 @@ def tree_mode(
 
 
 def propose_tree(
-    req: Request, anchor: mx.array, budget: int, rows: int, logits: mx.array | None = None
+    req: Request,
+    anchor: mx.array,
+    budget: int,
+    rows: int,
+    logits: mx.array | None = None,
+    hidden: mx.array | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The tree of `budget` tokens (anchor included) from the draft's ranked tokens at each
-    block position (`build`), started on the device: `(tokens, parents, depths, seen)`.
-    `logits`: the draft's block logits `(rows - 1, V)` when a batch's draft pass made them
-    (else its own pass runs now)."""
-    if logits is None:
+    """The tree of `budget` tokens (anchor included), started on the device:
+    `(tokens, parents, depths, seen)`. A DFlash 1 draft's from its ranked tokens at each
+    block position (`build`); a DFlash 2 draft's from its selector (`selector_tree`).
+    `logits` (and `hidden`): the draft's block logits `(rows - 1, V)` (and final hidden
+    states) when a batch's draft pass made them (else its own pass runs now)."""
+    selector = "candidate_selector" in req.draft
+    if logits is None or (selector and hidden is None):
         req.feed_draft()
-        logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
+        if selector:
+            hidden = req.draft.block_hidden(anchor, rows, rows - 1, req.state)
+            logits = req.draft.logits(hidden, req.state.head).astype(mx.float32)
+        else:
+            logits = req.draft.block_logits(anchor, rows, rows - 1, req.state)
         req.lazy_rows = 0
+    if selector:
+        return selector_tree(req.draft.candidate_selector, logits, hidden, anchor, budget)
     lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     k = min(BRANCH, lp.shape[-1])
     top = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
@@ -246,6 +269,21 @@ def propose_tree(
     order = mx.argsort(-vals, axis=-1)  # best first
     top, vals = mx.take_along_axis(top, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)
     return build(anchor, vals, top, budget)
+
+
+def selector_tree(
+    selector, logits: mx.array, hidden: mx.array, anchor: mx.array, budget: int
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """DFlash 2's tree (SPEC 7): the paths its selector would walk, best first. Each node's
+    children are the next slot's candidates `C_t` scored by the pair scores given the
+    node's own token (`S_t(token, .)`, SPEC 3.2), a path's score the sum of its
+    `log softmax_{C_t} S_t`; the `budget - 1` best nodes (`build`). The children are a
+    deterministic function of the draft pass, so sampling accepts them with the rule for
+    deterministically chosen children (`accept_sampled`): exact whatever the selector's
+    subset distribution, which only decides which children are there."""
+    cands, table = selector.pair_table(logits, hidden, anchor.reshape(1))
+    logp = table - mx.logsumexp(table, axis=-1, keepdims=True)
+    return build(anchor, logp, cands.astype(mx.int32), budget)
 
 
 def node_outputs(req: Request, logits: mx.array) -> mx.array:
