@@ -753,12 +753,12 @@ def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
     shared = []
     real_tree = batch_mod.propose_tree
 
-    def tree_spy(req, anchor, budget, rows, logits=None):
+    def tree_spy(req, anchor, budget, rows, logits=None, hidden=None):
         if logits is not None:  # from the batch's pass: what the row's own pass gives
             own = req.draft.block_logits(anchor, rows, rows - 1, req.state)
             assert mx.allclose(logits, own, atol=1e-4).item()
             shared.append(budget)
-        return real_tree(req, anchor, budget, rows, logits)
+        return real_tree(req, anchor, budget, rows, logits, hidden=hidden)
 
     monkeypatch.setattr(batch_mod, "propose_tree", tree_spy)
     opts = [options(i, 6 if i < 3 else 4, tree=i < 3) for i in range(4)]

@@ -197,3 +197,32 @@ def test_the_law_test_catches_selector_children_taken_as_full_vocabulary_draws(
     monkeypatch.setattr(tree_module, "accept_sampled", full_vocab_q_rule(seen))
     counts, _ = tree_joint_counts(model, d2, 3000)
     assert tree_rejects(counts, exact_joint(model, 1.0, 3, 1.0))
+
+
+def test_batched_selector_trees_read_the_shared_draft_pass(dense, monkeypatch):  # noqa: F811
+    """Rows of a DFlash 2 draft verifying trees in one batch: each tree built from the
+    batch's one draft pass (its hidden states and logits equal the row's own pass), each
+    row its solo greedy decode."""
+    from dflash_mlx import Pair
+    from dflash_mlx.engine import batch_cycle
+    from dflash_mlx.engine.batch import batch_generate
+
+    model, tok = dense
+    d2 = random_dflash2(7)
+    shared = []
+    real = batch_cycle.propose_tree
+
+    def spy(req, anchor, budget, rows, logits=None, hidden=None):
+        if logits is not None:
+            assert hidden is not None, "a DFlash 2 tree needs the pass's hidden states"
+            own = req.draft.block_hidden(anchor, rows, rows - 1, req.state)
+            assert mx.allclose(hidden, own, atol=1e-4).item()
+            shared.append(budget)
+        return real(req, anchor, budget, rows, logits, hidden=hidden)
+
+    monkeypatch.setattr(batch_cycle, "propose_tree", spy)
+    ids = [tok.encode(p) for p in PROMPTS[:3]]
+    opts = [GenerateOptions(max_tokens=24, verify_width=10, tree=True) for _ in ids]
+    got = batch_generate(Pair(model, d2), tok, ids, opts)
+    assert [r.tokens for r in got] == [target_greedy(model, i, 24) for i in ids]
+    assert all(r.stats.trees for r in got) and len(shared) > 5, shared

@@ -290,7 +290,7 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
         try:
             if trees[b]:
                 hidden, logits = block if block is not None else (None, None)
-                shape = propose_tree(r.req, r.anchor, w, length, logits, hidden)
+                shape = propose_tree(r.req, r.anchor, w, length, logits, hidden=hidden)
                 out.append((shape[0][1:], None, None, shape))
             else:
                 got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)
