@@ -160,7 +160,7 @@ def test_the_shared_context_path_computes_the_blocks_view_with_convs(target, sli
 
 
 def loop_selector_ce(selector, logits, hidden, prev, labels):
-    """SPEC 3.3 slot by slot: (sum of CE over slots whose label is a candidate, count)."""
+    """The selector loss slot by slot: (sum of CE over slots whose label is a candidate, count)."""
     A = np.array(selector.predecessor_codebook)
     B = np.array(selector.successor_codebook)
     H = np.array(selector.hidden_projection.weight)
@@ -179,7 +179,7 @@ def loop_selector_ce(selector, logits, hidden, prev, labels):
     return total, count
 
 
-def test_the_selector_loss_is_spec_3_3_slot_by_slot(target):
+def test_the_selector_loss_is_the_objective_slot_by_slot(target):
     model, _ = target
     cfg = draft_config_for(model, layers=1, block_size=8, mask_token_id=1)
     d = upgrade(init_draft(model, cfg).draft, dflash2_config(cfg, top_k=4, rank=8))

@@ -1,10 +1,11 @@
-"""Training DFlash 2 drafts (SPEC 3, 3.3): the two-tap conv and the candidate selector.
+"""Training DFlash 2 drafts (SPEC 3): the two-tap conv and the candidate selector.
 
 Owns: the DFlash 2 config of a draft (`dflash2_config`), turning a DFlash 1 draft into a
 DFlash 2 draft that drafts exactly as it did (`upgrade`: identity convs, a selector whose
 scores are the draft's own logits), and the DFlash 2 loss (`dflash2_loss`: the DFlash 1
-block loss plus the selector's loss, SPEC 3.3). The loop, data, checkpoints and held-out τ
-are `trainer.train`'s; the CLI passes this loss to it. Never prints.
+block loss plus the selector's loss; the objective and its reasons: docs/training.md, "The
+DFlash 2 objective"). The loop, data, checkpoints and held-out τ are `trainer.train`'s;
+the CLI passes this loss to it. Never prints.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ CONV_KERNEL_SIZE = 2
 CONV_GROUP_SIZE = 16
 SELECTOR_RANK = 256
 SELECTOR_TOP_K = 16
-# The selector's loss weight against the draft's block loss (SPEC 3.3).
+# The selector's loss weight against the draft's block loss (docs/training.md).
 SELECTOR_WEIGHT = 1.0
 
 
@@ -137,7 +138,7 @@ def selector_terms(
     selector, logits: mx.array, hidden: mx.array, prev: mx.array, labels: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Per slot: the selector's cross-entropy of the label among the draft's candidates
-    given the true predecessor, and whether the label is a candidate at all (SPEC 3.3).
+    given the true predecessor, and whether the label is a candidate at all.
 
     logits (n, T, V), hidden (n, T, D), prev / labels (n, T) token ids. The candidate set
     `C_t = top-k(U_t)` is what inference would take (no gradient through the choice); the
@@ -170,7 +171,7 @@ def dflash2_loss(
 ) -> mx.array:
     """`trainer.block_loss` (weighted cross-entropy of each block index's prediction of the
     target's token) plus `selector_weight` times the selector's loss, each slot weighted as
-    the block loss weighs it and counted where the target's token is a candidate (SPEC 3.3).
+    the block loss weighs it and counted where the target's token is a candidate.
     Same signature as `block_loss`: `trainer.train(..., loss_fn=dflash2_loss)`."""
     draft = pair.draft
     L = draft.config.block_size
