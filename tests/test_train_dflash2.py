@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
 from dflash_mlx.cli.main import app
+from dflash_mlx.cli.train import _loss_for
 from dflash_mlx.demo import SHIPPED
 from dflash_mlx.models.draft import BlockContext
 from dflash_mlx.models.tiny import CORPUS
@@ -363,7 +364,15 @@ def test_train_dflash2_writes_the_published_format(models_dir, tmp_path):
         for conv in ("attention_conv", "mlp_conv"):
             assert w[f"layers.{i}.{conv}.base_kernel"].shape == (2, 2, D)
             assert w[f"layers.{i}.{conv}.kernel_projection.weight"].shape == (2 * 2 * D // 16, D)
+    # --resume continues it as DFlash 2 (the selector's loss and all).
+    r = cli("--target", models_dir / "qwen3", "--data", data, "--out", out, "--resume",
+            "--steps", 3, "--batch", 2, "--seq-len", 48, "--block-size", 8,
+            "--eval-every", 100, "--save-every", 100)  # fmt: skip
+    assert r.exit_code == 0, r.output
+    log = json.loads((out / "training_log.json").read_text())
+    assert [s["step"] for s in log["steps"]] == [1, 2, 3]
     draft = load_draft(out)
+    assert draft.config.is_dflash2 and _loss_for(draft) is dflash2_loss
     model, tok = load(str(models_dir / "qwen3"))
     ids = tok.encode(CORPUS[0][:40])
     assert generate(Pair(model, draft), tok, ids, GenerateOptions(max_tokens=16)).tokens == (
