@@ -116,6 +116,10 @@ def run(
         raise BadArgument("--from (a DFlash 1 draft to upgrade) goes without --init or --resume")
     if upgrade_from is not None:
         _check_upgrade_source(upgrade_from)
+    if dflash2 and init is not None and _architectures(init) == ["DFlashDraftModel"]:
+        raise BadArgument(
+            f"--init {init} is a DFlash 1 draft: --from {init} upgrades it to DFlash 2"
+        )
     dflash2 = dflash2 or upgrade_from is not None
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
@@ -266,6 +270,15 @@ def _check_upgrade_source(source: str) -> None:
         raise BadArgument(
             f"--from {source}: already a DFlash 2 draft; fine-tune it with --init instead"
         )
+
+
+def _architectures(source: str) -> list | None:
+    """A local draft folder's declared architectures (None: not a readable local folder)."""
+    try:
+        config = json.loads((Path(source).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config.get("architectures") if isinstance(config, dict) else None
 
 
 def _loss_for(draft):

@@ -402,6 +402,7 @@ def test_train_from_upgrades_a_dflash1_draft_and_refuses_a_dflash2_one(models_di
         (["--from", "/nonexistent/draft"], ["--from", "no such draft folder"]),
         (["--from", "DRAFT", "--init", "DRAFT"], ["--from", "--init"]),
         (["--from", "DRAFT", "--resume"], ["--from", "--resume"]),
+        (["--dflash2", "--init", "DRAFT"], ["--init", "DFlash 1 draft", "--from"]),
     ],
 )
 def test_train_from_user_errors_come_before_loading(models_dir, tmp_path, extra, named):
