@@ -27,11 +27,21 @@ def shipped() -> bool:
     return all((SHIPPED / part / "config.json").is_file() for part in ("target", "draft"))
 
 
+# DFLASH_MLX_DEMO=dflash2: the shipped target with its DFlash 2 draft (`train --from` the
+# shipped draft, docs/models.md#the-demo-pair).
+DFLASH2 = os.environ.get("DFLASH_MLX_DEMO") == "dflash2" and (SHIPPED / "draft2").is_dir()
+
+
 # DFLASH_MLX_DEMO=random forces the random pair (e.g. for a reply that never ends).
 TRAINED = shipped() and os.environ.get("DFLASH_MLX_DEMO") != "random"
 DESCRIPTION = (
     "trained demo pair: a tiny (3.7M-parameter, 4-layer) code model trained for 30 minutes "
-    "on the Python standard library's source + its distilled 2-layer DFlash draft (block 16)"
+    "on the Python standard library's source + its distilled 2-layer "
+    + (
+        "DFlash 2 draft (block 16, upgraded from the DFlash 1 draft)"
+        if DFLASH2
+        else "DFlash draft (block 16)"
+    )
     if TRAINED
     else f"random qwen3 target ({LAYERS} layers, hidden {HIDDEN}) "
     f"+ random 2-layer DFlash draft (block 16)"
@@ -53,7 +63,7 @@ def demo_pair(root: Path | None = None) -> tuple[Path, Path]:
     from .models.tiny import build_draft, build_target, draft_config, qwen3_config, write_tokenizer
 
     if root is None and TRAINED:
-        return SHIPPED / "target", SHIPPED / "draft"
+        return SHIPPED / "target", SHIPPED / ("draft2" if DFLASH2 else "draft")
     folder = (root or cache_dir()) / DEMO_NAME
     target, draft = folder / "target", folder / "draft"
     if (folder / "complete").exists():

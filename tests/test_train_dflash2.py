@@ -449,3 +449,32 @@ def test_zlabs_reference_loads_a_dflash2_checkpoint_and_drafts_what_we_draft(dem
         assert got == mine.tokens == target_greedy(model, ids, 48)
         ref_tau = (len(got) - 1) / (cycles - 1)  # its first response is the prefill's token
         assert abs(ref_tau - mine.stats.tau) <= 0.05, (ref_tau, mine.stats.tau)
+
+
+# -- the demo pair's DFlash 2 draft ---------------------------------------------------------------
+
+
+def test_the_demo_pairs_dflash2_draft_is_shipped_and_chosen_by_the_environment(demo):
+    """`DFLASH_MLX_DEMO=dflash2` makes `--demo` run the shipped DFlash 2 draft (`train --from`
+    the shipped draft): it loads, is DFlash 2, keeps the target's greedy output and drafts
+    better than the DFlash 1 draft it came from on held-out prompts."""
+    import subprocess
+    import sys
+
+    code = (
+        "from dflash_mlx.demo import demo_pair, NOTICE; print(demo_pair()[1].name); print(NOTICE)"
+    )
+    env = {**__import__("os").environ, "DFLASH_MLX_DEMO": "dflash2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    name, notice = out.stdout.split("\n", 1)
+    assert name == "draft2" and "DFlash 2 draft" in notice
+    model, tok, d1 = demo
+    d2 = load_draft(SHIPPED / "draft2")
+    assert d2.config.is_dflash2 and d2.config.block_size == d1.config.block_size
+    ids = prompts_of(tok, 1)[0]
+    options = GenerateOptions(max_tokens=32, verify_width=16)
+    new = generate(Pair(model, d2), tok, ids, options)
+    old = generate(Pair(model, d1), tok, ids, options)
+    assert new.tokens == target_greedy(model, ids, 32)
+    assert new.stats.tau > old.stats.tau
