@@ -20,7 +20,7 @@ from rich.progress import (
 
 from dflash_mlx.errors import BadArgument
 
-from . import ui
+from . import train_dflash2, ui
 from .paths import writable_folder
 
 MASK_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]")
@@ -112,15 +112,9 @@ def run(
         settings = {**settings, "seq_len": max(settings["seq_len"], lengths[-1] + regen_tokens)}
     if init is not None and resume:
         raise BadArgument("pass either --init (a draft to start from) or --resume, not both")
-    if upgrade_from is not None and (init is not None or resume):
-        raise BadArgument("--from (a DFlash 1 draft to upgrade) goes without --init or --resume")
-    if upgrade_from is not None:
-        _check_upgrade_source(upgrade_from)
-    if dflash2 and init is not None and _architectures(init) == ["DFlashDraftModel"]:
-        raise BadArgument(
-            f"--init {init} is a DFlash 1 draft: --from {init} upgrades it to DFlash 2"
-        )
-    dflash2 = dflash2 or upgrade_from is not None
+    dflash2 = train_dflash2.check_options(
+        dflash2=dflash2, upgrade_from=upgrade_from, init=init, resume=resume
+    )
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
     from dflash_mlx.models.draft import DFlashDraft
@@ -177,13 +171,9 @@ def run(
         config = json.loads((out / "config.json").read_text())
         pair = dflash_mlx.Pair(model, DFlashDraft(DraftConfig.from_dict(config)))
     elif upgrade_from is not None:
-        from dflash_mlx.train.dflash2 import dflash2_config, upgrade
-
         with ui.loading("DFlash 1 draft to upgrade", upgrade_from):
             start = dflash_mlx.load_draft(upgrade_from)
-        dflash_mlx.Pair(model, start)  # checks that it fits the target
-        config = dflash2_config(json.loads(json.dumps(start.config.raw)))
-        pair = dflash_mlx.Pair(model, upgrade(start, config, seed=st.seed))
+        pair, config = train_dflash2.upgraded(model, start, st.seed)
         layers = start.config.num_hidden_layers
     elif init is not None:
         with ui.loading("draft to fine-tune", init):
@@ -198,11 +188,8 @@ def run(
             model, layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask
         )
         pair = init_draft(model, config, seed=st.seed)
-        if dflash2:  # the DFlash 1 start, with neutral conv and selector (train/dflash2.py)
-            from dflash_mlx.train.dflash2 import dflash2_config, upgrade
-
-            config = dflash2_config(config)
-            pair = dflash_mlx.Pair(model, upgrade(pair.draft, config, seed=st.seed))
+        if dflash2:  # the DFlash 1 start, with neutral conv and selector
+            pair, config = train_dflash2.upgraded(model, pair.draft, st.seed)
     # The longest context a block saw: the default draft window (SPEC-like, long-context.md).
     trained = config["dflash_config"].get("training_context") or 0
     config["dflash_config"]["training_context"] = max(trained, st.seq_len)
@@ -232,7 +219,7 @@ def run(
             held_out=held,
             resume=resume,
             progress=progress,
-            loss_fn=_loss_for(pair.draft),
+            loss_fn=train_dflash2.loss_for(pair.draft),
         )
     if depth:
         pair.draft.config.training_context = config["dflash_config"]["training_context"]
@@ -252,44 +239,6 @@ def run(
         + f" · log {out / 'training_log.json'}",
         style="green",
     )
-
-
-def _check_upgrade_source(source: str) -> None:
-    """Refuse a `--from` that names no DFlash 1 draft, before anything loads: a missing
-    local folder (a Hub id `owner/name` is resolved later), or a draft already DFlash 2."""
-    folder = Path(source).expanduser()
-    if not folder.exists():
-        if folder.is_absolute() or source.startswith(".") or source.count("/") != 1:
-            raise BadArgument(f"--from {source}: no such draft folder")
-        return
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise BadArgument(f"--from {source}: not a draft folder (config.json: {e})") from None
-    if "DFlash2DraftModel" in (config.get("architectures") or []):
-        raise BadArgument(
-            f"--from {source}: already a DFlash 2 draft; fine-tune it with --init instead"
-        )
-
-
-def _architectures(source: str) -> list | None:
-    """A local draft folder's declared architectures (None: not a readable local folder)."""
-    try:
-        config = json.loads((Path(source).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("architectures") if isinstance(config, dict) else None
-
-
-def _loss_for(draft):
-    """The DFlash 2 loss (block loss + selector) for a DFlash 2 draft, else the block loss."""
-    from dflash_mlx.train import trainer
-
-    if draft.config.is_dflash2:
-        from dflash_mlx.train.dflash2 import dflash2_loss
-
-        return dflash2_loss
-    return trainer.block_loss
 
 
 def _resumed_step(out: Path) -> int:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
 from dflash_mlx.cli.main import app
-from dflash_mlx.cli.train import _loss_for
+from dflash_mlx.cli.train_dflash2 import loss_for
 from dflash_mlx.demo import SHIPPED
 from dflash_mlx.models.draft import BlockContext
 from dflash_mlx.models.tiny import CORPUS
@@ -372,7 +372,7 @@ def test_train_dflash2_writes_the_published_format(models_dir, tmp_path):
     log = json.loads((out / "training_log.json").read_text())
     assert [s["step"] for s in log["steps"]] == [1, 2, 3]
     draft = load_draft(out)
-    assert draft.config.is_dflash2 and _loss_for(draft) is dflash2_loss
+    assert draft.config.is_dflash2 and loss_for(draft) is dflash2_loss
     model, tok = load(str(models_dir / "qwen3"))
     ids = tok.encode(CORPUS[0][:40])
     assert generate(Pair(model, draft), tok, ids, GenerateOptions(max_tokens=16)).tokens == (
