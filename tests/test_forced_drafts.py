@@ -47,7 +47,7 @@ def masked_drafts(monkeypatch, mask_drafts: bool) -> None:
 
 
 @pytest.mark.parametrize("mask_drafts", [True, False])
-@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
 def test_forced_runs_are_accepted_from_a_draft_wrong_everywhere(
     target, draft, width, mask_drafts, monkeypatch
 ):
@@ -76,8 +76,11 @@ def test_forced_runs_are_accepted_from_a_draft_wrong_everywhere(
     # A forced run goes past the width (W = 8 ends on the free `name` string's runs).
     if width < 8:
         assert max(r.width for r in speculative) > width
-    # ... and a block the grammar forces whole runs no draft pass.
+    # ... and a block the grammar forces whole runs no draft pass (a plain cycle, W = 1,
+    # verifies the run the grammar forces and never drafts).
     assert scripted.calls < len(speculative)
+    if width == 1:
+        assert scripted.calls == 0
 
 
 def forced_positions(tok, o, model, tokens) -> int:

@@ -52,9 +52,10 @@ def make_drafts(
     tokens the block may carry (the request's budget; None: no limit)."""
     controls = req.controls
     grammar = controls.grammar if controls is not None else None
+    if w == 1 and grammar is not None:  # a plain cycle verifies what the grammar forces
+        return forced_block(req, FORCED_BEYOND if room is None else min(room, FORCED_BEYOND))
     if w == 1:
-        masks = grammar.mask()[None] if grammar is not None else None
-        return mx.zeros((0,), dtype=mx.int32), None, masks
+        return mx.zeros((0,), dtype=mx.int32), None, None
     if grammar is not None:
         return grammar_drafts(req, anchor, a, w, rows, block, room)
     req.feed_draft()
@@ -125,6 +126,25 @@ def grammar_drafts(
     return drafts, q[:most] if q is not None else None, masks_along(req, drafts)
 
 
+def forced_block(req: Request, most: int) -> tuple[mx.array, mx.array | None, np.ndarray]:
+    """A plain cycle's block under a grammar: the run it forces from the anchor on (at most
+    `most` tokens), with no draft pass, and its masks, read from the grammar alone."""
+    grammar = req.controls.grammar
+    masks, run = [grammar.mask()], []
+    forced = grammar.forced()
+    while forced and len(run) < most:
+        tok = forced.pop(0)
+        if tok in grammar.eos or not grammar.allows(masks[-1], tok):
+            break
+        grammar.consume([tok])
+        run.append(tok)
+        masks.append(grammar.mask())
+        forced = forced or grammar.forced()  # a run can stop short of a token boundary
+    grammar.rollback(len(run))
+    q = None if req.params.greedy or not run else point_masses(run, grammar.vocab)
+    return mx.array(run, dtype=mx.int32), q, np.stack(masks)
+
+
 def forced_after(grammar: Grammar, lead: list[int], limit: int) -> list[int]:
     """The tokens the grammar forces once `lead` (forced) is consumed, at most `limit`
     (llguidance's forced run can stop short of a token boundary it later crosses)."""
@@ -192,17 +212,19 @@ def walk_grammar(
     `q`). The draft's block (processed with the committed history) is read back once, when
     the first choice needs it (a block the grammar forces whole runs no draft pass). The
     matcher advances and is rolled back after; an EOS ends the block, and so does a choice
-    past the draft's `rows`. `most`: the block's positions (default `rows`; forced tokens
-    may fill positions past `rows`). Returns the proposals, `q` when sampling, and the masks
+    past the draft's `rows`. `most`: the block's positions (default `rows`; a forced run
+    from the anchor on may fill positions past `rows`: one after a choice is only as sure
+    as the choice, and stops there). Returns the proposals, `q` when sampling, and the masks
     of every verified row."""
     grammar, greedy = req.controls.grammar, req.params.greedy
     most = rows if most is None else most
     host = seeds = None
     masks, drafts, qs = [grammar.mask()], [], []
     forced = grammar.forced()
+    certain = True  # no choice yet: a forced run may go on past `rows`
     while len(drafts) < most:
         i = len(drafts)
-        if forced and grammar.allows(masks[-1], forced[0]):
+        if forced and grammar.allows(masks[-1], forced[0]) and (i < rows or certain):
             tok = forced.pop(0)
             forced = forced or None  # a run can stop short of a token boundary: ask again
             if not greedy:
@@ -222,7 +244,7 @@ def walk_grammar(
                 qs.append(q / q.sum())
                 rng = np.random.default_rng(int(seeds[i, 0] << np.uint64(32) | seeds[i, 1]))
                 tok = int(min(np.searchsorted(np.cumsum(qs[-1]), rng.random()), row.size - 1))
-            forced = None
+            forced, certain = None, False
         drafts.append(tok)
         if tok in grammar.eos:
             break
