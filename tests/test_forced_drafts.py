@@ -1,4 +1,4 @@
-"""What a grammar forces is a free draft (issue 38, SPEC 6.3).
+"""What a grammar forces is a free draft (issue 38, SPEC 6).
 
 Under a grammar the tokens it forces (llguidance's fast-forward tokens) are carried in the
 block without drafting them, a point mass when sampling, and a forced run may go past the

@@ -198,7 +198,7 @@ class Grammar:
         """The tokens the grammar forces from here on (llguidance's fast-forward tokens: the
         bytes every continuation starts with, tokenized), before any choice; [] when the
         next token is a choice. Each is allowed in turn; where a mask allows it alone, the
-        processed target gives it probability 1 (SPEC 6.3)."""
+        processed target gives it probability 1 (SPEC 6)."""
         tokens = self.matcher.compute_ff_tokens()
         self._check()
         return list(itertools.takewhile(lambda t: 0 <= t < self.vocab, tokens))

@@ -2,7 +2,7 @@
 batch's row), and the walks it takes under a request's controls (`controls.Controls`).
 
 `walk`: row by row on the device, each row processed with the proposals before it
-(penalties see the block's own drafts). Under a grammar (`grammar_drafts`, SPEC 6.3) the
+(penalties see the block's own drafts). Under a grammar (`grammar_drafts`, SPEC 6) the
 tokens it forces are carried without drafting: `walk_grammar` goes within the grammar
 position by position on the host from one read of the draft's block, the matcher advanced
 and rolled back; free proposals follow the forced run from the anchor, and `masks_along`
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 
 # Forced tokens a grammar row's block may carry past its `W - 1` drafted positions (SPEC
-# 6.3): they need no draft row, and each is accepted with certainty where the grammar
+# 6): they need no draft row, and each is accepted with certainty where the grammar
 # allows it alone, so a verify pass commits a long forced run (a JSON key, a tool call's
 # envelope) at once.
 FORCED_BEYOND = 16
@@ -83,7 +83,7 @@ def grammar_drafts(
     block: tuple[mx.array, mx.array] | None,
     room: int | None,
 ) -> tuple[mx.array, mx.array | None, np.ndarray | Callable[[], np.ndarray]]:
-    """A grammar row's block (SPEC 6.3): the tokens the grammar forces are carried as they
+    """A grammar row's block (SPEC 6): the tokens the grammar forces are carried as they
     are (`q` a point mass on each when sampling), the draft proposes at the positions where
     the grammar leaves a choice (its row for that position), and a forced run may go
     `FORCED_BEYOND` past the `w - 1` drafted positions (not for a draft with cross-block
