@@ -364,3 +364,27 @@ def test_batched_mixed_rows_keep_the_processed_law(table_pair):
     rule = table_rule(model)
     counts = batched_table_counts(model, draft, rule, 1200)
     assert not rejects(counts, exact_table_joint(model, rule))
+
+
+@pytest.mark.parametrize("mask_drafts", [True, False])
+def test_a_dflash2_draft_under_a_grammar_keeps_the_targets_output(target, mask_drafts, monkeypatch):
+    """DFlash 2's conv rows keep the inputs of an accepted row of its block: its forced runs
+    stop at the width, and a block forced whole still runs its draft pass."""
+    from dflash_mlx.models.config import DraftConfig
+    from dflash_mlx.models.draft import DFlashDraft
+
+    from .conftest import draft_config
+
+    model, tok = target
+    mx.random.seed(5)
+    d2 = DFlashDraft(DraftConfig.from_dict(draft_config(4, [1, 2], dflash2=True)))
+    mx.eval(d2.parameters())
+    ids = tok.encode("Reply in JSON:")
+    o = GenerateOptions(max_tokens=80, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 80)
+    masked_drafts(monkeypatch, mask_drafts)
+    for width in (1, 4, 8):
+        out = generate(Pair(model, d2), tok, ids, o.replace(verify_width=width))
+        assert out.tokens == want, width
+        if width > 1:  # a run after the anchor stops at the width: no conv row past it
+            assert max(out.stats.widths) <= width, out.stats.widths
