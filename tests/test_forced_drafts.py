@@ -380,10 +380,10 @@ def test_a_dflash2_draft_under_a_grammar_keeps_the_targets_output(target, mask_d
     d2 = DFlashDraft(DraftConfig.from_dict(draft_config(4, [1, 2], dflash2=True)))
     mx.eval(d2.parameters())
     ids = tok.encode("Reply in JSON:")
-    o = GenerateOptions(max_tokens=80, json_schema=SCHEMA)
-    want, _ = reference(model, tok, ids, o, 80)
+    o = GenerateOptions(max_tokens=60, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 60)
     masked_drafts(monkeypatch, mask_drafts)
-    for width in (1, 4, 8):
+    for width in (1, 4):
         out = generate(Pair(model, d2), tok, ids, o.replace(verify_width=width))
         assert out.tokens == want, width
         if width > 1:  # a run after the anchor stops at the width: no conv row past it

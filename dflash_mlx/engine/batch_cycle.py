@@ -338,6 +338,10 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
         and r.req.controls is None
         and drafted[b][3] is None
     ]
+    if any(callable(d[2]) for d in drafted):
+        # Grammar masks along free proposals (`walks.masks_along`) are the host's work:
+        # the verify pass is launched first, and runs while the grammars compute them.
+        mx.async_eval(logits, *([feats] if feats is not None else []))
     steps = []
     for b, (r, (drafts, q, masks, shape)) in enumerate(zip(rows, drafted)):
         w = drafts.size + 1
