@@ -293,7 +293,8 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
                 shape = propose_tree(r.req, r.anchor, w, length, logits, hidden=hidden)
                 out.append((shape[0][1:], None, None, shape))
             else:
-                got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block)
+                room = r.options.max_tokens - r.generated - 1  # the cycle's own token after
+                got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block, room)
                 out.append((*got, None))
         except Exception as e:  # noqa: BLE001 - this row ends; it rides along empty
             r.error = e
@@ -337,6 +338,10 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
         and r.req.controls is None
         and drafted[b][3] is None
     ]
+    if any(callable(d[2]) for d in drafted):
+        # Grammar masks along free proposals (`walks.masks_along`) are the host's work:
+        # the verify pass is launched first, and runs while the grammars compute them.
+        mx.async_eval(logits, *([feats] if feats is not None else []))
     steps = []
     for b, (r, (drafts, q, masks, shape)) in enumerate(zip(rows, drafted)):
         w = drafts.size + 1
@@ -439,7 +444,7 @@ def learn(
         for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
             c.pooled()
     cycles = [
-        (w, n)
+        (w, min(n, w - 1))  # a grammar's forced run can go past the width (walks.py)
         for r, (w, _), (n, _) in zip(rows, widths, results)
         if r.fixed is None and w > 1 and r.error is None
     ]

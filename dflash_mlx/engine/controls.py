@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -192,6 +193,15 @@ class Grammar:
 
     def allows(self, mask: np.ndarray, token: int) -> bool:
         return 0 <= token < self.vocab and bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces from here on (llguidance's fast-forward tokens: the
+        bytes every continuation starts with, tokenized), before any choice; [] when the
+        next token is a choice. Each is allowed in turn; where a mask allows it alone, the
+        processed target gives it probability 1 (SPEC 6)."""
+        tokens = self.matcher.compute_ff_tokens()
+        self._check()
+        return list(itertools.takewhile(lambda t: 0 <= t < self.vocab, tokens))
 
     def consume(self, tokens: Sequence[int]) -> None:
         """Advance over committed or drafted `tokens`, which its masks allowed."""
