@@ -25,9 +25,9 @@ import dflash_mlx.engine.controls as controls
 from dflash_mlx import GenerateOptions, Pair, batch_generate, generate
 from dflash_mlx.engine.batch import BatchDecoder
 
-from .test_controls import SCHEMA, reference, valid
+from .test_controls import SCHEMA, reference, rejects, valid
 from .test_decode import ScriptedDraft
-from .test_sampling import PROMPT, V, chi_square_rejects, numpy_target_probs
+from .test_sampling import PROMPT, V, numpy_target_probs
 
 # -- greedy: forced runs come free, the output is the target's ---------------------------------
 
@@ -250,16 +250,6 @@ def table_counts(model, draft, rule, draws: int, mask_drafts: bool = True) -> di
         key = tuple(tokens[:JOINT])
         counts[key] = counts.get(key, 0) + 1
     return counts
-
-
-def rejects(counts: dict, exact: dict) -> bool:
-    if any(k not in exact for k in counts):
-        return True
-    keys = sorted(exact)
-    return chi_square_rejects(
-        np.array([counts.get(k, 0) for k in keys], dtype=np.int64),
-        np.array([exact[k] for k in keys]),
-    )
 
 
 def forced_taken_as_certain(monkeypatch) -> None:
