@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from vs_reference import reference_draft  # noqa: E402
 
 
 def prompts_of(tok, path: Path) -> list[list[int]]:
@@ -58,17 +62,6 @@ def cmd_tau(args) -> None:
             table[f"{folder} {name} {width}"] = {"tau": round(tau, 3), "identical": same}
             print(f"{folder}: {name} of {width}: τ {tau:.2f}, identical {same}", flush=True)
     print(json.dumps(table))
-
-
-def reference_draft(path: Path):
-    import dflash.model_mlx as ref
-
-    real = ref.snapshot_download
-    ref.snapshot_download = lambda repo_id, **kw: str(repo_id)
-    try:
-        return ref.load_draft(str(path))
-    finally:
-        ref.snapshot_download = real
 
 
 def cmd_reference(args) -> None:
