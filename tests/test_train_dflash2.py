@@ -47,6 +47,7 @@ from dflash_mlx.train.trainer import (
 
 from .test_cli_faults import user_error
 from .test_decode import target_greedy
+from .test_train_reference import plain_optimizer
 
 NOWHERE = "/nonexistent/model"
 
@@ -223,12 +224,7 @@ def reference_dflash2_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
     cross-entropy over the draft's top-k given the true predecessor. Returns each step's
     loss."""
     draft, L = pair.draft, pair.draft.config.block_size
-    warm = max(1, int(0.04 * steps))
-    sched = optim.join_schedules(
-        [optim.linear_schedule(0.0, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 10)],
-        [warm],
-    )
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    opt = plain_optimizer(steps, lr)
     w = mx.exp(-mx.arange(L - 1) / gamma)
     K = draft.candidate_selector.top_k
 

@@ -110,15 +110,20 @@ def fresh(model):
     return init_draft(model, cfg, seed=0), cfg
 
 
-def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
-    """The plain recipe, a few dozen lines (not `dflash_mlx.train.trainer`'s code)."""
-    draft, L = pair.draft, pair.draft.config.block_size
+def plain_optimizer(steps: int, lr: float):
+    """AdamW, a 4% linear warm-up, then cosine decay to a tenth: the plain recipe's."""
     warm = max(1, int(0.04 * steps))
     sched = optim.join_schedules(
         [optim.linear_schedule(0.0, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 10)],
         [warm],
     )
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    return optim.AdamW(learning_rate=sched, weight_decay=0.01)
+
+
+def reference_loop(pair, examples, steps, lr=2e-3, gamma=4.0, seed=0):
+    """The plain recipe, a few dozen lines (not `dflash_mlx.train.trainer`'s code)."""
+    draft, L = pair.draft, pair.draft.config.block_size
+    opt = plain_optimizer(steps, lr)
     w = mx.exp(-mx.arange(L - 1) / gamma)
 
     def loss_fn(draft, feats, labels, block, si, an, valid):
