@@ -88,6 +88,7 @@ def command(
     from dflash_mlx.distributed import session
 
     with user_errors(), options.flag_names(), session() as ranks:
+        sharding.check(shard)
         code = run(
             prompt=prompt_text(prompt_arg, prompt),
             shard=(shard, ranks),
@@ -150,12 +151,15 @@ def run(
         from dflash_mlx.demo import NOTICE, demo_pair
 
         target_dir, draft_dir = demo_pair()
+        kind = sharding.plan(str(target_dir), shard[0])  # a bad --shard before any note
         ui.note(f"demo: {NOTICE}")
         model, draft = str(target_dir), None if no_draft else str(draft_dir)
         chat = False if chat is None else chat
     from .pairs import choose_draft, default_target
 
     model = default_target(model, draft)
+    if not demo:
+        kind = sharding.plan(model, shard[0])
     choice = choose_draft(model, draft, no_draft)  # names only: nothing loads yet
     if compare and choice.draft is None:
         raise BadArgument(
@@ -163,7 +167,7 @@ def run(
             "(--draft DRAFT, or a target whose draft is known)"
         )
     opts = dflash_mlx.GenerateOptions(**settings)
-    pair, tokenizer = sharding.load_for(model, choice, *shard) or load(model, choice)
+    pair, tokenizer = sharding.load_for(model, choice, kind, shard[1]) or load(model, choice)
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now

@@ -177,6 +177,9 @@ def serve(
 
     try:
         with session() as ranks:
+            from . import shard as sharding
+
+            sharding.check(shard)
             run(
                 ranks=ranks,
                 shard=shard,

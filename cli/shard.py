@@ -13,6 +13,13 @@ from typing import Any
 from . import ui
 
 
+def check(shard: str) -> None:
+    """An unknown `--shard` kind: one `error:` line, before anything else."""
+    from dflash_mlx import distributed
+
+    distributed.check_shard(shard)
+
+
 def plan(model: str, shard: str) -> str | None:
     """The sharding `model` loads with (None: in one process), checked before any weight
     loads: an unknown kind, a family mlx-lm or DFlash cannot shard so, or `--shard
@@ -24,7 +31,8 @@ def plan(model: str, shard: str) -> str | None:
     if shard == "none" or (shard == "auto" and not distributed.launched()):
         return None
     kind = choose_shard(model, shard)
-    return kind if distributed.launched() or shard != "auto" else None
+    distributed.check_launched(shard)
+    return kind
 
 
 def load(model: str, choice: Any, kind: str):
@@ -48,11 +56,10 @@ def load(model: str, choice: Any, kind: str):
     return pair, tokenizer
 
 
-def load_for(model: str, choice: Any, shard: str, ranks: Any):
-    """With `--shard` under a launch: join the ranks (`ranks`, the command's
+def load_for(model: str, choice: Any, kind: str | None, ranks: Any):
+    """With a sharding (`kind`, from `plan`): join the ranks (`ranks`, the command's
     `distributed.session`) and load this rank's `(Pair, tokenizer)`; else None (the caller
     loads in one process)."""
-    kind = plan(model, shard)
     if kind is None or ranks is None or ranks.join(kind) is None:
         return None
     return load(model, choice, kind)

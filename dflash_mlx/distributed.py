@@ -349,6 +349,16 @@ def check_shard(shard: str) -> str:
     return shard
 
 
+def check_launched(shard: str) -> None:
+    """`--shard tensor|pipeline` in a process that is not one of several ranks: refused."""
+    if shard in ("tensor", "pipeline") and not launched():
+        raise BadArgument(
+            f"--shard {shard}: this process is not one of several ranks; start every "
+            "rank with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
+            "-- dflash-mlx ...), or pass --shard none"
+        )
+
+
 def start(shard: str) -> Cluster | None:
     """Join the ranks the launcher started (None when this process runs alone, or with
     `--shard none`). `--shard tensor|pipeline` outside a launch is refused."""
@@ -357,12 +367,7 @@ def start(shard: str) -> Cluster | None:
     if shard == "none":
         return None
     if not launched():
-        if shard in ("tensor", "pipeline"):
-            raise BadArgument(
-                f"--shard {shard}: this process is not one of several ranks; start every "
-                "rank with mlx.launch (e.g. mlx.launch --backend ring --hosts 127.0.0.1 -n 2 "
-                "-- dflash-mlx ...), or pass --shard none"
-            )
+        check_launched(shard)
         return None
     if _CLUSTER is not None:
         return _CLUSTER

@@ -1,0 +1,54 @@
+"""One rank's part in tests/test_distributed.py (run by `mlx.launch`, or alone for the
+one-process reference): decode a prompt with the library and write what this rank saw to
+OUT/rank{N}.json, so that the silent ranks' tokens can be compared too.
+
+    python distributed_rank.py dflash|mlx-lm TARGET DRAFT OUT SETTINGS_JSON
+
+`dflash`: `dflash_mlx.generate` on this rank's shard of TARGET (tensor parallel when
+launched, the whole target alone) with DRAFT; `mlx-lm`: mlx-lm's own greedy decode of the
+same (sharded) target. SETTINGS_JSON: GenerateOptions fields, plus "prompt".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    mode, target, draft, out, settings = sys.argv[1:6]
+    settings = json.loads(settings)
+    prompt = settings.pop("prompt")
+
+    import dflash_mlx
+    from dflash_mlx import distributed
+    from dflash_mlx.models.loading import load_sharded
+
+    cluster = distributed.start("tensor" if distributed.launched() else "none")
+    if cluster is not None:
+        model, tokenizer = load_sharded(target, "tensor", cluster.group)
+    else:
+        model, tokenizer = dflash_mlx.load(target)
+    ids = tokenizer.encode(prompt)
+    rank = cluster.rank if cluster is not None else 0
+    if mode == "mlx-lm":
+        from mlx_lm import stream_generate
+
+        tokens = [
+            r.token
+            for r in stream_generate(model, tokenizer, ids, max_tokens=settings["max_tokens"])
+        ]
+        record = {"tokens": tokens}
+    else:
+        pair = dflash_mlx.Pair(model, dflash_mlx.load_draft(draft))
+        distributed.lockstep_calibration(pair)
+        result = dflash_mlx.generate(pair, tokenizer, ids, dflash_mlx.GenerateOptions(**settings))
+        s = result.stats
+        record = {"tokens": result.tokens, "tau": s.tau, "cycles": s.cycles, "ran": s.what_ran()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(record))
+    distributed.finish(0)
+
+
+if __name__ == "__main__":
+    main()
