@@ -319,9 +319,9 @@ def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_
     os.set_blocking(proc.stdout.fileno(), True)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    code, _, err = finish(proc, timeout=30)
+    _, _, err = finish(proc, timeout=30)  # mlx.launch itself exits 0 whatever its ranks did
     assert time.monotonic() - killed < 10, err
-    assert code != 0
+    assert f"Node with rank {victim} exited with code -9" in err
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and survivor_says in errors[0], err
     assert "Traceback" not in err
