@@ -63,3 +63,10 @@ def load_for(model: str, choice: Any, kind: str | None, ranks: Any):
     if kind is None or ranks is None or ranks.join(kind) is None:
         return None
     return load(model, choice, kind)
+
+
+def speaks() -> bool:
+    """Whether this process writes output (alone, or rank 0)."""
+    from dflash_mlx import distributed
+
+    return distributed.speaks()
