@@ -387,6 +387,12 @@ def finish(code: int, why: str = "") -> None:
     c = _CLUSTER
     if c is None:
         return
+    if code == 0:
+        # Every rank at its end: a pass still in flight (one launched ahead) has every rank's
+        # part done before any rank closes its connections.
+        import mlx.core as mx
+
+        mx.eval(mx.distributed.all_sum(mx.array(1), group=c.group, stream=mx.cpu))
     c.channel.close(code, why or _last_line())
     if c.rank == 0:
         # The others' `bye`, so that none is taken for a rank that vanished.
@@ -461,6 +467,45 @@ def agree(what: str, value: Any) -> Any:
             f"rank {c.rank} fell out of step with rank 0: expected {what!r}, got {got}"
         )
     return msg[2]
+
+
+# -- pipeline shards: the layers a rank holds, the features it shares ----------------------
+
+
+def pipeline_span(backbone: Any, args: Any, layers: list) -> tuple[int | None, list, int]:
+    """`(first layer, this rank's layers, the model's layer count)` of a target whose
+    backbone mlx-lm split into a pipeline (`model.model.pipeline`: each rank holds a run of
+    the layers, rank 0 the last ones); `(None, layers, len(layers))` otherwise."""
+    if getattr(backbone, "pipeline_size", 1) <= 1:
+        return None, layers, len(layers)
+    own = list(backbone.pipeline_layers)
+    total = getattr(args, "num_hidden_layers", None)
+    if not isinstance(total, int):
+        import mlx.core as mx
+
+        total = int(mx.distributed.all_sum(mx.array(len(own)), stream=mx.cpu).item())
+    return int(backbone.start_idx), own, total
+
+
+def pipeline_features(outputs: dict, capture_ids: list[int], target: Any, logits: Any) -> Any:
+    """The captured layers' outputs `(B, n, len(capture_ids) * D)` on every rank of a
+    pipeline: each layer's rows from the rank that holds it, zeros from the others, summed
+    over the ranks in one collective (SPEC 10, item 5). It follows the pass's own
+    collectives (it depends on `logits`), so every rank makes them in the same order."""
+    import mlx.core as mx
+
+    b, n = logits.shape[:2]
+    zeros = None
+    parts = []
+    for g in capture_ids:
+        out = outputs.get(g - target.first_layer)
+        if out is None:
+            if zeros is None:
+                zeros = mx.zeros((b, n, target.hidden_size), dtype=logits.dtype)
+            out = zeros
+        parts.append(out.astype(logits.dtype))
+    local = mx.depends([mx.concatenate(parts, axis=-1)], [logits])[0]
+    return mx.distributed.all_sum(local)
 
 
 # -- calibration --------------------------------------------------------------------------

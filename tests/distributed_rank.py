@@ -2,10 +2,10 @@
 one-process reference): decode a prompt with the library and write what this rank saw to
 OUT/rank{N}.json, so that the silent ranks' tokens can be compared too.
 
-    python distributed_rank.py dflash|mlx-lm TARGET DRAFT OUT SETTINGS_JSON
+    python distributed_rank.py dflash|mlx-lm TARGET DRAFT OUT SETTINGS_JSON [SHARD]
 
-`dflash`: `dflash_mlx.generate` on this rank's shard of TARGET (tensor parallel when
-launched, the whole target alone) with DRAFT; `mlx-lm`: mlx-lm's own greedy decode of the
+`dflash`: `dflash_mlx.generate` on this rank's shard of TARGET (SHARD, default tensor, when
+launched; the whole target alone) with DRAFT; `mlx-lm`: mlx-lm's own greedy decode of the
 same (sharded) target. SETTINGS_JSON: GenerateOptions fields, plus "prompt".
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 def main() -> None:
     mode, target, draft, out, settings = sys.argv[1:6]
+    shard = sys.argv[6] if len(sys.argv) > 6 else "tensor"
     settings = json.loads(settings)
     prompt = settings.pop("prompt")
 
@@ -25,9 +26,9 @@ def main() -> None:
     from dflash_mlx import distributed
     from dflash_mlx.models.loading import load_sharded
 
-    cluster = distributed.start("tensor" if distributed.launched() else "none")
+    cluster = distributed.start(shard if distributed.launched() else "none")
     if cluster is not None:
-        model, tokenizer = load_sharded(target, "tensor", cluster.group)
+        model, tokenizer = load_sharded(target, shard, cluster.group)
     else:
         model, tokenizer = dflash_mlx.load(target)
     ids = tokenizer.encode(prompt)

@@ -114,9 +114,12 @@ def launched(*command: str, timeout: float = TIMEOUT) -> tuple[int, str, str]:
     return finish(start(*command), timeout)
 
 
-def ranks(mode: str, out: Path, *, alone: bool = False, **settings) -> list[dict]:
-    """`distributed_rank.py` on two ranks (or `alone`): what each rank decoded."""
-    target, draft = demo_pair()
+def ranks(
+    mode: str, out: Path, *, alone: bool = False, pair=None, shard="tensor", **settings
+) -> list[dict]:
+    """`distributed_rank.py` on two ranks (or `alone`): what each rank decoded (`pair`:
+    target and draft folders, default the demo pair)."""
+    target, draft = pair or demo_pair()
     out.mkdir(parents=True, exist_ok=True)
     args = [
         sys.executable,
@@ -126,6 +129,7 @@ def ranks(mode: str, out: Path, *, alone: bool = False, **settings) -> list[dict
         str(draft),
         str(out),
         json.dumps({"prompt": PROMPT, **settings}),
+        shard,
     ]
     if alone:
         done = subprocess.run(args, capture_output=True, timeout=TIMEOUT, env=env())
@@ -281,6 +285,49 @@ def test_serve_two_ranks_answers_the_openai_sdk_like_one_process(tmp_path):
     widest = max(int(n) for n in __import__("re").findall(r"batched ≤(\d+)", err) or ["1"])
     assert widest >= 2, err[-3000:]  # the concurrent requests decoded together
     assert err.count("serving http://") == 1  # rank 0 alone speaks
+
+
+def hybrid_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3.5 pair (GatedDeltaNet and attention layers, which mlx-lm can
+    split into a pipeline), its weights indexed as `sharded_load` reads a checkpoint's."""
+    import mlx.core as mx
+
+    from dflash_mlx.models.tiny import (
+        build_draft,
+        build_target,
+        draft_config,
+        qwen35_config,
+        write_tokenizer,
+    )
+
+    target, draft = root / "target", root / "draft"
+    target.mkdir(parents=True)
+    write_tokenizer(target)
+    build_target(target, qwen35_config(), seed=3)
+    build_draft(draft, draft_config(4, [1, 2]), seed=4)  # layer 1 on rank 1, layer 2 on 0
+    names = mx.load(str(target / "model.safetensors"))
+    index = {"weight_map": {k: "model.safetensors" for k in names}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target, draft
+
+
+@pytest.mark.slow
+def test_pipeline_two_ranks_share_the_captured_layers(tmp_path):
+    """Each rank holds two of the four layers; the draft reads layer 1 (rank 1's) and 2
+    (rank 0's): both ranks decode mlx-lm's greedy tokens of the pipelined target, the same
+    cycles, and a seeded sampled run is one process's."""
+    pair = hybrid_pair(tmp_path / "pair")
+    both = ranks("dflash", tmp_path / "greedy", pair=pair, shard="pipeline",
+                 max_tokens=32, verify_width=4)  # fmt: skip
+    plain = ranks("mlx-lm", tmp_path / "plain", pair=pair, shard="pipeline", max_tokens=32)
+    alone = ranks("mlx-lm", tmp_path / "alone", pair=pair, alone=True, max_tokens=32)
+    assert both[0] == both[1]
+    assert both[0]["tokens"] == plain[0]["tokens"] == plain[1]["tokens"] == alone[0]["tokens"]
+    sampled = dict(max_tokens=32, temperature=0.8, seed=5, verify_width=4)
+    two = ranks("dflash", tmp_path / "sampled", pair=pair, shard="pipeline", **sampled)
+    one = ranks("dflash", tmp_path / "sampled1", pair=pair, alone=True, **sampled)
+    assert two[0] == two[1] and two[0]["tokens"] == one[0]["tokens"]
+    assert two[0]["tau"] == one[0]["tau"]
 
 
 def _rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> int:

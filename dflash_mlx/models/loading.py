@@ -167,9 +167,8 @@ def shard_support(folder: Path) -> tuple[str, tuple[str, ...]]:
     return family, tuple(kinds)
 
 
-# Sharding mlx-lm offers that DFlash runs: a pipeline's captured layers live on one rank
-# each and the adapter does not gather them yet (docs/distributed.md).
-DFLASH_SHARDS = ("tensor",)
+# Sharding mlx-lm offers that DFlash runs (both: docs/distributed.md).
+DFLASH_SHARDS = ("tensor", "pipeline")
 
 
 def choose_shard(target: str | Path, shard: str) -> str:
@@ -218,6 +217,11 @@ def load_sharded(target: str | Path, shard: str, group=None):
     if not any(any(folder.glob(p)) for p in _TOKENIZER_FILES):
         raise LoadError(
             f"{folder}: no tokenizer file (expected one of {', '.join(_TOKENIZER_FILES)})"
+        )
+    if shard == "pipeline" and not (folder / "model.safetensors.index.json").is_file():
+        raise LoadError(
+            f"{folder}: pipeline sharding reads model.safetensors.index.json (which layer is "
+            "in which file), and this folder has none; mlx_lm.convert writes one"
         )
     group = group if group is not None else mx.distributed.init()
     kwargs = {"tensor_group": group} if shard == "tensor" else {"pipeline_group": group}
