@@ -487,11 +487,13 @@ def pipeline_span(backbone: Any, args: Any, layers: list) -> tuple[int | None, l
     return int(backbone.start_idx), own, total
 
 
-def pipeline_features(outputs: dict, capture_ids: list[int], target: Any, logits: Any) -> Any:
-    """The captured layers' outputs `(B, n, len(capture_ids) * D)` on every rank of a
-    pipeline: each layer's rows from the rank that holds it, zeros from the others, summed
-    over the ranks in one collective (SPEC 10, item 5). It follows the pass's own
-    collectives (it depends on `logits`), so every rank makes them in the same order."""
+def pipeline_features(outputs: dict, capture_ids: list[int], target: Any, logits: Any):
+    """`(logits, features)` of a pass on a pipeline rank: the captured layers' outputs
+    `(B, n, len(capture_ids) * D)`, each layer's rows from the rank that holds it and zeros
+    from the others, summed over the ranks in one collective (SPEC 10, item 5). The sum
+    follows the pass's own collectives (its input depends on the logits) and the logits
+    returned depend on it: every rank makes them in one order whenever the logits are
+    evaluated, never one rank the sum of an earlier pass while another waits on this one's."""
     import mlx.core as mx
 
     b, n = logits.shape[:2]
@@ -505,7 +507,8 @@ def pipeline_features(outputs: dict, capture_ids: list[int], target: Any, logits
             out = zeros
         parts.append(out.astype(logits.dtype))
     local = mx.depends([mx.concatenate(parts, axis=-1)], [logits])[0]
-    return mx.distributed.all_sum(local)
+    feats = mx.distributed.all_sum(local)
+    return mx.depends([logits], [feats])[0], feats
 
 
 # -- calibration --------------------------------------------------------------------------

@@ -6,7 +6,8 @@ OUT/rank{N}.json, so that the silent ranks' tokens can be compared too.
 
 `dflash`: `dflash_mlx.generate` on this rank's shard of TARGET (SHARD, default tensor, when
 launched; the whole target alone) with DRAFT; `mlx-lm`: mlx-lm's own greedy decode of the
-same (sharded) target. SETTINGS_JSON: GenerateOptions fields, plus "prompt".
+same (sharded) target; `features`: the target's captured features on the prompt.
+SETTINGS_JSON: GenerateOptions fields, plus "prompt".
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ def main() -> None:
         model, tokenizer = dflash_mlx.load(target)
     ids = tokenizer.encode(prompt)
     rank = cluster.rank if cluster is not None else 0
-    if mode == "mlx-lm":
+    if mode == "features":  # the draft's input: the captured layers' outputs on the prompt
+        import mlx.core as mx
+
+        pair = dflash_mlx.Pair(model, dflash_mlx.load_draft(draft))
+        ids_ = pair.draft.config.target_layer_ids
+        _, feats = pair.target.forward(mx.array([ids]), pair.target.make_cache(), ids_)
+        record = {"features": feats.astype(mx.float32).tolist()}
+    elif mode == "mlx-lm":
         from mlx_lm import stream_generate
 
         tokens = [

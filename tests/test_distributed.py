@@ -316,7 +316,13 @@ def test_pipeline_two_ranks_share_the_captured_layers(tmp_path):
     """Each rank holds two of the four layers; the draft reads layer 1 (rank 1's) and 2
     (rank 0's): both ranks decode mlx-lm's greedy tokens of the pipelined target, the same
     cycles, and a seeded sampled run is one process's."""
+    import numpy as np
+
     pair = hybrid_pair(tmp_path / "pair")
+    split = ranks("features", tmp_path / "f2", pair=pair, shard="pipeline")
+    whole = ranks("features", tmp_path / "f1", pair=pair, alone=True)[0]["features"]
+    for r in split:  # each rank reads every captured layer, its own and the other's
+        np.testing.assert_allclose(np.array(r["features"]), np.array(whole), atol=1e-4)
     both = ranks("dflash", tmp_path / "greedy", pair=pair, shard="pipeline",
                  max_tokens=32, verify_width=4)  # fmt: skip
     plain = ranks("mlx-lm", tmp_path / "plain", pair=pair, shard="pipeline", max_tokens=32)

@@ -212,7 +212,7 @@ class TargetAdapter:
             _ACTIVE.reset(token)
         feats = None
         if capture_ids and self.first_layer is not None:  # each rank's layers, summed over
-            feats = distributed.pipeline_features(rec.outputs, capture_ids, self, logits)
+            logits, feats = distributed.pipeline_features(rec.outputs, capture_ids, self, logits)
         elif capture_ids:
             feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)
         return logits, feats
