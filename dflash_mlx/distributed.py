@@ -124,8 +124,10 @@ def _say(message: str) -> None:
 # -- the control connection -------------------------------------------------------------------
 
 
-def _send_frame(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def _send_frame(sock: socket.socket, obj: Any, plain: bool = False) -> None:
+    """A frame: rank 0's messages pickled (options, curves), the others' JSON (`plain`):
+    rank 0 never unpickles what reaches its port."""
+    data = json.dumps(obj).encode() if plain else pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
     sock.sendall(struct.pack("!Q", len(data)) + data)
 
 
@@ -142,12 +144,22 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket) -> Any:
+def _recv_frame(sock: socket.socket, plain: bool = False, limit: int = 1 << 40) -> Any:
     head = _recv_exact(sock, 8)
     if head is None:
         return None
-    body = _recv_exact(sock, struct.unpack("!Q", head)[0])
-    return None if body is None else pickle.loads(body)
+    size = struct.unpack("!Q", head)[0]
+    if size > limit:
+        return None
+    body = _recv_exact(sock, size)
+    if body is None:
+        return None
+    if plain:
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
+    return pickle.loads(body)
 
 
 _CLOSED = ("closed",)
@@ -176,15 +188,23 @@ class Channel:
             port = server.getsockname()[1]
         else:
             server, port = None, 0
-        # The one collective of the set-up: rank 0's port, the others add zeros.
-        port = int(mx.distributed.all_sum(mx.array([port], dtype=mx.int32), stream=mx.cpu).item())
+        # The one collective of the set-up: rank 0's port and a token the others must show
+        # (only the ranks learn it), the others add zeros.
+        token = int.from_bytes(os.urandom(3), "little") if server is not None else 0
+        shared = mx.distributed.all_sum(mx.array([port, token], dtype=mx.int32), stream=mx.cpu)
+        port, token = (int(v) for v in shared.tolist())
         if server is not None:
             server.settimeout(CONNECT_TIMEOUT)
             while len(self.peers) < self.size - 1:
                 conn, _ = server.accept()
-                conn.settimeout(None)
+                conn.settimeout(10)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                hello = _recv_frame(conn)
+                hello = _recv_frame(conn, plain=True, limit=256)
+                ok = isinstance(hello, list) and len(hello) == 3 and hello[0] == "hello"
+                if not ok or hello[2] != token or not 0 < int(hello[1]) < self.size:
+                    conn.close()  # not one of ours
+                    continue
+                conn.settimeout(None)
                 self.peers[int(hello[1])] = conn
             server.close()
             for r, conn in self.peers.items():
@@ -201,7 +221,7 @@ class Channel:
                     time.sleep(0.1)
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _send_frame(sock, ("hello", self.rank))
+            _send_frame(sock, ["hello", self.rank, token], plain=True)
             self.leader = sock
             threading.Thread(target=self._watch_leader, daemon=True).start()
 
@@ -221,7 +241,7 @@ class Channel:
     def tell_leader(self, obj: Any) -> None:
         if self.leader is not None:
             try:
-                _send_frame(self.leader, obj)
+                _send_frame(self.leader, list(obj), plain=True)
             except OSError:
                 pass
 
@@ -247,7 +267,7 @@ class Channel:
 
     def _watch_peer(self, rank: int, conn: socket.socket) -> None:
         while True:
-            msg = _recv_frame(conn)
+            msg = _recv_frame(conn, plain=True, limit=1 << 20)
             if msg is None:
                 if rank in self.said_bye:
                     return
@@ -308,7 +328,13 @@ def _leader_host() -> str:
 
 
 def _bind_host(host: str) -> str:
-    return host if host in ("127.0.0.1", "localhost") else "0.0.0.0"
+    """Rank 0 listens on its address in the hostfile (the link the ranks share), else on
+    every interface (a host name: the token keeps strangers out)."""
+    try:
+        socket.inet_aton(host)
+        return host
+    except OSError:
+        return "localhost" if host == "localhost" else "0.0.0.0"
 
 
 # -- the cluster --------------------------------------------------------------------------

@@ -250,6 +250,13 @@ def test_serve_two_ranks_answers_the_openai_sdk_like_one_process(tmp_path):
         )
         streamed = "".join(c.choices[0].text for c in stream)
         assert streamed == single
+        # A client that leaves mid-stream: its row is cancelled (on every rank, at one step).
+        left = client.completions.create(
+            model="m", prompt="def g(", max_tokens=150, temperature=0, stream=True
+        )
+        for _, _ in zip(range(3), left):
+            pass
+        left.close()
         chat = client.chat.completions.create(
             model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0
         )
