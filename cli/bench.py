@@ -14,6 +14,7 @@ import typer
 from dflash_mlx.errors import BadArgument
 
 from . import bench_ui, options, ui
+from . import shard as sharding
 from .errors import user_errors
 from .paths import writable_file
 
@@ -111,6 +112,7 @@ def command(
             "other N - 1 decode: its time to first token.",
         ),
     ] = False,
+    shard: options.Shard = "auto",
 ) -> None:
     """Measure DFlash against the target alone, side by side, on the same prompts.
 
@@ -118,8 +120,12 @@ def command(
     when one differs. With --concurrency: serial against batched decoding, where every
     batched request must reproduce its serial tokens.
     """
-    with user_errors(), options.flag_names():
+    from dflash_mlx.distributed import session
+
+    with user_errors(), options.flag_names(), session() as ranks:
+        sharding.check(shard)
         code = run(
+            shard=(shard, ranks),
             model=model,
             draft=draft,
             demo=demo,
@@ -254,8 +260,10 @@ def run(
     concurrency: str | None = None,
     max_batch: int | None = None,
     late_arrival: bool = False,
+    shard: tuple = ("none", None),
 ) -> int:
-    """Run the bench and render it; the exit code (0, or 1 when not lossless)."""
+    """Run the bench and render it; the exit code (0, or 1 when not lossless). `shard`:
+    `--shard` and the `distributed.session` that joins the ranks (rank 0 alone writes)."""
     widths = parse_widths(verify_widths)  # before anything loads
     budgets = parse_trees(trees)
     contexts = parse_contexts(context)
@@ -296,23 +304,33 @@ def run(
 
         with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
+        kind = sharding.plan(str(target_dir), shard[0])  # a bad --shard before any note
         bench_ui.demo_note(NOTICE, target_dir.parent)
         model, draft = str(target_dir), str(draft_dir)
     else:
         from .pairs import choose_draft, default_target
 
         model = default_target(model, draft)
+        kind = sharding.plan(model, shard[0])
         choice = choose_draft(model, draft, False)
         if choice.note:
             ui.note(choice.note)
         draft = choice.draft
-    with ui.loading("target", model):
-        target, tokenizer = dflash_mlx.load(model)
-    drafter = None
-    if draft is not None:
-        with ui.loading("draft", draft):
-            drafter = dflash_mlx.load_draft(draft)
-    pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
+    from .pairs import DraftChoice
+
+    loaded = sharding.load_for(model, DraftChoice(draft, None, None), kind, shard[1])
+    if loaded is not None:
+        pair, tokenizer = loaded
+        if not sharding.speaks():
+            json_out = None  # rank 0 writes the results
+    else:
+        with ui.loading("target", model):
+            target, tokenizer = dflash_mlx.load(model)
+        drafter = None
+        if draft is not None:
+            with ui.loading("draft", draft):
+                drafter = dflash_mlx.load_draft(draft)
+        pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
     _contexts_fit(contexts, max_tokens, pair.context_limit)
     if calibrate:
         progress = bench_ui.BenchProgress()

@@ -16,6 +16,7 @@ import typer
 from dflash_mlx.errors import BadArgument
 
 from . import options, ui
+from . import shard as sharding
 from .errors import user_errors
 
 
@@ -78,14 +79,19 @@ def command(
         ),
     ] = False,
     demo: options.Demo = False,
+    shard: options.Shard = "auto",
 ) -> None:
     """Stream a completion of the prompt, then one line of statistics.
 
     The prompt: an argument, --prompt/-p, or stdin (--prompt -, or none with stdin piped).
     """
-    with user_errors(), options.flag_names():
+    from dflash_mlx.distributed import session
+
+    with user_errors(), options.flag_names(), session() as ranks:
+        sharding.check(shard)
         code = run(
             prompt=prompt_text(prompt_arg, prompt),
+            shard=(shard, ranks),
             model=model,
             draft=draft,
             no_draft=no_draft,
@@ -129,8 +135,10 @@ def run(
     compare: bool = False,
     schema_file: Path | None = None,
     verbose: bool = False,
+    shard: tuple = ("none", None),
 ) -> int:
-    """Generate; the exit code (1: --compare found plain decoding's tokens differ)."""
+    """Generate; the exit code (1: --compare found plain decoding's tokens differ).
+    `shard`: `--shard` and the `distributed.session` that joins the ranks."""
     import dflash_mlx
 
     if demo:
@@ -143,12 +151,15 @@ def run(
         from dflash_mlx.demo import NOTICE, demo_pair
 
         target_dir, draft_dir = demo_pair()
+        kind = sharding.plan(str(target_dir), shard[0])  # a bad --shard before any note
         ui.note(f"demo: {NOTICE}")
         model, draft = str(target_dir), None if no_draft else str(draft_dir)
         chat = False if chat is None else chat
     from .pairs import choose_draft, default_target
 
     model = default_target(model, draft)
+    if not demo:
+        kind = sharding.plan(model, shard[0])
     choice = choose_draft(model, draft, no_draft)  # names only: nothing loads yet
     if compare and choice.draft is None:
         raise BadArgument(
@@ -156,7 +167,7 @@ def run(
             "(--draft DRAFT, or a target whose draft is known)"
         )
     opts = dflash_mlx.GenerateOptions(**settings)
-    pair, tokenizer = load(model, choice)
+    pair, tokenizer = sharding.load_for(model, choice, kind, shard[1]) or load(model, choice)
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now

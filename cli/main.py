@@ -58,6 +58,9 @@ def main(
     ] = False,
 ) -> None:
     """Lossless DFlash speculative decoding for mlx-lm models."""
+    from dflash_mlx.distributed import quiet
+
+    quiet()  # under mlx.launch, ranks other than 0 write nothing (docs/distributed.md)
 
 
 app.command("generate")(generate_command.command)  # options and wiring: cli/generate.py

@@ -64,6 +64,15 @@ Draft = Annotated[
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
 ]
+Shard = Annotated[
+    str,
+    typer.Option(
+        "--shard",
+        metavar="KIND",
+        help="Under mlx.launch: shard the target across the ranks: tensor, pipeline, auto "
+        "(what its family supports) or none (each process alone). See docs/distributed.md.",
+    ),
+]
 NoDraft = Annotated[
     bool, typer.Option("--no-draft", help="Decode with the target alone (no speculation).")
 ]

@@ -24,7 +24,7 @@ from dflash_mlx.errors import (
 from . import options, serve_ui, ui
 from .cache import DISK_GB, MEMORY_GB, prompt_cache_folder, prompt_store
 from .errors import internal
-from .pairs import check_sources
+from .pairs import check_sources, choose_draft, default_target
 
 DEMO_ID = "dflash-mlx-demo"
 DEFAULT_MAX_TOKENS = 2048  # for requests that do not say
@@ -169,48 +169,57 @@ def serve(
             help="Largest request body in MB; larger ones get 413.", callback=options.finite
         ),
     ] = 32.0,
+    shard: options.Shard = "auto",
 ) -> None:
     """Serve OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
     (/v1/messages) APIs locally, with tool calls and reasoning."""
+    from dflash_mlx.distributed import session
+
     try:
-        run(
-            model=model,
-            draft=draft,
-            no_draft=no_draft,
-            demo=demo,
-            host=host,
-            port=port,
-            api_key=api_key,
-            max_queue=max_queue,
-            max_batch=max_batch,
-            max_batch_tokens=max_batch_tokens,
-            default_max_tokens=max_tokens_option(max_tokens, default_max_tokens),
-            sampling={
-                name: value
-                for name, value in dict(
-                    temperature=temp,
-                    top_p=top_p,
-                    top_k=top_k,
-                    min_p=min_p,
-                    seed=seed,
-                    presence_penalty=presence_penalty,
-                    frequency_penalty=frequency_penalty,
-                    repetition_penalty=repetition_penalty,
-                ).items()
-                if value is not None
-            },
-            max_context=max_context,
-            prompt_cache_size=prompt_cache_size,
-            prompt_cache_dir=prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
-            prompt_cache_gb=prompt_cache_gb,
-            prompt_cache_memory_gb=prompt_cache_memory_gb,
-            verify_width=options.verify_width(verify_width, block_size),
-            tree=tree,
-            draft_window=draft_window,
-            draft_sink=draft_sink,
-            cors_origins=tuple(cors_origin or ()),
-            max_body_mb=max_body_mb,
-        )
+        with session() as ranks:
+            from . import shard as sharding
+
+            sharding.check(shard)
+            run(
+                ranks=ranks,
+                shard=shard,
+                model=model,
+                draft=draft,
+                no_draft=no_draft,
+                demo=demo,
+                host=host,
+                port=port,
+                api_key=api_key,
+                max_queue=max_queue,
+                max_batch=max_batch,
+                max_batch_tokens=max_batch_tokens,
+                default_max_tokens=max_tokens_option(max_tokens, default_max_tokens),
+                sampling={
+                    name: value
+                    for name, value in dict(
+                        temperature=temp,
+                        top_p=top_p,
+                        top_k=top_k,
+                        min_p=min_p,
+                        seed=seed,
+                        presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty,
+                        repetition_penalty=repetition_penalty,
+                    ).items()
+                    if value is not None
+                },
+                max_context=max_context,
+                prompt_cache_size=prompt_cache_size,
+                prompt_cache_dir=prompt_cache_folder(prompt_cache_dir, no_prompt_cache_dir),
+                prompt_cache_gb=prompt_cache_gb,
+                prompt_cache_memory_gb=prompt_cache_memory_gb,
+                verify_width=options.verify_width(verify_width, block_size),
+                tree=tree,
+                draft_window=draft_window,
+                draft_sink=draft_sink,
+                cors_origins=tuple(cors_origin or ()),
+                max_body_mb=max_body_mb,
+            )
     except UserError as e:
         ui.error(str(e))
         raise typer.Exit(EXIT_USER) from None
@@ -298,8 +307,13 @@ def run(
     prompt_cache_memory_gb: float = MEMORY_GB,
     max_batch: int | None = None,
     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    shard: str = "none",
+    ranks=None,
 ) -> None:
     """Load the pair, bind the port and serve until Ctrl-C.
+
+    `shard`: `--shard`; under mlx.launch `ranks` (a `distributed.session`) joins the others:
+    rank 0 serves, the others follow its steps (docs/distributed.md).
 
     `sampling`: GenerateOptions fields (temperature, top_p, top_k, min_p, seed, the
     penalties) for requests that leave them out, as are `verify_width`, `draft_window` and
@@ -358,38 +372,74 @@ def run(
         raise BadArgument("--api-key is empty: give a key, or leave the option out")
 
     import dflash_mlx
+    from dflash_mlx import distributed
     from dflash_mlx.server import Engine, ServerSettings, create_server
 
-    store, store_note = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
-    sock = listen(host, port)  # first: a busy port fails before a long model load
+    from . import shard as sharding
+
     model_id, aliases = model, set()
     if demo:
         from dflash_mlx.demo import NOTICE, demo_pair
 
         with ui.loading("demo pair", "tiny models"):
             target_dir, draft_dir = demo_pair()
+    else:
+        model = default_target(model, draft)
+    kind = sharding.plan(str(target_dir) if demo else model, shard)
+    cluster = ranks.join(kind) if kind is not None and ranks is not None else None
+    if cluster is not None and max_batch == 1:
+        raise BadArgument(
+            "--max-batch 1: across ranks the server runs its batching engine (the other "
+            "ranks replay its steps); use --max-batch 2 or more"
+        )
+    follower = cluster is not None and cluster.rank != 0
+    store, store_note = None, None
+    if cluster is None:
+        store, store_note = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
+    elif prompt_cache_dir is not None:
+        store_note = "note: across ranks the prompt store is off (docs/distributed.md)"
+    # First: a busy port fails before a long model load (only rank 0 listens).
+    sock = None if follower else listen(host, port)
+    if demo:
         serve_ui.demo_note(NOTICE, target_dir.parent, default_max_tokens)
         model, model_id = str(target_dir), DEMO_ID
         draft = None if no_draft else str(draft_dir)
     else:
-        from .pairs import choose_draft, default_target
-
-        model = model_id = default_target(model, draft)
+        model_id = model
         choice = choose_draft(model, draft, no_draft)
         if choice.note:
             ui.note(choice.note)
         draft = choice.draft
         if Path(model).exists():  # a local folder: its name works too
             aliases.add(Path(model).resolve().name)
-    with ui.loading("target", model):
-        target, tokenizer = dflash_mlx.load(model)
-    drafter = None
-    if draft is not None:
-        with ui.loading("draft", draft):
-            drafter = dflash_mlx.load_draft(draft)
-    pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
+    if cluster is not None:
+        from .pairs import DraftChoice
+
+        pair, tokenizer = sharding.load(model, DraftChoice(draft, None, None), kind)
+    else:
+        with ui.loading("target", model):
+            target, tokenizer = dflash_mlx.load(model)
+        drafter = None
+        if draft is not None:
+            with ui.loading("draft", draft):
+                drafter = dflash_mlx.load_draft(draft)
+        pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
     ui.calibrate(pair, defaults.verify_width)  # before it listens: said, with a bar
     pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
+    if cluster is not None:
+        from dflash_mlx.server.batching import batch_size
+
+        distributed.freeze_calibration(pair)  # measured now, with every rank, or never
+        batch = batch_size(pair, max_batch)
+        if batch == 1:
+            raise BadArgument(
+                f"this target cannot decode in a batch, which serving across ranks needs "
+                f"(--max-batch {max_batch} fell to 1)"
+            )
+        if follower:
+            distributed.follow(pair, tokenizer, batch)
+            return
+        distributed.lead()
 
     settings = ServerSettings(
         model_id=model_id,
@@ -412,6 +462,8 @@ def run(
         prompt_store=store,
         max_batch=max_batch,
         max_batch_tokens=max_batch_tokens,
+        # Across ranks, a warm-up generation on rank 0 alone would wait for the others.
+        warm_up=cluster is None,
     )
     server = create_server(engine, settings)
     serve_ui.serving(

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from .. import distributed
 from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
 from ..pair import Pair
@@ -120,6 +121,7 @@ class BatchDecoder:
         row.plan = self.pair.plan(opts)  # once: it refuses widths the pair cannot run
         row.eos = frozenset(getattr(self.tokenizer, "eos_token_ids", None) or ())
         row.learn = opts.seed is None  # a seeded request's reply must not hang on timing
+        distributed.submitted(row, ids, opts)  # a server across ranks: told to the others
         self.waiting.append(row)
         return row
 
@@ -142,6 +144,8 @@ class BatchDecoder:
 
     def cancel(self, row: Row) -> None:
         """Stop a request between cycles (waiting ones never start)."""
+        if distributed.cancel_later(row):  # across ranks: at the next step, on every rank
+            return
         row.cancelled = True
 
     @property
@@ -153,6 +157,7 @@ class BatchDecoder:
         with a cycle of the running rows between its chunks), or else run one cycle of
         every active one, and return what each row produced meanwhile, in order: responses, or
         the exception that ended a row (the others go on)."""
+        distributed.step()  # a server across ranks: this step's admissions and cancels
         self._drop_cancelled()
         if self.waiting and len(self.active) < self.max_batch:
             # One at a time, so that each first token goes out as soon as its own prompt
@@ -198,7 +203,7 @@ class BatchDecoder:
         draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
         seed = row.seed if row.seed is not None else opts.seed
         if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little")
+            seed = distributed.agree("seed", int.from_bytes(os.urandom(8), "little"))
         if row.prompt_cache is not None:
             row.lease, saved = row.prompt_cache.take(pair.model, draft)
         else:
@@ -419,7 +424,7 @@ class BatchDecoder:
         now = time.perf_counter()
         spent = now - self._synced if self._synced else None
         self._synced = now
-        return spent
+        return distributed.agree("cycle seconds", spent)  # rank 0's, across ranks
 
     def _commit_rows(
         self, rows: list[Row], steps: list, results: list, size: int, plain: bool = False
@@ -497,7 +502,7 @@ class BatchDecoder:
                 at = [r.generated for r in rows]
                 launch = time.perf_counter()
                 nxt = bc.plain_pass(target, rows, top, cache, caps, at)
-                built = time.perf_counter() - launch
+                built = distributed.agree("launch seconds", time.perf_counter() - launch)
                 self._ahead = _Ahead(rows, *nxt, caps, built)
             else:
                 self._planned = ([id(r) for r in rows], (widths, caps))

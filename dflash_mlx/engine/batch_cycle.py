@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from .. import distributed
 from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
 from ..speed.adaptive import WidthChooser
@@ -200,7 +201,7 @@ def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> tuple[tuple
         mx.eval([a for r in late for a in r.req.state.arrays])
     for r in late:
         r.req.lazy_rows = 0
-    seconds = time.perf_counter() - tic
+    seconds = distributed.agree("catch-up", time.perf_counter() - tic)  # rank 0's
     return (sum(n for n, _ in done), sum(z for _, z in done)), seconds
 
 

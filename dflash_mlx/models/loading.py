@@ -147,6 +147,92 @@ def load(target: str | Path):
     return model, tokenizer
 
 
+def shard_support(folder: Path) -> tuple[str, tuple[str, ...]]:
+    """The target family in `folder` (its config's model_type) and the sharding mlx-lm
+    offers for it: ("tensor", "pipeline"), either, or neither. Builds the model lazily: no
+    weights are read."""
+    from mlx_lm.utils import load_model
+
+    config = read_json(folder / "config.json")
+    family = str(config.get("model_type", "?"))
+    try:
+        model, _ = load_model(folder, lazy=True, strict=False)
+    except (ValueError, ImportError) as e:
+        raise LoadError(f"target {str(folder)!r}: {e}") from e
+    kinds = []
+    if hasattr(model, "shard"):
+        kinds.append("tensor")
+    if hasattr(model, "model") and hasattr(model.model, "pipeline"):
+        kinds.append("pipeline")
+    return family, tuple(kinds)
+
+
+# Sharding mlx-lm offers that DFlash runs (both: docs/distributed.md).
+DFLASH_SHARDS = ("tensor", "pipeline")
+
+
+def choose_shard(target: str | Path, shard: str) -> str:
+    """The sharding to load `target` with under `mx.distributed`: `shard` ("auto": what the
+    family supports, tensor first), refused in one line naming the family when mlx-lm or
+    DFlash cannot shard it so."""
+    import mlx_lm
+
+    folder = resolve(target, "target")
+    family, kinds = shard_support(folder)
+    if not kinds:
+        raise LoadError(
+            f"target family {family!r} supports neither tensor nor pipeline sharding in "
+            f"mlx-lm {mlx_lm.__version__}: run it in one process (--shard none)"
+        )
+    if shard == "auto":
+        usable = [k for k in kinds if k in DFLASH_SHARDS]
+        if not usable:
+            raise LoadError(
+                f"target family {family!r} supports only {' and '.join(kinds)} sharding in "
+                f"mlx-lm {mlx_lm.__version__}, which DFlash does not run yet (it runs "
+                f"{', '.join(DFLASH_SHARDS)}): run it in one process (--shard none)"
+            )
+        return usable[0]
+    if shard not in kinds:
+        raise LoadError(
+            f"--shard {shard}: target family {family!r} supports "
+            f"{' and '.join(kinds)} sharding only in mlx-lm {mlx_lm.__version__}"
+        )
+    if shard not in DFLASH_SHARDS:
+        raise LoadError(
+            f"--shard {shard}: DFlash does not run {shard}-parallel targets yet (a captured "
+            f"layer's features live on one rank); use --shard "
+            f"{' or '.join(DFLASH_SHARDS)}"
+        )
+    return shard
+
+
+def load_sharded(target: str | Path, shard: str, group=None):
+    """Load this rank's shard of a target `(model, tokenizer)` with mlx-lm's `sharded_load`
+    (`shard`: "tensor" or "pipeline", from `choose_shard`), over `group` (default: the
+    launch's). Every rank calls it: the load ends in a collective."""
+    from mlx_lm.utils import sharded_load
+
+    folder = resolve(target, "target")
+    if not any(any(folder.glob(p)) for p in _TOKENIZER_FILES):
+        raise LoadError(
+            f"{folder}: no tokenizer file (expected one of {', '.join(_TOKENIZER_FILES)})"
+        )
+    if shard == "pipeline" and not (folder / "model.safetensors.index.json").is_file():
+        raise LoadError(
+            f"{folder}: pipeline sharding reads model.safetensors.index.json (which layer is "
+            "in which file), and this folder has none; mlx_lm.convert writes one"
+        )
+    group = group if group is not None else mx.distributed.init()
+    kwargs = {"tensor_group": group} if shard == "tensor" else {"pipeline_group": group}
+    try:
+        model, tokenizer = sharded_load(str(folder), **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        raise LoadError(f"target {str(target)!r} ({shard} sharding): {e}") from e
+    cpu_float32(model)
+    return model, tokenizer
+
+
 def load_draft(draft: str | Path) -> DFlashDraft:
     """Load a DFlash draft in the published z-lab format from a Hub id or a local folder."""
     folder = resolve(draft, "draft", _DRAFT_FILES)

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from .. import distributed
 from ..errors import BadCheckpoint
 
 
@@ -120,6 +121,11 @@ class TargetAdapter:
         self._head = inner["lm_head"] if "lm_head" in inner else None
         self.layers = _decoder_layers(model)
         self.num_layers = len(self.layers)
+        # A pipeline shard holds a run of the layers (`distributed.pipeline_span`): these are
+        # its own, the first one's index in the whole model `first_layer` (None: all).
+        self.first_layer, self.layers, self.num_layers = distributed.pipeline_span(
+            backbone, args, self.layers
+        )
         self._rec = _Recorder()
         for i, layer in enumerate(self.layers):
             if type(layer) not in _CAPTURE_CLASSES.values():
@@ -170,7 +176,7 @@ class TargetAdapter:
     def make_cache(self) -> list[Any]:
         """A prompt cache every entry of which we can rewind; refuses targets we cannot."""
         cache = make_prompt_cache(self.model)
-        if len(cache) != self.num_layers:
+        if len(cache) != len(self.layers):
             raise BadCheckpoint(
                 f"target {self.model_type!r} has {self.num_layers} layers but "
                 f"{len(cache)} cache entries; speculative decoding needs one per layer"
@@ -197,13 +203,17 @@ class TargetAdapter:
         rec = self._rec
         rec.clear()
         rec.capture_ids = frozenset(capture_ids or ())
+        if self.first_layer is not None:  # a pipeline shard: its own layers' indices
+            rec.capture_ids = frozenset(i - self.first_layer for i in capture_ids or ())
         token = _ACTIVE.set(rec)
         try:
             logits = self.model(tokens, cache=cache)
         finally:
             _ACTIVE.reset(token)
         feats = None
-        if capture_ids:
+        if capture_ids and self.first_layer is not None:  # each rank's layers, summed over
+            logits, feats = distributed.pipeline_features(rec.outputs, capture_ids, self, logits)
+        elif capture_ids:
             feats = mx.concatenate([rec.outputs[i] for i in capture_ids], axis=-1)
         return logits, feats
 

@@ -1,0 +1,72 @@
+"""`--shard`: the target split across the ranks `mlx.launch` started (docs/distributed.md).
+
+Every rank runs the same command: it joins the others, loads its shard of the target and the
+whole draft, and decodes in lockstep (`dflash_mlx.distributed`). Rank 0 speaks; the others are
+silent (`dflash_mlx.distributed.quiet`, from the CLI's first callback). The library is imported
+inside the functions (`--help` stays free of mlx).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import ui
+
+
+def check(shard: str) -> None:
+    """An unknown `--shard` kind: one `error:` line, before anything else."""
+    from dflash_mlx import distributed
+
+    distributed.check_shard(shard)
+
+
+def plan(model: str, shard: str) -> str | None:
+    """The sharding `model` loads with (None: in one process), checked before any weight
+    loads: an unknown kind, a family mlx-lm or DFlash cannot shard so, or `--shard
+    tensor|pipeline` outside a launch, each one `error:` line (exit 2)."""
+    from dflash_mlx import distributed
+    from dflash_mlx.models.loading import choose_shard
+
+    distributed.check_shard(shard)
+    if shard == "none" or (shard == "auto" and not distributed.launched()):
+        return None
+    kind = choose_shard(model, shard)
+    distributed.check_launched(shard)
+    return kind
+
+
+def load(model: str, choice: Any, kind: str):
+    """`(Pair, tokenizer)` on this rank: its shard of the target (`kind`), the whole draft,
+    rank 0's calibration (`distributed.lockstep_calibration`)."""
+    import dflash_mlx
+    from dflash_mlx import distributed
+    from dflash_mlx.models.loading import load_sharded
+
+    cluster = distributed.current()
+    if choice.note:
+        ui.note(choice.note)
+    with ui.loading("target", f"{model} ({kind} parallel, {cluster.size} ranks)"):
+        target, tokenizer = load_sharded(model, kind, cluster.group)
+    if choice.draft is None:
+        return dflash_mlx.Pair(target), tokenizer
+    with ui.loading("draft", choice.draft):
+        drafter = dflash_mlx.load_draft(choice.draft)
+    pair = dflash_mlx.Pair(target, drafter)
+    distributed.lockstep_calibration(pair)
+    return pair, tokenizer
+
+
+def load_for(model: str, choice: Any, kind: str | None, ranks: Any):
+    """With a sharding (`kind`, from `plan`): join the ranks (`ranks`, the command's
+    `distributed.session`) and load this rank's `(Pair, tokenizer)`; else None (the caller
+    loads in one process)."""
+    if kind is None or ranks is None or ranks.join(kind) is None:
+        return None
+    return load(model, choice, kind)
+
+
+def speaks() -> bool:
+    """Whether this process writes output (alone, or rank 0)."""
+    from dflash_mlx import distributed
+
+    return distributed.speaks()

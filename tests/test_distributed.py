@@ -1,0 +1,387 @@
+"""DFlash on a target sharded across ranks (`--shard`, `dflash_mlx.distributed`): two ranks
+on 127.0.0.1 over MLX's ring backend, started by `mlx.launch` as users start them, each run
+bounded in time. The flag's refusals are fast; the two-rank runs are slow (CI's slow set).
+
+What they show: rank 0's tokens at temperature 0 are one process's and mlx-lm's own greedy
+decode of the sharded target; every rank decodes the same tokens with the same τ (the silent
+ranks' are written to files by `distributed_rank.py`); a seeded sampled run is the same on
+every rank and in one process; `serve` answers the openai SDK from rank 0 with one process's
+replies and batches concurrent requests; a rank killed mid-request ends the others within
+10 s with one clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx.demo import demo_pair
+
+from .test_cli_faults import run, serve_never_listens, user_error  # noqa: F401
+from .test_cli_serve import dflash, exe, text
+
+HERE = Path(__file__).parent
+LAUNCH = [
+    sys.executable,
+    "-c",
+    "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
+]
+TIMEOUT = 240  # seconds for a whole two-rank run (two processes on a shared 2-core CPU)
+PROMPT = "class Stack:"
+
+
+def free_ports(n: int = 2) -> int:
+    """A first port of `n` consecutive free ones (the ring backend takes one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n >= 65535:
+            continue
+        try:
+            held = []
+            for p in range(first, first + n):
+                t = socket.socket()
+                held.append(t)
+                t.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for t in held:
+                t.close()
+    raise RuntimeError("no free ports")
+
+
+def env() -> dict:
+    root = str(HERE.parent)
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **os.environ,
+        "PYTHONPATH": root if not path else f"{root}{os.pathsep}{path}",
+        "OPENBLAS_NUM_THREADS": "1",
+        "COLUMNS": "120",
+    }
+
+
+def launch_cmd(*command: str) -> list[str]:
+    return [
+        *LAUNCH,
+        "--backend",
+        "ring",
+        "--hosts",
+        "127.0.0.1",
+        "-n",
+        "2",
+        "--starting-port",
+        str(free_ports()),
+        "--",
+        *command,
+    ]
+
+
+def start(*command: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_cmd(*command),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env(),
+        start_new_session=True,  # its ranks are ended with it if the test gives up
+        **kw,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"two ranks still ran after {timeout} s:\n{err.decode()[-3000:]}")
+    return proc.returncode, out.decode(), err.decode()
+
+
+def launched(*command: str, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+    return finish(start(*command), timeout)
+
+
+def ranks(
+    mode: str, out: Path, *, alone: bool = False, pair=None, shard="tensor", **settings
+) -> list[dict]:
+    """`distributed_rank.py` on two ranks (or `alone`): what each rank decoded (`pair`:
+    target and draft folders, default the demo pair)."""
+    target, draft = pair or demo_pair()
+    out.mkdir(parents=True, exist_ok=True)
+    args = [
+        sys.executable,
+        str(HERE / "distributed_rank.py"),
+        mode,
+        str(target),
+        str(draft),
+        str(out),
+        json.dumps({"prompt": PROMPT, **settings}),
+        shard,
+    ]
+    if alone:
+        done = subprocess.run(args, capture_output=True, timeout=TIMEOUT, env=env())
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        return [json.loads((out / "rank0.json").read_text())]
+    code, _, err = launched(*args)
+    assert code == 0, err[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+# -- the flag, refused before anything loads (fast) -------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_shard_refusals_are_one_line_exit_2(command):
+    cases = [
+        (["--shard", "bogus"], ["--shard 'bogus'", "auto, tensor, pipeline, none"]),
+        (["--shard", "pipeline"], ["--shard pipeline", "'qwen3' supports tensor sharding only"]),
+        (["--shard", "tensor"], ["--shard tensor", "not one of several ranks", "mlx.launch"]),
+    ]
+    for flags, names in cases:
+        extra = [PROMPT] if command == "generate" else ["--port", "0"]
+        user_error(run(command, "--demo", *flags, *extra), *names)
+
+
+def test_a_family_mlx_lm_cannot_shard_is_named(tmp_path):
+    target, _ = demo_pair()
+    folder = tmp_path / "starcoder"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / f).write_bytes((target / f).read_bytes())
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "starcoder2",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "vocab_size": 2048,
+                "norm_epsilon": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": True,
+            }
+        )
+    )
+    result = run("generate", "--model", str(folder), "--no-draft", "--shard", "tensor", "hi")
+    user_error(result, "target family 'starcoder2'", "neither tensor nor pipeline", "--shard none")
+
+
+def test_shard_none_and_auto_alone_are_todays_path():
+    for flag in ("none", "auto"):
+        result = run(
+            "generate", "--demo", "--raw", "-n", "8", "--verify-width", "4", "--json",
+            "--shard", flag, PROMPT,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["generation_tokens"] == 8
+
+
+# -- two ranks (slow) -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_generate_two_ranks_greedy_is_one_process_and_mlx_lm(tmp_path):
+    args = ["generate", "--demo", "--raw", "-n", "64", "--verify-width", "8", "--json", PROMPT]
+    code, out, err = launched(*exe(), *args, "--shard", "tensor")
+    assert code == 0, err
+    assert out.count("\n") == 1, out  # one JSON object: rank 0's; rank 1 is silent
+    two = json.loads(out)
+    done = dflash(*args)
+    assert done.returncode == 0, text(done)[1]
+    one = json.loads(text(done)[0])
+    assert two["tokens"] == one["tokens"] and len(two["tokens"]) == 64
+    assert two["mean_acceptance"] == one["mean_acceptance"] > 1.5
+    assert two["ran"] == one["ran"]
+    # mlx-lm's own greedy decode of the sharded target, on the same ranks.
+    plain = ranks("mlx-lm", tmp_path / "mlx-lm", max_tokens=64)
+    assert plain[0]["tokens"] == plain[1]["tokens"] == two["tokens"]
+
+
+@pytest.mark.slow
+def test_every_rank_decodes_the_same_and_a_seed_replays_in_one_process(tmp_path):
+    sampled = dict(max_tokens=48, temperature=0.8, seed=7, verify_width=8)
+    both = ranks("dflash", tmp_path / "sampled", **sampled)
+    alone = ranks("dflash", tmp_path / "alone", alone=True, **sampled)
+    assert both[0] == both[1]  # tokens, τ, cycles, widths: the same cycle on both ranks
+    assert both[0]["tokens"] == alone[0]["tokens"] and both[0]["tau"] == alone[0]["tau"]
+    # The automatic width: timing-based choices are rank 0's on every rank.
+    auto = ranks("dflash", tmp_path / "auto", max_tokens=64, temperature=0.0)
+    assert auto[0] == auto[1]
+    assert auto[0]["tokens"] == alone_greedy(tmp_path)
+
+
+def alone_greedy(tmp_path) -> list[int]:
+    return ranks("mlx-lm", tmp_path / "greedy", alone=True, max_tokens=64)[0]["tokens"]
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_answers_the_openai_sdk_like_one_process(tmp_path):
+    from openai import OpenAI
+
+    from .test_cli_serve import serve
+
+    prompts = [PROMPT, "def f(x):", "import os\n", "for i in range("]
+
+    def ask(client) -> tuple[list[str], str]:
+        def one(p: str) -> str:
+            r = client.completions.create(model="m", prompt=p, max_tokens=24, temperature=0)
+            return r.choices[0].text
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        single = one(PROMPT)
+        stream = client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=24, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].text for c in stream)
+        assert streamed == single
+        # A client that leaves mid-stream: its row is cancelled (on every rank, at one step).
+        left = client.completions.create(
+            model="m", prompt="def g(", max_tokens=150, temperature=0, stream=True
+        )
+        for _, _ in zip(range(3), left):
+            pass
+        left.close()
+        chat = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0
+        )
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(one, prompts))
+        return [single, streamed, chat.choices[0].message.content, *together]
+
+    with serve("--demo", "--verify-width", "8") as one_process:
+        expected = ask(OpenAI(base_url=f"{one_process.base}/v1", api_key="x", max_retries=0))
+
+    port = free_ports(1)
+    proc = start(*exe(), "serve", "--demo", "--verify-width", "8", "--port", str(port))
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                client.models.list()
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.3)
+        assert ask(client) == expected
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+    err = err.decode()
+    widest = max(int(n) for n in __import__("re").findall(r"batched ≤(\d+)", err) or ["1"])
+    assert widest >= 2, err[-3000:]  # the concurrent requests decoded together
+    assert err.count("serving http://") == 1  # rank 0 alone speaks
+
+
+def hybrid_pair(root: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3.5 pair (GatedDeltaNet and attention layers, which mlx-lm can
+    split into a pipeline), its weights indexed as `sharded_load` reads a checkpoint's."""
+    import mlx.core as mx
+
+    from dflash_mlx.models.tiny import (
+        build_draft,
+        build_target,
+        draft_config,
+        qwen35_config,
+        write_tokenizer,
+    )
+
+    target, draft = root / "target", root / "draft"
+    target.mkdir(parents=True)
+    write_tokenizer(target)
+    build_target(target, qwen35_config(), seed=3)
+    build_draft(draft, draft_config(4, [1, 2]), seed=4)  # layer 1 on rank 1, layer 2 on 0
+    names = mx.load(str(target / "model.safetensors"))
+    index = {"weight_map": {k: "model.safetensors" for k in names}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target, draft
+
+
+@pytest.mark.slow
+def test_pipeline_two_ranks_share_the_captured_layers(tmp_path):
+    """Each rank holds two of the four layers; the draft reads layer 1 (rank 1's) and 2
+    (rank 0's): both ranks decode mlx-lm's greedy tokens of the pipelined target, the same
+    cycles, and a seeded sampled run is one process's."""
+    import numpy as np
+
+    pair = hybrid_pair(tmp_path / "pair")
+    split = ranks("features", tmp_path / "f2", pair=pair, shard="pipeline")
+    whole = ranks("features", tmp_path / "f1", pair=pair, alone=True)[0]["features"]
+    for r in split:  # each rank reads every captured layer, its own and the other's
+        np.testing.assert_allclose(np.array(r["features"]), np.array(whole), atol=1e-4)
+    both = ranks("dflash", tmp_path / "greedy", pair=pair, shard="pipeline",
+                 max_tokens=32, verify_width=4)  # fmt: skip
+    plain = ranks("mlx-lm", tmp_path / "plain", pair=pair, shard="pipeline", max_tokens=32)
+    alone = ranks("mlx-lm", tmp_path / "alone", pair=pair, alone=True, max_tokens=32)
+    assert both[0] == both[1]
+    assert both[0]["tokens"] == plain[0]["tokens"] == plain[1]["tokens"] == alone[0]["tokens"]
+    sampled = dict(max_tokens=32, temperature=0.8, seed=5, verify_width=4)
+    two = ranks("dflash", tmp_path / "sampled", pair=pair, shard="pipeline", **sampled)
+    one = ranks("dflash", tmp_path / "sampled1", pair=pair, alone=True, **sampled)
+    assert two[0] == two[1] and two[0]["tokens"] == one[0]["tokens"]
+    assert two[0]["tau"] == one[0]["tau"]
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> int:
+    """The pid of `rank` among the launcher's processes (read from their environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if f"MLX_RANK={rank}".encode() in environ and int(stat.split()[5]) == launcher.pid:
+                return int(pid)  # same session as the launcher we started
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,survivor_says", [(1, "rank 1 ended"), (0, "rank 0 ended")])
+def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_says):
+    proc = start(
+        *exe(), "generate", "--demo", "--raw", "-n", "3000", "--verify-width", "4",
+        "--shard", "tensor", PROMPT,
+    )  # fmt: skip
+    pid = _rank_pid(proc, victim)
+    # Mid-request: rank 0 has streamed text.
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen, deadline = b"", time.monotonic() + TIMEOUT
+    while len(seen) < 40:
+        assert proc.poll() is None and time.monotonic() < deadline
+        seen += proc.stdout.read() or b""
+        time.sleep(0.1)
+    os.set_blocking(proc.stdout.fileno(), True)
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, _, err = finish(proc, timeout=30)  # mlx.launch itself exits 0 whatever its ranks did
+    assert time.monotonic() - killed < 10, err
+    assert f"Node with rank {victim} exited with code -9" in err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and survivor_says in errors[0], err
+    assert "Traceback" not in err
