@@ -228,3 +228,71 @@ def test_grouped_blocks_give_exactly_the_drafts_training_logits(target):
         padded[mx.array(slot)] = block
         got = grouped_logits(pair.draft, feats, mx.array(anchors), padded, pair.head, m)
         assert mx.allclose(got[mx.array(slot)], want, atol=1e-4).item(), extra
+        # only the slots that hold a block, taken before the LM head
+        some = grouped_logits(
+            pair.draft, feats, mx.array(anchors), padded, pair.head, m, mx.array(slot)
+        )
+        assert some.shape == want.shape and mx.allclose(some, want, atol=1e-4).item(), extra
+
+
+def test_the_steps_exp_silu_and_cross_entropy_are_mlxs_values_and_gradients():
+    """`blocks.exp` (2**(x log2 e), faster on a CPU) and what is built on it give MLX's
+    exp, SiLU and cross-entropy and their gradients, masked (-inf) entries included."""
+    from dflash_mlx.train.blocks import cross_entropy, exp, silu
+
+    x = mx.random.normal((64, 300), key=mx.random.key(0)) * 8
+    x = mx.where(mx.random.uniform(shape=x.shape, key=mx.random.key(1)) < 0.2, -mx.inf, x)
+    assert mx.allclose(exp(x), mx.exp(x), rtol=2e-6, atol=0).item()
+    assert (exp(x) == 0).sum().item() == (x == -mx.inf).sum().item() > 0
+    y = mx.random.normal((64, 300), key=mx.random.key(2)) * 30
+    assert mx.allclose(silu(y), nn.silu(y), rtol=1e-5, atol=1e-6).item()
+    dy = mx.grad(lambda a: silu(a).sum())(y)
+    assert mx.allclose(dy, mx.grad(lambda a: nn.silu(a).sum())(y), rtol=1e-5, atol=1e-6).item()
+    logits = mx.random.normal((9, 7, 513), key=mx.random.key(3)) * 6
+    labels = mx.random.randint(0, 513, (9, 7), key=mx.random.key(4))
+    w = mx.random.uniform(shape=(9, 7), key=mx.random.key(5))
+
+    def ours(a):
+        return (cross_entropy(a, labels) * w).sum()
+
+    def mlx(a):
+        return (nn.losses.cross_entropy(a, labels, reduction="none") * w).sum()
+
+    assert mx.allclose(cross_entropy(logits, labels),
+                       nn.losses.cross_entropy(logits, labels, reduction="none"),
+                       rtol=1e-5).item()  # fmt: skip
+    assert mx.allclose(mx.grad(ours)(logits), mx.grad(mlx)(logits), atol=1e-6).item()
+
+
+def test_the_fast_step_gives_the_fused_paths_loss_and_gradients(target):
+    """`block_loss` through the grouped layout (shared context, the faster exp, only the
+    slots that hold a block) gives the loss and gradients of the draft's own
+    `training_logits`, with sequences of unequal lengths and anchor counts."""
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.train.blocks import grouped_blocks
+    from dflash_mlx.train.trainer import block_loss
+
+    model, tok = target
+    pair = init_draft(model, draft_config_for(model, layers=2, block_size=8, mask_token_id=1))
+    text = tok.encode(" ".join(CORPUS))
+    rows = [text[60 * i : 60 * i + 30 + 7 * i] for i in range(3)]  # 30, 37, 44 tokens
+    S = max(map(len, rows))
+    assert S == 44
+    toks = mx.array([r + [0] * (S - len(r)) for r in rows])
+    lengths = mx.array([len(r) for r in rows])
+    feats, nxt = block_targets(pair, toks)
+    for si, an in (
+        ([0, 0, 1, 2, 2, 2], [3, 20, 9, 1, 17, 40]),  # a sequence with more blocks than others
+        ([0, 0, 1, 1, 2, 2], [3, 20, 9, 33, 17, 40]),  # as many each: every slot a block
+    ):
+        si, an = np.array(si, np.int32), np.array(an, np.int32)
+        m, slot = grouped_blocks(si, 3)
+        args = (pair, feats, nxt, toks, mx.array(si), mx.array(an), lengths, 4.0)
+        vg = nn.value_and_grad(pair.draft, block_loss)
+        loss_fast, g_fast = vg(*args, (m, mx.array(slot)))
+        loss_fused, g_fused = vg(*args, None)
+        assert abs(loss_fast.item() - loss_fused.item()) < 1e-5 * abs(loss_fused.item())
+        fused = dict(tree_flatten(g_fused))
+        for k, v in tree_flatten(g_fast):
+            assert mx.allclose(v, fused[k], rtol=1e-3, atol=1e-5).item(), k

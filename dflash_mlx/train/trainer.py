@@ -30,7 +30,7 @@ from ..models.draft import DFlashDraft
 from ..options import GenerateOptions
 from ..pair import Pair
 from ..stats import Stats
-from .blocks import fast_path, grouped_blocks, grouped_logits
+from .blocks import cross_entropy, fast_path, grouped_blocks, grouped_logits
 
 
 @dataclass
@@ -345,13 +345,14 @@ def block_loss(
         padded_anchors = mx.zeros((n_slots,), mx.int32).at[slot].add(anchors)
         padded = mx.full((n_slots, L), draft.config.mask_token_id, dtype=mx.int32)
         padded[slot] = block
-        logits = grouped_logits(draft, feats, padded_anchors, padded, pair.head, m)[slot]
+        rows = None if anchors.size == n_slots else slot  # every slot a block: all of them
+        logits = grouped_logits(draft, feats, padded_anchors, padded, pair.head, m, rows)
     else:
         logits = draft.training_logits(feats, seq_index, anchors, block, pair.head)  # (n, L-1, V)
     pos = anchors[:, None] + k[None] - 1  # label for index k: the target's token at anchor + k
     valid = (anchors[:, None] + k[None]) < lengths[seq_index][:, None]
     labels = nxt[seq_index[:, None], mx.minimum(pos, tokens.shape[1] - 1)]
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    ce = cross_entropy(logits, labels)
     w = mx.exp(-(k - 1) / gamma)[None] * valid
     return (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
 
