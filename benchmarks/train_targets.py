@@ -37,8 +37,22 @@ HERE = Path(__file__).resolve().parent.parent
 
 TARGETS = {
     "code6": {"layers": 6, "hidden": 256, "vocab": 2048, "corpus": "stdlib"},
-    "prose": {"layers": 5, "hidden": 192, "vocab": 4096, "corpus": "pydoc"},
+    "prose": {"layers": 5, "hidden": 192, "vocab": 1024, "corpus": "docs"},
 }
+
+
+def docstrings(path: Path) -> str:
+    """The docstrings (of the module, its classes and functions) of a Python file, in order,
+    those of 80 characters or more: English prose about code."""
+    import ast
+
+    try:
+        tree = ast.parse(path.read_text(errors="replace"))
+    except (SyntaxError, ValueError):
+        return ""
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    found = [ast.get_docstring(n) for n in ast.walk(tree) if isinstance(n, kinds)]
+    return "\n\n".join(d for d in found if d and len(d) >= 80)
 
 
 def corpus(name: str) -> tuple[list[str], list[str]]:
@@ -56,6 +70,22 @@ def corpus(name: str) -> tuple[list[str], list[str]]:
         texts = [topics[k] for k in sorted(topics)]
         random.Random(0).shuffle(texts)
         return texts[8:], texts[:8]
+    if name == "docs":
+        # English prose shipped with the interpreter: the standard library's docstrings (one
+        # text per module, packages included, tests left out) and the reference manual's
+        # topics (pydoc_data); whole texts held out.
+        import sysconfig
+        from pydoc_data.topics import topics
+
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(
+            f for f in root.rglob("*.py")
+            if not {"test", "tests", "idlelib", "site-packages"} & set(f.relative_to(root).parts)
+        )  # fmt: skip
+        texts = [t for t in map(docstrings, files) if len(t) >= 400]
+        texts += [topics[k] for k in sorted(topics)]
+        random.Random(0).shuffle(texts)
+        return texts[12:], texts[:12]
     raise ValueError(f"unknown corpus {name}")
 
 
@@ -76,6 +106,43 @@ def qwen3(layers: int, hidden: int, vocab: int) -> dict:
         "tie_word_embeddings": True,
         "eos_token_id": 0,
     }
+
+
+def _fast_qwen3():
+    """Patches mlx-lm's Qwen3 for the build's training only: SwiGLU and attention with
+    `blocks.exp` (2**x: MLX 0.32's CPU exp is ~3x slower than its power, and the softmax and
+    SiLU of every layer, forward and backward, were most of a step). The same values to
+    float32 rounding; the weights are a plain Qwen3's. Returns the undo."""
+    import mlx.core as mx
+    import mlx_lm.models.qwen3 as qwen3_module
+
+    from dflash_mlx.train.blocks import cross_entropy, exp, silu
+
+    def swiglu(gate, x):
+        return silu(gate) * x
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if sinks is not None or hasattr(cache, "bits"):
+            return saved[1](queries, keys, values, cache, scale, mask, sinks)
+        B, H, T, D = queries.shape
+        Hkv, S = keys.shape[1], keys.shape[2]
+        q = queries.reshape(B, Hkv, H // Hkv, T, D) * scale
+        s = q @ keys[:, :, None].swapaxes(-1, -2)  # (B, Hkv, G, T, S)
+        if isinstance(mask, str):  # "causal"
+            mask = mx.arange(S)[None] <= mx.arange(S - T, S)[:, None]
+        if mask is not None:
+            s = mx.where(mask, s, -mx.inf) if mask.dtype == mx.bool_ else s + mask
+        e = exp(s - mx.stop_gradient(s.max(-1, keepdims=True)))
+        p = e / e.sum(-1, keepdims=True)
+        return (p @ values[:, :, None]).reshape(B, H, T, D)
+
+    saved = (qwen3_module.swiglu, qwen3_module.scaled_dot_product_attention)
+    qwen3_module.swiglu, qwen3_module.scaled_dot_product_attention = swiglu, attention
+
+    def undo():
+        qwen3_module.swiglu, qwen3_module.scaled_dot_product_attention = saved
+
+    return undo, cross_entropy
 
 
 def train_target(
@@ -131,8 +198,10 @@ def train_target(
         seed += 1  # other batches than the first run's
     rng = np.random.default_rng(seed)
 
+    undo, fast_ce = _fast_qwen3()
+
     def loss_fn(m, x):
-        return nn.losses.cross_entropy(m(x[:, :-1]), x[:, 1:], reduction="mean")
+        return fast_ce(m(x[:, :-1]), x[:, 1:]).mean()
 
     warm = max(1, steps // 20)
     sched = optim.join_schedules(
@@ -159,6 +228,7 @@ def train_target(
         if log and (step % 25 == 0 or step == steps - 1):
             log(f"target step {step + 1}/{steps} loss {np.mean(losses[-25:]):.3f} "
                 f"({time.perf_counter() - tic:.0f} s)")  # fmt: skip
+    undo()
     (folder / "config.json").write_text(json.dumps(cfg))
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return {
