@@ -288,11 +288,18 @@ def cmd_reference(args) -> None:
         return (ce * wv).sum() / wv.sum()
 
     grad = nn.value_and_grad(draft, loss_fn)
+    layer_ids = config["dflash_config"]["target_layer_ids"]
+    kept = []  # --keep-rows: each example's target forward, alone, once (the target is frozen)
+    for e in data if args.keep_rows else []:
+        logits, feats = pair.target.forward(mx.array([e.tokens]), None, layer_ids)
+        kept.append((feats[0], mx.argmax(logits[0], axis=-1).astype(mx.int32)))
+        mx.eval(*kept[-1])
     times, losses = [], []
     for step in range(min(args.steps, args.stop_after or args.steps)):
         t0 = time.perf_counter()
         rng = np.random.default_rng((args.seed, step))
-        seqs = [data[i] for i in rng.choice(len(data), size=args.batch, replace=False)]
+        chosen = rng.choice(len(data), size=args.batch, replace=False)
+        seqs = [data[i] for i in chosen]
         S = max(len(e.tokens) for e in seqs)
         toks = np.zeros((len(seqs), S), np.int32)
         si, an = [], []
@@ -303,8 +310,13 @@ def cmd_reference(args) -> None:
             si += [b] * len(pos)
             an += [int(a) for a in pos]
         toks, si, an = mx.array(toks), mx.array(si, mx.int32), mx.array(an, mx.int32)
-        logits, feats = pair.target.forward(toks, None, config["dflash_config"]["target_layer_ids"])
-        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy[p]: the target's token at p+1
+        if kept:
+            pad = [(0, S - len(e.tokens))]
+            feats = mx.stack([mx.pad(kept[i][0], pad + [(0, 0)]) for i in chosen])
+            greedy = mx.stack([mx.pad(kept[i][1], pad) for i in chosen])
+        else:
+            logits, feats = pair.target.forward(toks, None, layer_ids)
+            greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy[p]: target's at p+1
         pos = an[:, None] + mx.arange(L - 1)[None]
         lens = mx.array([len(e.tokens) for e in seqs])[si]
         valid = pos + 1 < lens[:, None]
@@ -419,6 +431,11 @@ def main() -> None:
     )
     r.add_argument(
         "--batched", action="store_true", help="write the replies with mlx-lm's batch_generate"
+    )
+    r.add_argument(
+        "--keep-rows",
+        action="store_true",
+        help="the target's forward of each example once, alone, before the first step",
     )
     t = sub.add_parser("steptime", help="seconds a training step, tree against tree")
     t.add_argument("roots", nargs="+")
