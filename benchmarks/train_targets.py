@@ -14,9 +14,10 @@ each unlike the demo pair's (4 layers, hidden 256, a 2k BPE, stdlib code):
 
 - `code6`: 6 layers, hidden 256, a 2k byte-level BPE, the Python standard library's source
   (the target of issue 44's report; the demo pair's held-in / held-out file split).
-- `prose`: 5 layers, hidden 192, a 4k byte-level BPE, English prose: the Python reference
-  manual's topics that ship inside the interpreter (`pydoc_data.topics`), whole topics held
-  out.
+- `prose`: 5 layers, hidden 192, a 1k byte-level BPE, English shipped with the interpreter:
+  the standard library's docstrings (one text per module) and the reference manual's topics
+  (`pydoc_data.topics`), whole texts held out. (A 4k BPE on the topics alone, 105k tokens,
+  made a target that wrote newlines.)
 
 `build` writes TARGET/{config.json, model.safetensors, tokenizer*}, `data.jsonl` (480 raw
 ~100-token prompts from the held-in text, {"text"} lines for `train --regenerate`),
