@@ -311,9 +311,9 @@ def cmd_reference(args) -> None:
             an += [int(a) for a in pos]
         toks, si, an = mx.array(toks), mx.array(si, mx.int32), mx.array(an, mx.int32)
         if kept:
-            pad = [(0, S - len(e.tokens))]
-            feats = mx.stack([mx.pad(kept[i][0], pad + [(0, 0)]) for i in chosen])
-            greedy = mx.stack([mx.pad(kept[i][1], pad) for i in chosen])
+            pads = [[(0, S - kept[i][1].shape[0])] for i in chosen]  # each example's own
+            feats = mx.stack([mx.pad(kept[i][0], p + [(0, 0)]) for i, p in zip(chosen, pads)])
+            greedy = mx.stack([mx.pad(kept[i][1], p) for i, p in zip(chosen, pads)])
         else:
             logits, feats = pair.target.forward(toks, None, layer_ids)
             greedy = mx.argmax(logits, axis=-1).astype(mx.int32)  # greedy[p]: target's at p+1
