@@ -324,13 +324,11 @@ def run(
         if not sharding.speaks():
             json_out = None  # rank 0 writes the results
     else:
-        with ui.loading("target", model):
-            target, tokenizer = dflash_mlx.load(model)
-        drafter = None
-        if draft is not None:
-            with ui.loading("draft", draft):
-                drafter = dflash_mlx.load_draft(draft)
-        pair = dflash_mlx.Pair(target, drafter)  # checks the draft against the target, once
+        from .generate import load as load_pair
+        from .pairs import DraftChoice
+
+        # The target and the draft behind spinners, the draft checked against the target, once.
+        pair, tokenizer = load_pair(model, DraftChoice(draft, None, None))
     _contexts_fit(contexts, max_tokens, pair.context_limit)
     if calibrate:
         progress = bench_ui.BenchProgress()

@@ -371,7 +371,6 @@ def run(
     if api_key is not None and not api_key.strip():
         raise BadArgument("--api-key is empty: give a key, or leave the option out")
 
-    import dflash_mlx
     from dflash_mlx import distributed
     from dflash_mlx.server import Engine, ServerSettings, create_server
 
@@ -417,13 +416,11 @@ def run(
 
         pair, tokenizer = sharding.load(model, DraftChoice(draft, None, None), kind)
     else:
-        with ui.loading("target", model):
-            target, tokenizer = dflash_mlx.load(model)
-        drafter = None
-        if draft is not None:
-            with ui.loading("draft", draft):
-                drafter = dflash_mlx.load_draft(draft)
-        pair = dflash_mlx.Pair(target, drafter)  # a draft that does not fit is refused here
+        from .generate import load as load_pair
+        from .pairs import DraftChoice
+
+        # The target and the draft behind spinners, the draft refused here when it does not fit.
+        pair, tokenizer = load_pair(model, DraftChoice(draft, None, None))
     ui.calibrate(pair, defaults.verify_width)  # before it listens: said, with a bar
     pair.plan(defaults.replace(seed=0))  # ... and a width its block cannot hold
     if cluster is not None:
