@@ -20,7 +20,7 @@ a warm-up: mlx-lm's greedy decoding (the baseline), then each policy at the auto
 (the default) and at the fixed width `--width` (what the draft could give where wide
 verifies are cheap), checking every output against mlx-lm's tokens. It prints per length
 and policy: τ and tok/s / mlx-lm at the automatic width (geometric mean over prompts, with
-its 95% interval), τ at `--width`, and the share of tokens decoded plainly.
+its 95% interval), the share of tokens decoded plainly, τ and tok/s / mlx-lm at `--width`.
 
 Both regimes by default, each in its own process with a fresh calibration folder: MLX's
 stock wheel and Debian's OpenBLAS preloaded. Ratios, not absolute numbers, carry over.
@@ -59,7 +59,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.regime == "both":
         for regime in ("stock", "openblas"):
-            argv = [a for a in sys.argv[1:] if not a.startswith("--regime")]
+            argv, skip = [], False
+            for a in sys.argv[1:]:  # without "--regime X" / "--regime=X"
+                if not skip and not a.startswith("--regime"):
+                    argv.append(a)
+                skip = a == "--regime"
             code = subprocess.call([sys.executable, __file__, *argv, "--regime", regime])
             if code:
                 sys.exit(code)
@@ -179,11 +183,11 @@ def run(args) -> None:
     mlx_lm(warm, 16)
     print(
         f"{'context':>7} {'policy':<10} {'auto tau':>8} {'auto / mlx-lm':<20} "
-        f"{'plain share':>11} {f'tau W={args.width}':>9}",
+        f"{'plain share':>11} {f'tau W={args.width}':>9} {f'W={args.width} / mlx-lm':<20}",
         flush=True,
     )
     for n_ctx in counts(args.contexts):
-        rows = {m: {"tau": [], "x": [], "plain": [], "tau_w": []} for m in names}
+        rows = {m: {"tau": [], "x": [], "plain": [], "tau_w": [], "x_w": []} for m in names}
         for _ in range(args.repeats):
             for ids in prompts(tok, files, n_ctx, args.prompts):
                 base, ref = mlx_lm(ids, args.tokens)
@@ -199,12 +203,14 @@ def run(args) -> None:
                         if out != ref:
                             sys.exit(f"{name} W={args.width} at {n_ctx}: output differs")
                         rows[name]["tau_w"].append(s.tau)
+                        rows[name]["x_w"].append(s.generation_tps / base)
         for name in names:
             r = rows[name]
             print(
                 f"{n_ctx:>7} {name:<10} {statistics.fmean(r['tau']):8.2f} {paired(r['x']):<20} "
                 f"{statistics.fmean(r['plain']):11.2f} "
-                f"{statistics.fmean(r['tau_w']) if r['tau_w'] else float('nan'):9.2f}",
+                f"{statistics.fmean(r['tau_w']) if r['tau_w'] else float('nan'):9.2f} "
+                f"{paired(r['x_w']) if r['x_w'] else '':<20}",
                 flush=True,
             )
     print("every output equals mlx-lm's greedy tokens")
