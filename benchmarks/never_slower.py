@@ -11,6 +11,9 @@ do; built in a temporary folder). Each prompt is a stretch of a held-out standar
 file (the last N tokens before a line start near its middle). For every prompt, reply
 length and repeat the script alternates, after a warm-up, between:
   * mlx-lm   - mlx-lm's own greedy decoding (`generate_step`), the baseline;
+  * mlx-lm text - mlx-lm's `stream_generate` (what `mlx_lm.generate` runs: the same steps,
+               detokenized as they come, as the engine's replies are); forced plain is
+               also given against it, like for like;
   * plain    - the engine with `verify_width=1` (forced plain decoding);
   * W=k      - the engine at each fixed verify width k;
   * auto     - the engine's default (`verify_width=None`), with the width chooser carried
@@ -132,6 +135,7 @@ def fmt(r: tuple[float, float, float]) -> str:
 def run(args) -> None:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
+    from mlx_lm.generate import stream_generate as mlx_lm_stream
 
     from dflash_mlx import load_pair, stream_generate
     from dflash_mlx.demo import SHIPPED, demo_pair
@@ -175,6 +179,14 @@ def run(args) -> None:
                 out.append(int(t))
             return (n - 1) / (time.perf_counter() - first), first - tic, out
 
+        def mlx_text(ids: list[int], n: int, model=pair.model, tok=tok) -> float:
+            k, first = 0, 0.0
+            for _ in mlx_lm_stream(model, tok, mx.array(ids), max_tokens=n):
+                if not k:
+                    first = time.perf_counter()
+                k += 1
+            return (k - 1) / (time.perf_counter() - first)
+
         def engine(ids: list[int], n: int, width, pair=pair, tok=tok, old=old):
             out, gen = [], stream_generate
             if width == "before":
@@ -195,6 +207,7 @@ def run(args) -> None:
         head = (
             f"{'prompt':>6} {'reply':>5}  {'auto / mlx-lm':<18} {'plain / mlx-lm':<18} "
             + " ".join(f"{m + ' / mlx-lm':<18}" for m in methods[1:-1])
+            + f" {'plain / mlx-lm text':<20}"
             + f" {'auto / best W':<18} {'TTFT auto / mlx-lm':<19} {'tau':>5} probes"
             + (" auto / before" if old else "")
         )
@@ -205,7 +218,7 @@ def run(args) -> None:
             for n in replies:
                 run_fixed = n_ctx in with_fixed
                 methods = [m for m in every if run_fixed or not m.startswith("W=")]
-                speed = {m: [] for m in ["mlx-lm", *every]}
+                speed = {m: [] for m in ["mlx-lm", "mlx-lm text", *every]}
                 ttft_auto, ttft_base, taus, probes = [], [], [], []
                 for rep in range(args.repeats):
                     for i, ids in enumerate(prompts):
@@ -214,6 +227,7 @@ def run(args) -> None:
                         tps, ttft, ref = mlx_lm(ids, n)
                         speed["mlx-lm"].append(tps)
                         ttft_base.append(ttft)
+                        speed["mlx-lm text"].append(mlx_text(ids, n))
                         for m in order:
                             tps, ttft, out, s = engine(ids, n, width_of[m])
                             if out != ref:
@@ -238,6 +252,7 @@ def run(args) -> None:
                 print(
                     f"{n_ctx:>6} {n:>5}  {cells[-1]:<18} "
                     + " ".join(f"{c:<18}" for c in cells[:-1])
+                    + f" {fmt(paired(speed['plain'], speed['mlx-lm text'])):<20}"
                     + f" {fmt(paired(speed['auto'], best)) if best else '-':<18} "
                     f"{fmt(paired(ttft_auto, ttft_base)):<19} {statistics.fmean(taus):5.2f} "
                     f"{statistics.fmean(probes):6.1f}{extra}",
