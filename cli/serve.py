@@ -392,11 +392,9 @@ def run(
             "ranks replay its steps); use --max-batch 2 or more"
         )
     follower = cluster is not None and cluster.rank != 0
-    store, store_note = None, None
-    if cluster is None:
-        store, store_note = prompt_store(prompt_cache_dir, prompt_cache_gb, prompt_cache_memory_gb)
-    elif prompt_cache_dir is not None:
-        store_note = "note: across ranks the prompt store is off (docs/distributed.md)"
+    # Across ranks each rank keeps its own shard's blocks, in a folder of its own.
+    folder = sharding.store_folder(prompt_cache_dir, cluster)
+    store, store_note = prompt_store(folder, prompt_cache_gb, prompt_cache_memory_gb)
     # First: a busy port fails before a long model load (only rank 0 listens).
     sock = None if follower else listen(host, port)
     if demo:
@@ -434,7 +432,7 @@ def run(
                 f"(--max-batch {max_batch} fell to 1)"
             )
         if follower:
-            distributed.follow(pair, tokenizer, batch)
+            distributed.follow(pair, tokenizer, batch, prompt_cache_size, store)
             return
         distributed.lead()
 
@@ -462,6 +460,12 @@ def run(
         # Across ranks, a warm-up generation on rank 0 alone would wait for the others.
         warm_up=cluster is None,
     )
+    if cluster is not None:
+        # A failure on any rank ends every rank: first the requests in flight are answered
+        # (503, the failure named) and new ones refused (docs/distributed.md).
+        distributed.when_aborting(
+            lambda why: engine.close(timeout=0, why=f"the server is ending: {why}")
+        )
     server = create_server(engine, settings)
     serve_ui.serving(
         host,

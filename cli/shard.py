@@ -30,6 +30,7 @@ def plan(model: str, shard: str) -> str | None:
     distributed.check_shard(shard)
     if shard == "none" or (shard == "auto" and not distributed.launched()):
         return None
+    distributed.check_timeouts()
     kind = choose_shard(model, shard)
     distributed.check_launched(shard)
     return kind
@@ -63,6 +64,20 @@ def load_for(model: str, choice: Any, kind: str | None, ranks: Any):
     if kind is None or ranks is None or ranks.join(kind) is None:
         return None
     return load(model, choice, kind)
+
+
+def store_folder(folder: Any, cluster: Any) -> Any:
+    """The prompt store's folder on this rank: across ranks a subfolder per rank and
+    sharding (`tensor-2-rank1`): each rank's blocks hold its own shard, never another's,
+    also when the ranks share a machine or a disk."""
+    if folder is None or cluster is None:
+        return folder
+    from dflash_mlx.paths import cache_dir
+
+    from .cache import DEFAULT_DIR
+
+    base = cache_dir() / "prompt-cache" if folder == DEFAULT_DIR else folder
+    return base / f"{cluster.shard}-{cluster.size}-rank{cluster.rank}"
 
 
 def speaks() -> bool:

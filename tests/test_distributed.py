@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -385,3 +386,146 @@ def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and survivor_says in errors[0], err
     assert "Traceback" not in err
+
+
+# -- failures: every rank ends with one line, never a hang (slow) ------------------------------
+
+GENERATE = ["generate", "--demo", "--raw", "-n", "3000", "--verify-width", "4", "--shard", "tensor"]
+
+
+def start_with(extra_env: dict, *command: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        launch_cmd(*command),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env(), **extra_env},
+        start_new_session=True,
+    )
+
+
+def one_error(err: str) -> str:
+    """The one `error:` message among the launcher's lines (rich may wrap it), on one line."""
+    lines = err.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+    assert len(starts) == 1, err
+    assert "Traceback" not in err, err
+    message = []
+    for ln in lines[starts[0] :]:
+        if message and (ln.startswith("[") or ln.startswith("\x1b")):
+            break  # the launcher's own lines
+        message.append(ln.strip())
+    return " ".join(message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault,settings,says",
+    [
+        ("1:raise:5", {}, "rank 1 failed: RuntimeError: injected fault on rank 1"),
+        ("0:raise:5", {}, "internal error: RuntimeError: on rank 0 of 2: injected fault"),
+        # Rank 1's main thread never returns (its heartbeat goes on): rank 0 waits in a
+        # collective, and the stall watchdog ends it.
+        ("1:hang:5", {"DFLASH_MLX_STALL_TIMEOUT": "3"}, "made no progress for"),
+    ],
+)
+def test_a_rank_failing_mid_request_ends_every_rank_with_one_line(fault, settings, says):
+    proc = start_with({"DFLASH_MLX_TEST_FAULT": fault, **settings}, *exe(), *GENERATE, PROMPT)
+    code, out, err = finish(proc, timeout=TIMEOUT)
+    assert out, err  # rank 0 had streamed text: the failure came mid-request
+    message = one_error(err)
+    assert says in message, err
+    for rank in (0, 1):  # every rank ended with an error (none with 0, none left running)
+        assert re.search(rf"Node with rank {rank} exited with code (1|-15)\b", err), err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,says", [(1, "rank 1 stopped answering"), (0, "rank 0 stopped")])
+def test_a_rank_that_stops_answering_is_noticed_within_the_timeout(victim, says):
+    """SIGSTOP: the rank neither fails nor closes its connection; the others notice its
+    missing heartbeat after DFLASH_MLX_RANK_TIMEOUT (3 s here) and end with one line.
+    mlx.launch waits for the stopped rank: the test ends it."""
+    proc = start_with({"DFLASH_MLX_RANK_TIMEOUT": "3"}, *exe(), *GENERATE, PROMPT)
+    pid = _rank_pid(proc, victim)
+    os.set_blocking(proc.stdout.fileno(), False)
+    os.set_blocking(proc.stderr.fileno(), False)
+    seen, err, deadline = b"", b"", time.monotonic() + TIMEOUT
+    try:
+        while len(seen) < 40:
+            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
+            seen += proc.stdout.read() or b""
+            err += proc.stderr.read() or b""
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while b"\nerror:" not in b"\n" + err and time.monotonic() < stopped + 30:
+            err += proc.stderr.read() or b""
+            time.sleep(0.1)
+        noticed = time.monotonic() - stopped
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    assert noticed < 10, err.decode()
+    assert noticed >= 2.5  # not before the timeout: the rank was alive until stopped
+    os.set_blocking(proc.stderr.fileno(), True)
+    _, _, rest = finish(proc, timeout=60)
+    err = err.decode() + rest
+    assert says in one_error(err) and "DFLASH_MLX_RANK_TIMEOUT" in err, err
+    survivor = 1 - victim
+    assert f"Node with rank {survivor} exited with code 1" in err, err
+
+
+def serving(extra_env: dict, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`serve --demo` on two ranks: the launcher, and rank 0's base URL once it answers."""
+    port = free_ports(1)
+    proc = start_with(extra_env, *exe(), "serve", "--demo", "--port", str(port), *flags)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + TIMEOUT
+    import httpx
+
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=5).json()["status"] == "ok":
+                return proc, base
+        except (httpx.HTTPError, ValueError):
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _, _, err = finish(proc, timeout=30)
+            pytest.fail(f"the server never answered:\n{err[-3000:]}")
+        time.sleep(0.3)
+
+
+def stop_serving(proc: subprocess.Popen) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    return finish(proc, timeout=60)[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault,says",
+    [
+        ("1:raise:8", "rank 1 failed: RuntimeError: injected fault on rank 1"),
+        ("0:raise:8", "rank 0 failed in a decode step: RuntimeError: injected fault"),
+    ],
+)
+def test_serve_answers_requests_in_flight_when_a_rank_fails_then_ends(fault, says):
+    import httpx
+
+    proc, base = serving({"DFLASH_MLX_TEST_FAULT": fault}, "--verify-width", "4")
+    try:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
+        with httpx.Client(timeout=60) as client:
+            reply = client.post(f"{base}/v1/completions", json=body)
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "server_error" and says in error["message"], error
+            # Then the server ends: new requests are refused, never left hanging.
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is not None
+            with pytest.raises(httpx.ConnectError):
+                client.post(f"{base}/v1/completions", json=body)
+    finally:
+        err = stop_serving(proc)
+    assert says in one_error(err), err

@@ -165,6 +165,7 @@ class BatchDecoder:
             self._admit(self.waiting.popleft())
         elif self.active:
             self._cycle()
+        distributed.stepped()  # across ranks: the stall watchdog stops
         out, self._outbox = self._outbox, []
         return out
 

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from .. import distributed
 from ..engine.batch import BatchDecoder
 from ..engine.batch_cache import batchable
 from ..engine.generate import GenerationResponse
@@ -194,6 +195,7 @@ class Batcher:
     def _fail_all(self, error: Exception) -> None:
         """A step failed outside any one row: every request in the decoder fails with it,
         and a fresh decoder serves the next ones."""
+        distributed.step_failed(error)  # across ranks: every rank ends (never returns)
         log.error("a batched step failed: its %d requests fail", len(self.started))
         for job in list(self.started):
             if job.row is not None and not job.row.done:

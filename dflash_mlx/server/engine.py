@@ -272,7 +272,7 @@ class Engine:
             out["prompt_cache"] = self.prompt_store.stats()
         return out
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self, timeout: float = 30.0, why: str = "the server is shutting down") -> None:
         """Refuse new requests, stop the queued and running ones, wait for the worker to stop.
 
         The wait matters: a process that exits while the worker is inside MLX aborts.
@@ -284,7 +284,7 @@ class Engine:
             self._cond.notify()
         for job in jobs:
             job._cancel.set()
-            job._put(EngineClosed("the server is shutting down"))
+            job._put(EngineClosed(why))
         if self._thread.is_alive():
             self._parked.wait(timeout)
         if self.prompt_store is not None and timeout and not self.prompt_store.flush(timeout):

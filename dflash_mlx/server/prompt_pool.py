@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from .. import distributed
 from ..cache.prompt_cache import PromptCache, common_prefix
 from ..cache.prompt_store import PromptStore
 
@@ -85,10 +86,12 @@ class PromptCachePool:
         caches.append(pc)
         self._prompt_len.append(len(prompt))
         self._in_use.add(id(pc))
+        distributed.pool_acquired(pc, prompt)  # a server across ranks: told to the others
         return pc
 
     def release(self, pc: PromptCache) -> None:
         """The request holding `pc` has ended; the pool keeps at most `slots` caches."""
+        distributed.pool_released(pc)  # a server across ranks: told to the others
         self._in_use.discard(id(pc))
         while len(self._caches) > self.slots:
             free = [k for k, c in enumerate(self._caches) if id(c) not in self._in_use]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from ... import distributed
 from ...errors import BadArgument
 from . import checks
 from . import keys as keys_mod
@@ -275,7 +276,7 @@ class PromptStore:
                 break
             run += 1
         if run * self.block <= bound:
-            return 0
+            run = 0  # (across ranks every rank still agrees below)
         found: list[tuple[Block, bool]] = []  # (block, from disk)
         root = self.root(target, cache).hex()
         for i, key in enumerate(keys[:run]):
@@ -293,6 +294,8 @@ class PromptStore:
         if target.recurrent:  # resume where the recurrent state is known
             last = max((i for i, (b, _) in enumerate(found) if b.snapshot), default=-1)
             found = found[: last + 1]
+        # Across ranks: the longest run every rank holds (each holds its own shard's).
+        found = found[: distributed.fewest("prompt store blocks", len(found))]
         start = len(found) * self.block
         if start <= bound:
             self._evict()

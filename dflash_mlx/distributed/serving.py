@@ -1,0 +1,175 @@
+"""A server across ranks (SPEC 10, item 4): rank 0's admissions, cancels and prompt caches,
+replayed by the other ranks at the start of the same step.
+
+Requests arrive at rank 0 only. Each step of its batched decoder starts by sending what
+happened since the last step, in order: the prompt caches its pool handed out and took
+back (`pool_acquired`, `pool_released`), the admissions (prompt tokens, options, the
+prompt cache each uses) and the cancels. The other ranks (`follow`) replay them on a pool
+and a decoder of their own, so every rank's pool makes the same choices (which cache a
+request continues, forks, evicts: a pure function of that sequence and of the caches'
+tokens, which every rank commits at the same step) and each rank's caches hold its own
+shard. A prompt store's hit is agreed (`fewest`: the longest stored prefix every rank
+holds), so every rank prefills the same positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .cluster import RanksFailed, abort, current, progress, stepped, stepping
+from .control import CLOSED
+
+
+def lead() -> None:
+    """Rank 0 of a server: from now on its decoders' admissions and cancels are broadcast
+    at each step (`submitted`, `cancel_later`, `step`), for `follow` on the others."""
+    c = current()
+    if c is not None and c.rank == 0:
+        c.leading = True
+
+
+def when_aborting(hook: Callable[[str], None]) -> None:
+    """Rank 0: `hook(message)` runs before a failure ends every rank (a server answers the
+    requests in flight with the message)."""
+    c = current()
+    if c is not None and c.rank == 0:
+        c.channel.on_abort.append(hook)
+
+
+def submitted(row: Any, ids: list[int], options: Any) -> None:
+    """Hook in `BatchDecoder.submit`. On every rank: the row's prefill chunks feed the stall
+    watchdog. Rank 0 of a server records the admission, with the number of its prompt cache
+    (`pool_acquired`); its progress callback (which may stop a prefill on rank 0 alone) is
+    dropped: the row's prefill must be the others'."""
+    c = current()
+    if c is None:
+        return
+    if not c.leading:
+        own = row.progress
+        row.progress = progress if own is None else _both(own)
+        return
+    row.progress = progress
+    cache = c.caches.get(id(row.prompt_cache)) if row.prompt_cache is not None else None
+    if row.prompt_cache is not None and cache is None:
+        row.prompt_cache = None  # not the pool's: the others could not hold the same
+    n = c.admitted
+    c.admitted += 1
+    c.ordinals[id(row)] = n
+    c.events.append(("submit", n, list(ids), options, cache))
+
+
+def _both(own: Callable[[int, int], None]) -> Callable[[int, int], None]:
+    def both(done: int, total: int) -> None:
+        progress()
+        own(done, total)
+
+    return both
+
+
+def pool_acquired(pc: Any, prompt: list[int]) -> None:
+    """Hook in `PromptCachePool.acquire`: rank 0 of a server numbers the cache handed out
+    and records the acquisition, for the others' pools to make the same."""
+    c = current()
+    if c is None or not c.leading:
+        return
+    k = c.cache_count
+    c.cache_count += 1
+    c.caches[id(pc)] = k
+    c.events.append(("acquire", k, list(prompt)))
+
+
+def pool_released(pc: Any) -> None:
+    """Hook in `PromptCachePool.release`: rank 0 of a server records the release."""
+    c = current()
+    if c is None or not c.leading:
+        return
+    k = c.caches.pop(id(pc), None)
+    if k is not None:
+        c.events.append(("release", k))
+
+
+def cancel_later(row: Any) -> bool:
+    """Hook in `BatchDecoder.cancel`: rank 0 of a server defers a cancel to the start of
+    the next step, where every rank applies it (True: deferred)."""
+    c = current()
+    if c is None or not c.leading:
+        return False
+    n = c.ordinals.get(id(row))
+    if n is None:
+        return False
+    c.cancels.append(row)
+    c.events.append(("cancel", n))
+    return True
+
+
+def step() -> None:
+    """Hook at the start of `BatchDecoder.step`: the stall watchdog runs until `stepped`;
+    rank 0 of a server applies the cancels deferred since the last step and sends this
+    step's events to the others."""
+    c = current()
+    if c is None:
+        return
+    stepping()
+    if not c.leading:
+        return
+    for row in c.cancels:
+        row.cancelled = True
+    c.cancels = []
+    events, c.events = c.events, []
+    c.channel.send(("step", events))
+
+
+def step_failed(error: BaseException) -> None:
+    """Hook where a server's batched step failed as a whole: across ranks the others are
+    mid-step, out of step for good, so every rank ends (rank 0 answers the requests in flight
+    first). Alone: nothing (the next requests get a fresh decoder)."""
+    c = current()
+    if c is None:
+        return
+    abort(f"rank {c.rank} failed in a decode step: {type(error).__name__}: {error}")
+
+
+def follow(
+    pair: Any,
+    tokenizer: Any,
+    max_batch: int,
+    prompt_cache_slots: int = 1,
+    prompt_store: Any = None,
+) -> None:
+    """The other ranks of a server: a decoder (and a prompt cache pool over this rank's
+    `prompt_store`) that runs rank 0's steps with rank 0's admissions, cancels and pool
+    choices, until rank 0 ends. A step that fails here is raised: every rank ends."""
+    from ..engine.batch import BatchDecoder
+    from ..server.prompt_pool import PromptCachePool
+
+    c = current()
+    if c is None:
+        raise RuntimeError("follow() outside a cluster")
+    decoder = BatchDecoder(pair, tokenizer, max_batch=max_batch)
+    pool = PromptCachePool(prompt_cache_slots, prompt_store)
+    caches: dict[int, Any] = {}
+    rows: dict[int, Any] = {}
+    while True:
+        msg = c.channel.recv()
+        if msg is CLOSED:
+            decoder.close()
+            return
+        if msg[0] != "step":
+            raise RanksFailed(f"rank {c.rank} fell out of step with rank 0: got {msg[0]}")
+        for ev in msg[1]:
+            if ev[0] == "acquire":
+                caches[ev[1]] = pool.acquire(ev[2])
+            elif ev[0] == "release":
+                pc = caches.pop(ev[1], None)
+                if pc is not None:
+                    pool.release(pc)
+            elif ev[0] == "submit":
+                pc = caches.get(ev[4]) if ev[4] is not None else None
+                rows[ev[1]] = decoder.submit(ev[2], ev[3], prompt_cache=pc)
+            elif ev[0] == "cancel" and ev[1] in rows:
+                rows[ev[1]].cancelled = True
+        decoder.step()
+        stepped()
+        for n in [n for n, r in rows.items() if r.done]:
+            del rows[n]
