@@ -495,8 +495,9 @@ def serving(extra_env: dict, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def stop_serving(proc: subprocess.Popen) -> str:
+    """Ctrl-C as a terminal sends it: to every process of the group (each rank ends)."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
     return finish(proc, timeout=60)[2]
 
 
@@ -529,3 +530,68 @@ def test_serve_answers_requests_in_flight_when_a_rank_fails_then_ends(fault, say
     finally:
         err = stop_serving(proc)
     assert says in one_error(err), err
+
+
+# -- the prompt store across ranks (slow) -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_two_ranks_reuses_a_stored_prompt_prefix_like_one_process(tmp_path):
+    """A long prompt, a short one, the first again (one conversation slot: the third request
+    resumes from the store, not the pool): every rank restores the same stored blocks of
+    its own shard (the third prefills only the rest, said in `timings`), the replies are one
+    process's; a second server on the same folders reads the blocks back from each rank's
+    own folder."""
+    import inspect
+    import textwrap
+
+    import httpx
+
+    from .test_cli_serve import serve
+
+    long_a = inspect.getsource(textwrap)[:3000]  # ~980 tokens: 3 blocks of 256
+    # Another prompt takes the one slot. (A long one would do too, but a tensor-parallel
+    # target's sums run in another order than one process's: on a long prompt the demo's
+    # near-ties can go the other way, as in mlx-lm's own greedy decode of the split target.)
+    short = "import os\n"
+    flags = ["--verify-width", "4", "--prompt-cache-size", "1"]
+
+    def ask(base: str, prompts: list[str]) -> list[tuple[str, dict]]:
+        out = []
+        with httpx.Client(timeout=TIMEOUT) as client:
+            for p in prompts:
+                body = {"model": "m", "prompt": p, "max_tokens": 16, "temperature": 0}
+                r = client.post(f"{base}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                out.append((r.json()["choices"][0]["text"], r.json()["timings"]))
+        return out
+
+    one_dir = tmp_path / "one"
+    with serve("--demo", *flags, "--prompt-cache-dir", str(one_dir)) as one_process:
+        expected = ask(one_process.base, [long_a, short, long_a])
+    assert expected[2][1]["cache_memory_n"] == 768  # the reference reused it too
+
+    two_dir = tmp_path / "two"
+    proc, base = serving({}, *flags, "--prompt-cache-dir", str(two_dir))
+    try:
+        got = ask(base, [long_a, short, long_a])
+    finally:
+        err = stop_serving(proc)
+    assert "error:" not in err, err  # (mlx.launch itself dies of Ctrl-C with a traceback)
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    first, _, again = (timings for _, timings in got)
+    assert first["cache_memory_n"] == 0
+    assert again["cache_memory_n"] == 768 and again["prompt_n"] < first["prompt_n"] - 700
+    folders = sorted(p.name for p in two_dir.iterdir())
+    assert folders == ["tensor-2-rank0", "tensor-2-rank1"], folders
+    for f in folders:  # each rank wrote its own shard's blocks
+        assert len(list((two_dir / f).rglob("*.block"))) >= 3, list((two_dir / f).rglob("*"))
+
+    # A new server on the same folders: each rank reads its blocks from its own disk folder.
+    proc, base = serving({}, *flags, "--prompt-cache-dir", str(two_dir))
+    try:
+        ((text_a, timings),) = ask(base, [long_a])
+    finally:
+        err = stop_serving(proc)
+    assert text_a == expected[0][0]
+    assert timings["cache_disk_n"] == 768, timings

@@ -154,6 +154,8 @@ def follow(
         msg = c.channel.recv()
         if msg is CLOSED:
             decoder.close()
+            if prompt_store is not None:
+                prompt_store.flush(30)  # its blocks on disk, as rank 0's server does
             return
         if msg[0] != "step":
             raise RanksFailed(f"rank {c.rank} fell out of step with rank 0: got {msg[0]}")
