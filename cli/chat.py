@@ -101,6 +101,15 @@ def command(
     prompt_cache_dir: serve.PromptCacheDir = None,
     no_prompt_cache_dir: serve.NoPromptCacheDir = False,
     verbose: options.Verbose = False,
+    shard: Annotated[
+        str,
+        typer.Option(
+            "--shard",
+            metavar="KIND",
+            help="Refused but none: chat runs in one process (serve shards across ranks; "
+            "see docs/distributed.md).",
+        ),
+    ] = "auto",
 ) -> None:
     """Chat in the terminal, with DFlash speculative decoding.
 
@@ -108,6 +117,9 @@ def command(
     Piped stdin (echo hi | dflash-mlx chat) is answered once.
     """
     try:
+        from . import shard as sharding
+
+        sharding.refuse_chat(shard)
         code = run(
             model=model,
             draft=draft,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash_mlx.errors import BadArgument
+
 from . import ui
 
 
@@ -18,6 +20,30 @@ def check(shard: str) -> None:
     from dflash_mlx import distributed
 
     distributed.check_shard(shard)
+
+
+def refuse_chat(shard: str) -> None:
+    """`chat` runs in one process only: `--shard tensor|pipeline`, or any chat `mlx.launch`
+    started, is one `error:` line (exit 2) before anything loads. mlx.launch hands each rank
+    a pipe for stdin, never the terminal (no line editing, no REPL), and never closes it (a
+    piped chat would wait for the end of its input forever)."""
+    from dflash_mlx import distributed
+
+    distributed.check_shard(shard)
+    if shard in ("tensor", "pipeline") or (shard != "none" and distributed.launched()):
+        what = f"chat --shard {shard}" if shard != "auto" else "chat under mlx.launch"
+        raise BadArgument(
+            f"{what}: chat does not run across ranks (mlx.launch gives each rank a pipe for "
+            "stdin, never the terminal, and never closes it: the chat would wait for input "
+            "forever); serve the model across ranks instead (mlx.launch ... -- dflash-mlx "
+            "serve) and chat with it from its page or any OpenAI client, or chat in one "
+            "process"
+        )
+    if distributed.launched():
+        raise BadArgument(
+            "chat --shard none under mlx.launch: every rank would chat alone on a stdin "
+            "mlx.launch never closes; run chat without mlx.launch"
+        )
 
 
 def plan(model: str, shard: str) -> str | None:

@@ -12,7 +12,9 @@ SETTINGS_JSON: GenerateOptions fields, plus "prompt".
 
 from __future__ import annotations
 
+import hashlib
 import json
+import pickle
 import sys
 from pathlib import Path
 
@@ -55,6 +57,11 @@ def main() -> None:
         result = dflash_mlx.generate(pair, tokenizer, ids, dflash_mlx.GenerateOptions(**settings))
         s = result.stats
         record = {"tokens": result.tokens, "tau": s.tau, "cycles": s.cycles, "ran": s.what_ran()}
+        # The calibration every rank decoded with (rank 0's, across ranks): its curves' digest.
+        curves = getattr(pair.calibration, "latest", None)
+        record["calibration"] = (
+            None if curves is None else hashlib.sha256(pickle.dumps(curves)).hexdigest()
+        )
     Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     distributed.finish(0)
 

@@ -156,6 +156,28 @@ def test_shard_refusals_are_one_line_exit_2(command):
         user_error(run(command, "--demo", *flags, *extra), *names)
 
 
+def test_chat_across_ranks_is_refused_naming_why(tmp_path, monkeypatch):
+    why = ["chat does not run across ranks", "never closes it", "dflash-mlx serve"]
+    user_error(run("chat", "--demo", "--shard", "tensor"), "chat --shard tensor", *why)
+    user_error(run("chat", "--demo", "--shard", "pipeline"), "chat --shard pipeline", *why)
+    user_error(run("chat", "--demo", "--shard", "bogus"), "--shard 'bogus'", "auto, tensor")
+    # Started by mlx.launch (its variables: a rank, a hostfile of two): refused by default,
+    # and with --shard none, before anything loads.
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hosts))
+    user_error(run("chat", "--demo"), "chat under mlx.launch", *why)
+    user_error(run("chat", "--demo", "--shard", "none"), "chat --shard none", "mlx.launch")
+
+
+@pytest.mark.slow
+def test_chat_under_mlx_launch_ends_with_one_line_not_a_hang():
+    code, out, err = launched(*exe(), "chat", "--demo", timeout=120)
+    assert "chat under mlx.launch" in one_error(err), err
+    assert "Node with rank 0 exited with code 2" in err and not out.strip(), err
+
+
 def test_a_family_mlx_lm_cannot_shard_is_named(tmp_path):
     target, _ = demo_pair()
     folder = tmp_path / "starcoder"
@@ -222,7 +244,8 @@ def test_every_rank_decodes_the_same_and_a_seed_replays_in_one_process(tmp_path)
     assert both[0]["tokens"] == alone[0]["tokens"] and both[0]["tau"] == alone[0]["tau"]
     # The automatic width: timing-based choices are rank 0's on every rank.
     auto = ranks("dflash", tmp_path / "auto", max_tokens=64, temperature=0.0)
-    assert auto[0] == auto[1]
+    assert auto[0] == auto[1]  # the calibration too: rank 0's curves on both ranks
+    assert auto[0]["calibration"] is not None
     assert auto[0]["tokens"] == alone_greedy(tmp_path)
 
 
