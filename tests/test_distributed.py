@@ -171,6 +171,19 @@ def test_chat_across_ranks_is_refused_naming_why(tmp_path, monkeypatch):
     user_error(run("chat", "--demo", "--shard", "none"), "chat --shard none", "mlx.launch")
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "inf", "nan"])
+def test_a_bad_watchdog_timeout_is_one_line_before_loading(tmp_path, monkeypatch, value):
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    monkeypatch.setenv("MLX_RANK", "0")
+    monkeypatch.setenv("MLX_HOSTFILE", str(hosts))
+    for name in ("DFLASH_MLX_RANK_TIMEOUT", "DFLASH_MLX_STALL_TIMEOUT"):
+        monkeypatch.setenv(name, value)
+        result = run("generate", "--demo", "--shard", "tensor", PROMPT)
+        user_error(result, f"{name}={value!r}", "seconds > 0")
+        monkeypatch.delenv(name)
+
+
 @pytest.mark.slow
 def test_chat_under_mlx_launch_ends_with_one_line_not_a_hang():
     code, out, err = launched(*exe(), "chat", "--demo", timeout=120)
@@ -526,22 +539,32 @@ def stop_serving(proc: subprocess.Popen) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "fault,says",
+    "fault,stream,says",
     [
-        ("1:raise:8", "rank 1 failed: RuntimeError: injected fault on rank 1"),
-        ("0:raise:8", "rank 0 failed in a decode step: RuntimeError: injected fault"),
+        ("1:raise:8", True, "rank 1 failed: RuntimeError: injected fault on rank 1"),
+        ("0:raise:8", False, "rank 0 failed in a decode step: RuntimeError: injected fault"),
     ],
 )
-def test_serve_answers_requests_in_flight_when_a_rank_fails_then_ends(fault, says):
+def test_serve_answers_requests_in_flight_when_a_rank_fails_then_ends(fault, stream, says):
     import httpx
 
     proc, base = serving({"DFLASH_MLX_TEST_FAULT": fault}, "--verify-width", "4")
     try:
         body = {"model": "m", "prompt": PROMPT, "max_tokens": 400, "temperature": 0}
         with httpx.Client(timeout=60) as client:
-            reply = client.post(f"{base}/v1/completions", json=body)
-            assert reply.status_code == 503, reply.text
-            error = reply.json()["error"]
+            if stream:  # the headers went out with the first tokens: the error is an event
+                with client.stream(
+                    "POST", f"{base}/v1/completions", json={**body, "stream": True}
+                ) as reply:
+                    assert reply.status_code == 200
+                    events = [ln[6:] for ln in reply.iter_lines() if ln.startswith("data: ")]
+                assert len(events) > 2 and "[DONE]" not in events, events  # mid-request
+                error = json.loads(events[-1])["error"]
+                assert error["code"] == "shutting_down", error
+            else:
+                reply = client.post(f"{base}/v1/completions", json=body)
+                assert reply.status_code == 503, reply.text
+                error = reply.json()["error"]
             assert error["type"] == "server_error" and says in error["message"], error
             # Then the server ends: new requests are refused, never left hanging.
             deadline = time.monotonic() + 30
@@ -618,3 +641,64 @@ def test_serve_two_ranks_reuses_a_stored_prompt_prefix_like_one_process(tmp_path
         err = stop_serving(proc)
     assert text_a == expected[0][0]
     assert timings["cache_disk_n"] == 768, timings
+
+
+def test_the_other_ranks_pools_make_rank_0s_choices():
+    """A server's prompt caches across ranks: rank 0's pool acquisitions and releases,
+    recorded by the hooks and replayed on another pool (`serving.replay`, as `follow` does),
+    leave that pool with the same caches in the same order, holding the same conversations,
+    through continued conversations, forks of a shared prefix and evictions (in-process)."""
+    from dflash_mlx.cache.prompt_cache import CachedState
+    from dflash_mlx.distributed import cluster, serving
+    from dflash_mlx.server.prompt_pool import PromptCachePool
+
+    class Channel:
+        sent: list = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    lead = cluster.Cluster(None, 0, 2, "tensor", Channel(), leading=True)
+    owner = (object(), None)
+    system = list(range(100))  # a long shared prefix: new conversations fork it
+
+    def commit(pc, tokens):
+        lease, _ = pc.take(*owner)
+        pc.commit(lease, CachedState(owner=owner, tokens=tokens, target_cache=[]))
+
+    prompts = [
+        system + [1, 2],  # a new conversation
+        system + [1, 2, 7, 3, 4],  # it continues
+        system + [5],  # shares the prefix: a fork
+        [9, 9, 9],  # unrelated
+        system + [1, 2, 7, 3, 4, 8, 6],  # the first conversation again
+        [4] * 5,
+        system + [5, 11, 12],
+    ]
+    pool = PromptCachePool(2)
+    cluster._CLUSTER = lead
+    try:
+        held = []
+        for i, p in enumerate(prompts):
+            pc = pool.acquire(p)
+            commit(pc, p + [50 + i])
+            held.append(pc)
+            if i % 2:  # two run at once at times, then both end
+                for pc in held:
+                    pool.release(pc)
+                held = []
+        for pc in held:
+            pool.release(pc)
+        serving.step()  # the step's message carries them
+    finally:
+        cluster._CLUSTER = None
+    ((kind, events),) = Channel.sent
+    assert kind == "step" and [e[0] for e in events].count("acquire") == len(prompts)
+
+    other, caches = PromptCachePool(2), {}
+    for ev in events:
+        serving.replay(ev, other, caches, None, {})
+        if ev[0] == "acquire":  # the request's commit, at the same step on every rank
+            commit(caches[ev[1]], ev[2] + [50 + prompts.index(ev[2])])
+    assert [pc.tokens for pc in other._caches] == [pc.tokens for pc in pool._caches]
+    assert other._prompt_len == pool._prompt_len and len(other._caches) == 2

@@ -148,7 +148,7 @@ def finish(code: int, why: str = "") -> None:
 
         mx.eval(mx.distributed.all_sum(mx.array(1), group=c.group, stream=mx.cpu))
     c.channel.close(code, why or control.last_line())
-    if c.rank != 0 and code != 0:
+    if c.rank != 0 and code not in (0, 130):
         # Rank 0 says why and ends every rank (this one too); a rank that ended first would
         # have the launcher end rank 0 before it could.
         time.sleep(control.GRACE + control.ANSWER_GRACE + 3)

@@ -344,9 +344,10 @@ class Channel:
             elif msg[0] == "fail":
                 self.said_bye.add(rank)
                 self.failures.append(f"rank {rank} failed: {msg[1]}")
-                # A bad argument fails on rank 0 the same way: its own message goes out.
+                # A bad argument fails on rank 0 the same way, Ctrl-C reaches it too: then
+                # its own message (or none) goes out.
                 code = int(msg[2])
-                self._abort(self.failures[-1], code=code, grace=code == 2)
+                self._abort(self.failures[-1], code=code, grace=code in (2, 130))
             elif msg[0] == "report":
                 self.replies[rank].put(msg[1:])
 
@@ -379,7 +380,7 @@ class Channel:
         """Rank 0 failing (`code`, not a bad argument): when another rank's failure came
         first (rank 0's error then follows from it: a collective lost its peer), that
         one's message ends every rank (never returns); else nothing."""
-        if code in (0, 2) or self.rank != 0:
+        if code in (0, 2, 130) or self.rank != 0:
             return
         end = time.monotonic() + wait
         while not self.failures and time.monotonic() < end:

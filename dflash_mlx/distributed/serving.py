@@ -160,18 +160,24 @@ def follow(
         if msg[0] != "step":
             raise RanksFailed(f"rank {c.rank} fell out of step with rank 0: got {msg[0]}")
         for ev in msg[1]:
-            if ev[0] == "acquire":
-                caches[ev[1]] = pool.acquire(ev[2])
-            elif ev[0] == "release":
-                pc = caches.pop(ev[1], None)
-                if pc is not None:
-                    pool.release(pc)
-            elif ev[0] == "submit":
-                pc = caches.get(ev[4]) if ev[4] is not None else None
-                rows[ev[1]] = decoder.submit(ev[2], ev[3], prompt_cache=pc)
-            elif ev[0] == "cancel" and ev[1] in rows:
-                rows[ev[1]].cancelled = True
+            replay(ev, pool, caches, decoder, rows)
         decoder.step()
         stepped()
         for n in [n for n, r in rows.items() if r.done]:
             del rows[n]
+
+
+def replay(ev: tuple, pool: Any, caches: dict[int, Any], decoder: Any, rows: dict) -> None:
+    """One of rank 0's events on this rank's `pool` and `decoder` (`caches`: the pool's
+    caches by rank 0's numbers; `rows`: the decoder's rows by admission number)."""
+    if ev[0] == "acquire":
+        caches[ev[1]] = pool.acquire(ev[2])
+    elif ev[0] == "release":
+        pc = caches.pop(ev[1], None)
+        if pc is not None:
+            pool.release(pc)
+    elif ev[0] == "submit":
+        pc = caches.get(ev[4]) if ev[4] is not None else None
+        rows[ev[1]] = decoder.submit(ev[2], ev[3], prompt_cache=pc)
+    elif ev[0] == "cancel" and ev[1] in rows:
+        rows[ev[1]].cancelled = True
