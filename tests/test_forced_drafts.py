@@ -378,3 +378,193 @@ def test_a_dflash2_draft_under_a_grammar_keeps_the_targets_output(target, mask_d
         assert out.tokens == want, width
         if width > 1:  # a run after the anchor stops at the width: no conv row past it
             assert max(out.stats.widths) <= width, out.stats.widths
+
+
+# -- DFlash 2 drafts drawn within the grammar (the selector among allowed candidates) -------
+
+
+def masked_selector_walk(ms, allowed, temperature=0.0, rng=None):
+    """Walk `MaskedSelector` `ms` as `walks.walk_grammar` does, `allowed[t]` at slot `t`."""
+    prev, out = None, []
+    for t in range(ms.cands.shape[0]):
+        row = ms.row(t, prev, allowed[t], temperature)
+        prev = int(np.argmax(row))
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_masked_selector_walks_as_the_selector_where_the_grammar_allows_everything(seed):
+    from dflash_mlx.engine.sampling import MaskedSelector, selector_walk
+
+    from .test_dflash2 import random_selector
+
+    sel = random_selector(seed)
+    logits, hidden = mx.random.normal((6, 40)) * 3, mx.random.normal((6, 32))
+    want, _ = selector_walk(sel, logits, hidden, mx.array([3]))
+    ms = MaskedSelector(sel, logits, hidden, mx.array([3]))
+    assert masked_selector_walk(ms, np.ones((6, 40), bool)) == want.tolist()
+
+
+def test_the_masked_selector_chooses_among_allowed_candidates_else_the_masked_draft_row():
+    from dflash_mlx.engine.sampling import MaskedSelector
+
+    from .test_dflash2 import random_selector
+
+    sel = random_selector(7)
+    logits, hidden = mx.random.normal((3, 40)) * 3, mx.random.normal((3, 32))
+    ms = MaskedSelector(sel, logits, hidden, mx.array([3]))
+    A, B = np.array(sel.predecessor_codebook), np.array(sel.successor_codebook)
+    H, U = np.array(sel.hidden_projection(hidden)), np.array(logits)
+    top = np.argsort(-U[0])[: sel.top_k]
+    score = {int(b): U[0, b] + float(np.sum(A[3] * H[0] * B[b])) for b in top}
+    best = max(score, key=score.get)
+    # The best candidate refused: the best allowed one, by the pair score after the anchor.
+    allowed = np.ones(40, bool)
+    allowed[best] = False
+    row = ms.row(0, None, allowed)
+    second = max((b for b in score if b != best), key=score.get)
+    assert int(np.argmax(row)) == second
+    assert np.isfinite(row).sum() == len(score) - 1  # only the allowed candidates
+    # A predecessor outside the candidates (a forced token): its own pair term.
+    outside = next(t for t in range(40) if t not in ms.cands[0])
+    row = ms.row(1, outside, np.ones(40, bool))
+    top1 = np.argsort(-U[1])[: sel.top_k]
+    want = max(top1, key=lambda b: U[1, b] + float(np.sum(A[outside] * H[1] * B[b])))
+    assert int(np.argmax(row)) == int(want)
+    # None of the candidates allowed: the draft's own row within the grammar.
+    allowed = np.ones(40, bool)
+    allowed[top] = False
+    row = ms.row(0, None, allowed, 0.5)
+    assert int(np.argmax(row)) == int(np.argmax(np.where(allowed, U[0], -np.inf)))
+    assert np.allclose(row[allowed], U[0][allowed] / 0.5, atol=1e-5)
+    assert np.isneginf(row[~allowed]).all()
+
+
+@pytest.fixture(scope="module")
+def shipped_dflash2():
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.demo import SHIPPED
+
+    model, tok = load(str(SHIPPED / "target"))
+    return model, tok, load_draft(str(SHIPPED / "draft2"))
+
+
+def spy_walks(monkeypatch) -> list:
+    """Each `walk_grammar` call's (drafts, masks), and whether its draft had a selector."""
+    import dflash_mlx.engine.walks as walks
+
+    seen, real = [], walks.walk_grammar
+
+    def spy(req, *a, **k):
+        drafts, q, masks = real(req, *a, **k)
+        seen.append((drafts.tolist(), masks, "candidate_selector" in req.draft))
+        return drafts, q, masks
+
+    monkeypatch.setattr(walks, "walk_grammar", spy)
+    return seen
+
+
+@pytest.mark.parametrize("width", [4, 8])
+def test_the_shipped_dflash2_draft_drafts_within_the_grammar_and_keeps_the_targets_output(
+    shipped_dflash2, width, monkeypatch
+):
+    """The demo pair's DFlash 2 draft under the issue's schema: every proposal (forced or
+    the selector's choice) is one the grammar allows after the tokens before it, and the
+    reply is the constrained target's own greedy decode, one token at a time."""
+    model, tok, d2 = shipped_dflash2
+    ids = tok.encode("def parse(path):\n    ")
+    o = GenerateOptions(max_tokens=60, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 60)
+    seen = spy_walks(monkeypatch)
+    out = generate(Pair(model, d2), tok, ids, o.replace(verify_width=width))
+    assert out.tokens == want
+    assert seen and all(sel for _, _, sel in seen)
+    for drafts, masks, _ in seen:
+        g = controls.Grammar(None, 32 * masks.shape[1])
+        for i, t in enumerate(drafts):
+            assert g.allows(masks[i], t), (i, t)
+    assert out.stats.accepted > 0
+
+
+def table_counts2(model, draft, rule, draws: int) -> dict:
+    """`table_counts` with a DFlash 2 draft (drafting within the table grammar)."""
+    return table_counts(model, draft, rule, draws, True)
+
+
+@pytest.fixture(scope="module")
+def table_pair2():
+    from .test_sampling import TableDraft, build_tiny_vocab_pair, greedy_table
+
+    model, draft = build_tiny_vocab_pair(13, dflash2=True)
+    return model, TableDraft(draft, greedy_table(model))
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_sampled_dflash2_within_the_grammar_has_the_processed_law(table_pair2, monkeypatch):
+    model, draft = table_pair2
+    rule = table_rule(model)
+    seen = spy_walks(monkeypatch)
+    counts = table_counts2(model, draft, rule, 2000)
+    assert seen and all(sel for _, _, sel in seen)
+    assert not rejects(counts, exact_table_joint(model, rule))
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_the_law_test_catches_a_q_other_than_the_masked_subset_drawn_from(table_pair2, monkeypatch):
+    """A broken walk: the proposals drawn from the selector's distribution over the allowed
+    candidates, but acceptance told a uniform `q` over them."""
+    import dflash_mlx.engine.walks as walks
+
+    model, draft = table_pair2
+    rule = table_rule(model)
+    real = walks.walk_grammar
+
+    def uniform_q(req, *a, **k):
+        drafts, q, masks = real(req, *a, **k)
+        if q is not None:
+            support = (q > 0).astype(mx.float32)
+            q = support / support.sum(axis=-1, keepdims=True)
+        return drafts, q, masks
+
+    monkeypatch.setattr(walks, "walk_grammar", uniform_q)
+    counts = table_counts2(model, draft, rule, 1500)
+    assert rejects(counts, exact_table_joint(model, rule))
+
+
+# -- trees under a grammar: chains, and the reply says why ------------------------------------
+
+
+@pytest.mark.parametrize("tree", [True, None])
+def test_a_tree_asked_for_under_a_grammar_verifies_chains_and_says_why(target, draft, tree):
+    """A grammar's masks follow a chain of tokens (each position's mask after the tokens
+    before it), so a grammar row verifies chains: `tree=True` says why in its stats, the
+    automatic choice never picks a tree; the reply is the constrained target's own."""
+    model, tok = target
+    ids = tok.encode("Reply in JSON:")
+    o = GenerateOptions(max_tokens=40, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 40)
+    out = generate(Pair(model, draft), tok, ids, o.replace(verify_width=8, tree=tree))
+    assert out.tokens == want
+    assert not out.stats.trees
+    if tree:
+        assert "grammar" in out.stats.tree_note
+        assert out.stats.to_dict()["ran"]["tree_note"] == out.stats.tree_note
+
+
+def test_grammar_rows_verify_chains_beside_rows_verifying_trees_in_one_batch(target, draft):
+    """In a batch, a free row verifies trees while a grammar row beside it, asking for trees
+    too, verifies chains; each reply is its own decode."""
+    model, tok = target
+    prompts = ["Reply in JSON:", "def add(a, b):"]
+    opts = [
+        GenerateOptions(max_tokens=30, json_schema=SCHEMA, verify_width=8, tree=True),
+        GenerateOptions(max_tokens=30, verify_width=8, tree=True),
+    ]
+    got = batch_generate(Pair(model, draft), tok, prompts, opts, max_batch=2)
+    for p, o, r in zip(prompts, opts, got, strict=True):
+        want, _ = reference(model, tok, tok.encode(p), o.replace(tree=False), 30)
+        assert r.tokens == want, p
+    assert not got[0].stats.trees and "grammar" in got[0].stats.tree_note
+    assert got[1].stats.trees and got[1].stats.tree_note is None
+    assert max(got[0].stats.batches) == 2

@@ -174,6 +174,63 @@ def selector_walk(
     return tokens, q
 
 
+class MaskedSelector:
+    """DFlash 2's selector walked within a grammar, on the host (SPEC 3.2, 6).
+
+    The grammar's walk (`walks.walk_grammar`) chooses the block's tokens one by one, the
+    tokens a grammar forces among them, so a slot's predecessor may be any token, not only
+    one of the previous slot's candidates: `row(t, prev, allowed)` scores slot `t`'s
+    candidates after `prev` with the selector's own `S_t(prev, b) = U_t(b) + A(prev) .
+    H(h_t) . B(b)` and keeps those the grammar `allows`; where none of them is allowed, the
+    draft's own row `U_t` masked by the grammar. One host read of the block (candidates,
+    their scores' factors and the logits) when built; a predecessor outside the candidates
+    (a forced token) costs one small read of its codebook row, kept.
+
+    The row is what the proposal is drawn from: greedily its argmax, sampling
+    `softmax(row)` (the row is divided by the temperature), which is then the proposal's `q`
+    in acceptance, a distribution on allowed tokens only (exact for any such `q`, SPEC 4)."""
+
+    def __init__(self, selector, logits: mx.array, hidden: mx.array, anchor: mx.array):
+        T, V = logits.shape
+        k = min(selector.top_k, V)
+        cands = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]  # (T, k)
+        u = mx.take_along_axis(logits, cands, axis=-1)
+        h = selector.hidden_projection(hidden).astype(mx.float32)  # (T, r)
+        hb = h[:, None] * selector.successor_codebook[cands].astype(mx.float32)  # (T, k, r)
+        codebook = selector.predecessor_codebook
+        pred = codebook[mx.concatenate([anchor.reshape(-1)[:1], cands.reshape(-1)])]
+        got = [cands, u, hb, pred.astype(mx.float32), logits, anchor.reshape(-1)[:1]]
+        mx.eval(*got)
+        cands, u, hb, pred, logits, first = (np.array(x) for x in got)
+        self.cands, self.u, self.hb = cands, u.astype(np.float64), hb.astype(np.float64)
+        self.logits = logits.astype(np.float64)
+        self.codebook = codebook
+        flat = [int(first[0])] + cands.reshape(-1).tolist()
+        self.pred = dict(zip(flat, pred.astype(np.float64), strict=True))
+        self.anchor = int(first[0])
+
+    def _a(self, token: int) -> np.ndarray:
+        a = self.pred.get(token)
+        if a is None:
+            a = self.pred[token] = np.array(self.codebook[token].astype(mx.float32), np.float64)
+        return a
+
+    def row(
+        self, t: int, prev: int | None, allowed: np.ndarray, temperature: float = 0.0
+    ) -> np.ndarray:
+        """Slot `t`'s logits `(V,)` after `prev` (None: the anchor) over the `allowed`
+        tokens (`(V,)` bool), -inf elsewhere; divided by `temperature` when sampling."""
+        cands = self.cands[t]
+        ok = allowed[cands]
+        out = np.full(self.logits.shape[1], -np.inf)
+        if ok.any():
+            scores = self.u[t] + self.hb[t] @ self._a(self.anchor if prev is None else prev)
+            out[cands[ok]] = scores[ok]
+        else:  # none of the candidates is allowed: the draft's own row within the grammar
+            out = np.where(allowed, self.logits[t], -np.inf)
+        return out / temperature if temperature > 0 else out
+
+
 def greedy_accept(drafts: mx.array, target_logits: mx.array) -> tuple[mx.array, mx.array]:
     """Longest prefix of `drafts` (W-1,) equal to the target's argmax (W, V).
 

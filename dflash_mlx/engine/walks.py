@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from .sampling import PositionKeys, probabilities, propose, sample
+from .sampling import MaskedSelector, PositionKeys, probabilities, propose, sample
 
 if TYPE_CHECKING:
     from .controls import Grammar
@@ -89,8 +89,9 @@ def grammar_drafts(
     `FORCED_BEYOND` past the `w - 1` drafted positions (not for a draft with cross-block
     conv rows, which keep the inputs of an accepted row of its block).
 
-    Drawn within the grammar (`Grammar.mask_drafts`, not DFlash 2's selector): row by row
-    on the host (`walk_grammar`), every forced run after a choice included. Else the forced
+    Drawn within the grammar (`Grammar.mask_drafts`; DFlash 2's selector among the allowed
+    candidates, `sampling.MaskedSelector`): row by row on the host (`walk_grammar`), every
+    forced run after a choice included. Else the forced
     run from the anchor on is read from the grammar alone, the draft's free proposals
     follow it on the device, and the masks are computed while the verify pass runs: no
     host read between the passes."""
@@ -101,8 +102,9 @@ def grammar_drafts(
     most = max(0, min(most, room)) if room is not None else most
     keys = None if req.params.greedy else req.keys(draft_keys(req), a + 1, w - 1)
     logits = block[1][: w - 1] if block is not None else None
-    if grammar.mask_drafts and not selector:
-        return walk_grammar(req, anchor, rows, w - 1, keys, logits, most)
+    if grammar.mask_drafts:
+        hidden = block[0][: w - 1] if block is not None else None
+        return walk_grammar(req, anchor, rows, w - 1, keys, logits, most, hidden)
     lead = grammar.forced()[:most]
     if len(lead) >= min(w - 1, most) and not conv:  # nothing to draft: no draft pass
         lead = lead + forced_after(grammar, lead, most - len(lead))
@@ -204,6 +206,7 @@ def walk_grammar(
     keys: mx.array | None,
     logits: mx.array | None = None,
     most: int | None = None,
+    hidden: mx.array | None = None,
 ) -> tuple[mx.array, mx.array | None, np.ndarray]:
     """The block within the grammar, position by position on the host: a token the grammar
     forces is taken as it is (its `q` a point mass), any other is drawn from the draft's
@@ -215,8 +218,14 @@ def walk_grammar(
     past the draft's `rows`. `most`: the block's positions (default `rows`; a forced run
     from the anchor on may fill positions past `rows`: one after a choice is only as sure
     as the choice, and stops there). Returns the proposals, `q` when sampling, and the masks
-    of every verified row."""
+    of every verified row.
+
+    A DFlash 2 draft's choice is its selector's among the candidates the grammar allows,
+    after the token before it, forced or chosen (`sampling.MaskedSelector`; its draft's
+    row within the grammar where none is allowed); its pass runs every cycle (its conv
+    rows of the block are committed)."""
     grammar, greedy = req.controls.grammar, req.params.greedy
+    selector = "candidate_selector" in req.draft
     most = rows if most is None else most
     host = seeds = None
     masks, drafts, qs = [grammar.mask()], [], []
@@ -234,9 +243,14 @@ def walk_grammar(
             break
         else:
             if host is None:  # the walk's one host sync
-                host = draft_block(req, anchor, length, rows, logits)
+                host = draft_block(req, anchor, length, rows, logits, hidden)
                 seeds = None if greedy else np.array(keys).astype(np.uint64)
-            row = np.where(grammar.allowed(masks[-1]), host[i], -np.inf)
+            allowed = grammar.allowed(masks[-1])
+            if selector:
+                prev = drafts[-1] if drafts else None
+                row = host.row(i, prev, allowed, 0.0 if greedy else req.params.temperature)
+            else:
+                row = np.where(allowed, host[i], -np.inf)
             if greedy:
                 tok = int(np.argmax(row))
             else:
@@ -252,6 +266,8 @@ def walk_grammar(
         masks.append(grammar.mask())
         if forced is None:
             forced = grammar.forced()
+    if host is None and req.state.conv:  # a block forced whole: its conv rows still
+        draft_block(req, anchor, length, rows, logits, hidden)  # come from its pass
     grammar.rollback(len(masks) - 1)
     if len(masks) == len(drafts):  # nothing follows a proposed EOS: its row is unread
         masks.append(np.full_like(masks[0], -1))
@@ -260,16 +276,29 @@ def walk_grammar(
 
 
 def draft_block(
-    req: Request, anchor: mx.array, length: int, rows: int, logits: mx.array | None
-) -> np.ndarray:
+    req: Request,
+    anchor: mx.array,
+    length: int,
+    rows: int,
+    logits: mx.array | None,
+    hidden: mx.array | None = None,
+) -> np.ndarray | MaskedSelector:
     """The draft's block logits `(rows, V)` on the host, processed with the committed
     history (and by the temperature when sampling): its pass runs now unless a batch's
-    draft pass made `logits`."""
-    if logits is None:
+    draft pass made `logits` (and `hidden`). A DFlash 2 draft's: its selector's
+    `MaskedSelector` over the processed logits."""
+    selector = "candidate_selector" in req.draft
+    if logits is None or (selector and hidden is None):
         req.feed_draft()
-        logits = req.draft.block_logits(anchor, length, rows, req.state)
+        if selector:
+            hidden = req.draft.block_hidden(anchor, length, rows, req.state)
+            logits = req.draft.logits(hidden, req.state.head).astype(mx.float32)
+        else:
+            logits = req.draft.block_logits(anchor, length, rows, req.state)
         req.lazy_rows = 0  # computed with this draft pass
     logits = req.controls.draft(logits)
+    if selector:
+        return MaskedSelector(req.draft.candidate_selector, logits, hidden, anchor)
     if not req.params.greedy:
         logits = logits * (1.0 / req.params.temperature)
     return np.array(logits, dtype=np.float64)
