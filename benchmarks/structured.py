@@ -27,6 +27,7 @@ import importlib
 import json
 import os
 import time
+from pathlib import Path
 
 from dflash_mlx import GenerateOptions, Pair, batch_generate, generate, load, load_draft
 from dflash_mlx.demo import demo_pair
@@ -119,75 +120,194 @@ def variants() -> dict[str, tuple[dict, bool, object]]:
     return out
 
 
+def load_pair(args):
+    """(pair, tokenizer, {constraint: prompts}, what the pair is)."""
+    if args.pair is not None:
+        target = args.pair / "target"
+        draft = args.pair / ("draft2" if args.dflash2 else "draft")
+        found = json.loads((args.pair / "prompts.json").read_text())
+        prompts = {c: found[c][: args.prompts] for c in CONSTRAINTS}
+        what = f"{args.pair} ({draft.name})"
+    else:
+        target, draft = demo_pair()
+        lines = [json.loads(x)["prompt"] for x in open(target.parent / "heldout_prompts.jsonl")]
+        prompts = {c: lines[: args.prompts] for c in CONSTRAINTS}
+        what = f"demo pair ({draft.name})"
+    model, tok = load(str(target))
+    return Pair(model, load_draft(str(draft))), tok, prompts, what
+
+
+def use(masked: bool) -> None:
+    """Whether the engine's grammars draw the draft's proposals within the grammar."""
+    batch_module = importlib.import_module("dflash_mlx.engine.batch")
+    batch_module.compile_grammar = lambda *a: compile_grammar(*a, mask_drafts=masked)
+
+
+# What `--profile` splits a constrained request's CPU time into: the functions timed (their
+# own time, nested timed calls taken out) and the category each counts in.
+PROFILED = {
+    ("dflash_mlx.engine.controls", "Grammar.mask"): "grammar: masks",
+    ("dflash_mlx.engine.controls", "Grammar.forced"): "grammar: forced runs",
+    ("dflash_mlx.engine.controls", "Grammar.consume"): "grammar: consume / rollback",
+    ("dflash_mlx.engine.controls", "Grammar.rollback"): "grammar: consume / rollback",
+    ("dflash_mlx.engine.controls", "Grammar.allowed"): "walk: masks unpacked, rows drawn",
+    ("dflash_mlx.engine.walks", "draft_block"): "draft pass + host read of its block",
+    ("dflash_mlx.engine.batch_cycle", "decide"): "verify pass + acceptance (host sync)",
+}
+
+
+def profile(pair, tok, prompts, opts, masked) -> tuple[dict, dict]:
+    """CPU seconds (`time.process_time`: every thread of the process, so the device's work
+    on this CPU counts where it is waited for) by category over `prompts`, and counts."""
+    use(masked)
+    spent: dict[str, float] = {}
+    counts = {"masks": 0, "verify rows": 0}
+    stack: list[list[float]] = []
+    undo = []
+    for (mod_name, qual), what in PROFILED.items():
+        mod = importlib.import_module(mod_name)
+        owner, attr = (getattr(mod, qual.split(".")[0]), qual.split(".")[1]) if "." in qual else (
+            mod, qual)  # fmt: skip
+        real = getattr(owner, attr)
+
+        def timed(*a, _real=real, _what=what, **k):
+            stack.append([time.process_time(), 0.0])
+            try:
+                return _real(*a, **k)
+            finally:
+                start, inner = stack.pop()
+                took = time.process_time() - start
+                spent[_what] = spent.get(_what, 0.0) + took - inner
+                if stack:
+                    stack[-1][1] += took
+                if _what == "grammar: masks":
+                    counts["masks"] += 1
+
+        setattr(owner, attr, timed)
+        undo.append((owner, attr, real))
+    total = tokens = cycles = 0
+    try:
+        for p in prompts:
+            tic = time.process_time()
+            r = generate(pair, tok, p, opts)
+            total += time.process_time() - tic
+            tokens += r.stats.generation_tokens - 1
+            cycles += r.stats.cycles
+            counts["verify rows"] += sum(w * c for w, (c, _) in r.stats.widths.items())
+    finally:
+        for owner, attr, real in undo:
+            setattr(owner, attr, real)
+    spent["other (prefill, the cycle's own work)"] = total - sum(spent.values())
+    counts.update(tokens=tokens, cycles=cycles, cpu=total)
+    return spent, counts
+
+
+def print_profile(pair, tok, prompts, width, max_tokens) -> None:
+    kw, _ = CONSTRAINTS["schema"]
+    runs = {
+        "free": (GenerateOptions(max_tokens=max_tokens, verify_width=width), True),
+        "schema, walk": (GenerateOptions(max_tokens=max_tokens, verify_width=width, **kw), True),
+        "schema, free": (GenerateOptions(max_tokens=max_tokens, verify_width=width, **kw), False),
+    }
+    generate(pair, tok, prompts[0], max_tokens=8, verify_width=4)  # warm up
+    got = {name: profile(pair, tok, prompts, o, m) for name, (o, m) in runs.items()}
+    cats = list(dict.fromkeys(c for spent, _ in got.values() for c in spent))
+    print("\nCPU ms per generated token, by where it goes (process CPU time)")
+    print(f"{'':<40}" + "".join(f"{n:>14}" for n in got))
+    for c in cats:
+        row = "".join(
+            f"{1000 * spent.get(c, 0.0) / n['tokens']:>14.3f}" for spent, n in got.values()
+        )
+        print(f"{c:<40}{row}")
+    cpu = "".join(f"{1000 * n['cpu'] / n['tokens']:>14.3f}" for _, n in got.values())
+    print(f"{'total':<40}{cpu}")
+    for key in ("tokens", "cycles", "masks", "verify rows"):
+        print(f"{key:<40}" + "".join(f"{n[key]:>14}" for _, n in got.values()))
+    print(f"{'tau':<40}" + "".join(f"{n['tokens'] / n['cycles']:>14.2f}" for _, n in got.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--no-batch", action="store_true", help="alone only")
+    ap.add_argument(
+        "--pair", type=Path, help="a pair built by benchmarks/structured_pair.py (its folder)"
+    )
+    ap.add_argument("--dflash2", action="store_true", help="--pair's DFlash 2 draft")
+    ap.add_argument(
+        "--profile", action="store_true", help="where a constrained request's CPU time goes"
+    )
     args = ap.parse_args()
-    target, draft = demo_pair()
-    model, tok = load(str(target))
-    pair = Pair(model, load_draft(str(draft)))
-    lines = [json.loads(x)["prompt"] for x in open(target.parent / "heldout_prompts.jsonl")]
-    prompts = lines[: args.prompts]
-    batch_module = importlib.import_module("dflash_mlx.engine.batch")
+    pair, tok, prompts, what = load_pair(args)
     regime = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "default BLAS"
-    print(f"demo pair, greedy, W = {args.width}, {len(prompts)} prompts, {regime}")
+    n = len(next(iter(prompts.values())))
+    print(f"{what}, greedy, W = {args.width}, {n} prompts a constraint, {regime}")
+    if args.profile:
+        print_profile(pair, tok, prompts["schema"], args.width, args.max_tokens)
+        return
 
     def options(kw: dict) -> GenerateOptions:
         return GenerateOptions(max_tokens=args.max_tokens, verify_width=args.width, **kw)
 
-    def use(masked: bool) -> None:
-        batch_module.compile_grammar = lambda *a: compile_grammar(*a, mask_drafts=masked)
-
-    generate(pair, tok, prompts[0], max_tokens=8, verify_width=4)  # warm up
+    generate(pair, tok, prompts["schema"][0], max_tokens=8, verify_width=4)  # warm up
     found = variants()
-    totals = {k: [0, 0, 0.0, 0] for k in found}  # tokens, cycles, seconds, invalid
-    for p in prompts:
-        for name, (kw, masked, check) in found.items():
-            use(masked)
-            tic = time.perf_counter()
-            r = generate(pair, tok, p, options(kw))
-            spent = time.perf_counter() - tic - r.stats.time_to_first_token
-            t = totals[name]
-            t[0] += r.stats.generation_tokens - 1
-            t[1] += r.stats.cycles
-            t[2] += spent
-            t[3] += check is not None and not check(r.text)
+    # Each constraint against free text on its own prompts: (constraint, variant) -> totals.
+    totals = {}  # tokens, cycles, seconds, invalid
+    for c, ps in prompts.items():
+        for p in ps:
+            for name, (kw, masked, check) in found.items():
+                if name != "free" and not name.startswith(c):
+                    continue
+                use(masked)
+                tic = time.perf_counter()
+                r = generate(pair, tok, p, options(kw))
+                spent = time.perf_counter() - tic - r.stats.time_to_first_token
+                t = totals.setdefault((c, name), [0, 0, 0.0, 0])
+                t[0] += r.stats.generation_tokens - 1
+                t[1] += r.stats.cycles
+                t[2] += spent
+                t[3] += check is not None and not check(r.text)
     use(True)
-    print(f"\nalone\n{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}{'invalid':>9}")
-    base = totals["free"][0] / totals["free"][2]
-    for name, (tokens, cycles, secs, bad) in totals.items():
+    print(
+        f"\nalone\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}{'invalid':>9}"
+    )
+    for (c, name), (tokens, cycles, secs, bad) in totals.items():
+        free = totals[(c, "free")]
+        base = free[0] / free[2]
         print(
-            f"{name:<18}{tokens / cycles:>6.2f}{tokens / secs:>8.1f}"
+            f"{c:<11}{name:<18}{tokens / cycles:>6.2f}{tokens / secs:>8.1f}"
             f"{tokens / secs / base:>9.2f}{bad:>9}"
         )
     if args.no_batch:
         return
     print(
-        f"\nbatched, 4 rows a batch\n{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}"
-        f"{'invalid':>9}"
+        f"\nbatched, 4 rows a batch\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}"
+        f"{'vs free':>9}{'invalid':>9}"
     )
-    rates = {}
-    for name, (kw, masked, check) in found.items():
-        use(masked)
-        tic = time.perf_counter()
-        got = batch_generate(pair, tok, prompts, options(kw), max_batch=4)
-        secs = time.perf_counter() - tic
-        tokens = sum(r.stats.generation_tokens for r in got)
-        passes = sum(r.stats.cycles for r in got)
-        bad = sum(check is not None and not check(r.text) for r in got)
-        rates[name] = tokens / secs
-        print(
-            f"{name:<18}{(tokens - len(got)) / passes:>6.2f}{rates[name]:>8.1f}"
-            f"{rates[name] / rates['free']:>9.2f}{bad:>9}"
-        )
+    for c, ps in prompts.items():
+        rates = {}
+        for name, (kw, masked, check) in found.items():
+            if name != "free" and not name.startswith(c):
+                continue
+            use(masked)
+            tic = time.perf_counter()
+            got = batch_generate(pair, tok, ps, options(kw), max_batch=4)
+            secs = time.perf_counter() - tic
+            tokens = sum(r.stats.generation_tokens for r in got)
+            passes = sum(r.stats.cycles for r in got)
+            bad = sum(check is not None and not check(r.text) for r in got)
+            rates[name] = tokens / secs
+            print(
+                f"{c:<11}{name:<18}{(tokens - len(got)) / passes:>6.2f}{rates[name]:>8.1f}"
+                f"{rates[name] / rates['free']:>9.2f}{bad:>9}"
+            )
     print("\nmixed batch: 2 constrained rows beside 2 free rows (each row's tau)")
     for name, (kw, check) in CONSTRAINTS.items():
         use(True)
         opts = [options(kw), options({}), options(kw), options({})]
-        got = batch_generate(pair, tok, prompts[:4], opts, max_batch=4)
+        got = batch_generate(pair, tok, prompts[name][:4], opts, max_batch=4)
         taus = " ".join(f"{r.stats.tau:.2f}" for r in got)
         bad = sum(not check(r.text) for r, o in zip(got, opts) if o.constrained)
         print(f"{name:<18} tau per row {taus}   invalid {bad}")
