@@ -568,3 +568,32 @@ def test_grammar_rows_verify_chains_beside_rows_verifying_trees_in_one_batch(tar
     assert not got[0].stats.trees and "grammar" in got[0].stats.tree_note
     assert got[1].stats.trees and got[1].stats.tree_note is None
     assert max(got[0].stats.batches) == 2
+
+
+def test_dflash2_grammar_rows_in_a_batch_draw_within_the_grammar_from_the_shared_pass(
+    shipped_dflash2, monkeypatch
+):
+    """Two schema rows beside two free rows, the shipped DFlash 2 draft, one draft pass for
+    the batch: the grammar rows' selectors walk within the grammar from that pass's rows
+    (hidden states and logits), and each reply is its request's own decode."""
+    import dflash_mlx.engine.batch_draft as batch_draft
+
+    model, tok, d2 = shipped_dflash2
+    prompts = ["def parse(path):\n    ", "import os\n", "class Node:\n", "for x in y:\n"]
+    options = [
+        GenerateOptions(max_tokens=24, json_schema=SCHEMA, verify_width=8),
+        GenerateOptions(max_tokens=12, verify_width=8),
+        GenerateOptions(max_tokens=24, json_schema=SCHEMA, verify_width=4),
+        GenerateOptions(max_tokens=12, verify_width=4),
+    ]
+    seen, shared = spy_walks(monkeypatch), []
+    real = batch_draft.block_rows
+    monkeypatch.setattr(
+        batch_draft, "block_rows", lambda reqs, *a: shared.append(len(reqs)) or real(reqs, *a)
+    )
+    got = batch_generate(Pair(model, d2), tok, prompts, options, max_batch=4)
+    for p, o, r in zip(prompts, options, got, strict=True):
+        want, _ = reference(model, tok, tok.encode(p), o.replace(verify_width=None), o.max_tokens)
+        assert r.tokens == want, (p, o.constrained)
+    assert seen and all(sel for _, _, sel in seen)
+    assert max(shared) == 4, shared
