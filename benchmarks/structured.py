@@ -124,7 +124,7 @@ def load_pair(args):
     """(pair, tokenizer, {constraint: prompts}, what the pair is)."""
     if args.pair is not None:
         target = args.pair / "target"
-        draft = args.pair / ("draft2" if args.dflash2 else "draft")
+        draft = args.pair / args.draft
         found = json.loads((args.pair / "prompts.json").read_text())
         prompts = {c: found[c][: args.prompts] for c in CONSTRAINTS}
         what = f"{args.pair} ({draft.name})"
@@ -235,7 +235,9 @@ def main() -> None:
     ap.add_argument(
         "--pair", type=Path, help="a pair built by benchmarks/structured_pair.py (its folder)"
     )
-    ap.add_argument("--dflash2", action="store_true", help="--pair's DFlash 2 draft")
+    ap.add_argument(
+        "--draft", default="draft", help="--pair's draft folder (draft2: its DFlash 2 draft)"
+    )
     ap.add_argument(
         "--profile", action="store_true", help="where a constrained request's CPU time goes"
     )
