@@ -120,6 +120,30 @@ def variants() -> dict[str, tuple[dict, bool, object]]:
     return out
 
 
+def target_alone(pair, tok, prompt: str, opts: GenerateOptions) -> list[int]:
+    """The constrained target's own greedy decode, one token at a time, its grammar's mask
+    applied to each position's logits (what every constrained reply must equal)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash_mlx.engine.text import encode_prompt
+
+    model = pair.model
+    cache = make_prompt_cache(model)
+    logits = model(mx.array(encode_prompt(tok, prompt))[None], cache=cache)[0, -1]
+    grammar = compile_grammar(opts, tok, logits.shape[-1])
+    out = []
+    while len(out) < opts.max_tokens:
+        row = np.where(grammar.allowed(grammar.mask()), np.array(logits, np.float32), -np.inf)
+        out.append(int(np.argmax(row)))
+        if out[-1] in grammar.eos:
+            break
+        grammar.consume(out[-1:])
+        logits = model(mx.array([out[-1:]]), cache=cache)[0, -1]
+    return out
+
+
 def load_pair(args):
     """(pair, tokenizer, {constraint: prompts}, what the pair is)."""
     if args.pair is not None:
@@ -256,7 +280,8 @@ def main() -> None:
     generate(pair, tok, prompts["schema"][0], max_tokens=8, verify_width=4)  # warm up
     found = variants()
     # Each constraint against free text on its own prompts: (constraint, variant) -> totals.
-    totals = {}  # tokens, cycles, seconds, invalid
+    totals = {}  # tokens, cycles, seconds, invalid, not the target's own reply
+    alone = {}
     for c, ps in prompts.items():
         for p in ps:
             for name, (kw, masked, check) in found.items():
@@ -266,21 +291,25 @@ def main() -> None:
                 tic = time.perf_counter()
                 r = generate(pair, tok, p, options(kw))
                 spent = time.perf_counter() - tic - r.stats.time_to_first_token
-                t = totals.setdefault((c, name), [0, 0, 0.0, 0])
+                t = totals.setdefault((c, name), [0, 0, 0.0, 0, 0])
                 t[0] += r.stats.generation_tokens - 1
                 t[1] += r.stats.cycles
                 t[2] += spent
                 t[3] += check is not None and not check(r.text)
+                if check is not None:  # the constrained target's own reply, token for token
+                    want = alone.setdefault((c, p), target_alone(pair, tok, p, options(kw)))
+                    t[4] += r.tokens != want
     use(True)
     print(
-        f"\nalone\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}{'invalid':>9}"
+        f"\nalone\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}"
+        f"{'invalid':>9}{'not target':>12}"
     )
-    for (c, name), (tokens, cycles, secs, bad) in totals.items():
+    for (c, name), (tokens, cycles, secs, bad, other) in totals.items():
         free = totals[(c, "free")]
         base = free[0] / free[2]
         print(
             f"{c:<11}{name:<18}{tokens / cycles:>6.2f}{tokens / secs:>8.1f}"
-            f"{tokens / secs / base:>9.2f}{bad:>9}"
+            f"{tokens / secs / base:>9.2f}{bad:>9}{other if name != 'free' else '':>12}"
         )
     if args.no_batch:
         return

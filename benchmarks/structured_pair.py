@@ -20,7 +20,9 @@ trained on structured replies. This script makes a pair that is, small and offli
 
 Each stage is skipped when its output is in D already. Everything is seeded. Run it on one
 core with OpenBLAS preloaded (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/
-libblas.so.3); a few minutes a stage on a shared core.
+libblas.so.3). Measured on one core shared with 3-4 other jobs (load average 8-10): target
+400 steps 20 min (its first steps, before the load rose, about 1 s each), draft 300 steps
+14 min, draft2 100 steps about 7 min, each draft's data written by the target first.
 """
 
 from __future__ import annotations
@@ -195,7 +197,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, required=True, help="where the stages are cached")
     ap.add_argument("--stage", choices=["target", "draft", "draft2", "bench", "all"], default="all")
     ap.add_argument("--target-steps", type=int, default=400)
-    ap.add_argument("--draft-steps", type=int, default=100)
+    ap.add_argument("--draft-steps", type=int, default=300)
+    ap.add_argument("--draft2-steps", type=int, default=100)
     ap.add_argument("bench_args", nargs="*", help="after --: benchmarks/structured.py's")
     args = ap.parse_args()
     from dflash_mlx.demo import SHIPPED
@@ -214,7 +217,7 @@ def main() -> None:
         times["draft"] = time.perf_counter() - tic
     if stage in ("draft2", "all") and not (d / "draft2" / "config.json").is_file():
         tic = time.perf_counter()
-        train_draft(d, "draft2", ["--from", str(d / "draft")], args.draft_steps)
+        train_draft(d, "draft2", ["--from", str(d / "draft")], args.draft2_steps)
         times["draft2"] = time.perf_counter() - tic
     if times:
         print("stage seconds: " + json.dumps({k: round(v) for k, v in times.items()}))
