@@ -226,13 +226,15 @@ def profile(pair, tok, prompts, opts, masked) -> tuple[dict, dict]:
     return spent, counts
 
 
-def print_profile(pair, tok, prompts, width, max_tokens) -> None:
-    kw, _ = CONSTRAINTS["schema"]
+def print_profile(pair, tok, prompts, width, max_tokens, constraint="schema") -> None:
+    kw, _ = CONSTRAINTS[constraint]
+    o = GenerateOptions(max_tokens=max_tokens, verify_width=width)
     runs = {
-        "free": (GenerateOptions(max_tokens=max_tokens, verify_width=width), True),
-        "schema, walk": (GenerateOptions(max_tokens=max_tokens, verify_width=width, **kw), True),
-        "schema, free": (GenerateOptions(max_tokens=max_tokens, verify_width=width, **kw), False),
+        "free": (o, True),
+        f"{constraint[:6]}, walk": (o.replace(**kw), True),
+        f"{constraint[:6]}, free": (o.replace(**kw), False),
     }
+    print(f"\n{constraint}")
     generate(pair, tok, prompts[0], max_tokens=8, verify_width=4)  # warm up
     got = {name: profile(pair, tok, prompts, o, m) for name, (o, m) in runs.items()}
     cats = list(dict.fromkeys(c for spent, _ in got.values() for c in spent))
@@ -271,7 +273,8 @@ def main() -> None:
     n = len(next(iter(prompts.values())))
     print(f"{what}, greedy, W = {args.width}, {n} prompts a constraint, {regime}")
     if args.profile:
-        print_profile(pair, tok, prompts["schema"], args.width, args.max_tokens)
+        for c in CONSTRAINTS:
+            print_profile(pair, tok, prompts[c], args.width, args.max_tokens, c)
         return
 
     def options(kw: dict) -> GenerateOptions:
