@@ -597,3 +597,33 @@ def test_dflash2_grammar_rows_in_a_batch_draw_within_the_grammar_from_the_shared
         assert r.tokens == want, (p, o.constrained)
     assert seen and all(sel for _, _, sel in seen)
     assert max(shared) == 4, shared
+
+
+def test_a_dflash2_block_forced_whole_runs_its_pass_without_reading_it_back(
+    shipped_dflash2, monkeypatch
+):
+    """A DFlash 2 draft's block the grammar forces whole: its pass runs (its conv rows are
+    committed) but nothing of it is read back (no selector walk); the reply is the target's."""
+    from dflash_mlx.engine import sampling
+
+    model, tok, d2 = shipped_dflash2
+    ids = tok.encode("import os\n")
+    envelope = '"def get_weather(city, unit, days):\\n    return fetch(city, unit, days)\\n"'
+    o = GenerateOptions(max_tokens=40, grammar=f"start: {envelope} /[a-z]+/")
+    want, _ = reference(model, tok, ids, o, 40)
+    passes, walks = [], []
+    real_hidden, real_init = type(d2).block_hidden, sampling.MaskedSelector.__init__
+    monkeypatch.setattr(
+        type(d2), "block_hidden", lambda self, *a: passes.append(1) or real_hidden(self, *a)
+    )
+    monkeypatch.setattr(
+        sampling.MaskedSelector,
+        "__init__",
+        lambda self, *a: walks.append(1) or real_init(self, *a),
+    )
+    out = generate(Pair(model, d2), tok, ids, o.replace(verify_width=4))
+    assert out.tokens == want
+    speculative = sum(c for w, (c, _) in out.stats.widths.items() if w > 1)
+    assert len(passes) == speculative  # every cycle's pass ran ...
+    assert len(walks) < speculative  # ... the forced ones not read back
+    assert out.stats.accepted >= 12  # the forced envelope, 3 tokens a cycle

@@ -266,8 +266,12 @@ def walk_grammar(
         masks.append(grammar.mask())
         if forced is None:
             forced = grammar.forced()
-    if host is None and req.state.conv:  # a block forced whole: its conv rows still
-        draft_block(req, anchor, length, rows, logits, hidden)  # come from its pass
+    if host is None and req.state.conv and logits is None:
+        # A block forced whole: its conv rows still come from its pass, which runs (lazily,
+        # evaluated with the next pass) but is not read back.
+        req.feed_draft()
+        req.draft.block_hidden(anchor, length, rows, req.state)
+        req.lazy_rows = 0
     grammar.rollback(len(masks) - 1)
     if len(masks) == len(drafts):  # nothing follows a proposed EOS: its row is unread
         masks.append(np.full_like(masks[0], -1))
