@@ -6,8 +6,10 @@ automatic modes (width chosen per cycle; chains only, or chain or tree chosen pe
 Prints tau, tok/s and both against the chain of width 8; checks every output equals plain
 decoding. Variants are interleaved prompt by prompt, so drift on a loaded machine falls on
 all of them. `--draft-block 8` has a block-16 draft draft 8 positions (a block-8 pair).
-A DFlash 2 draft's trees come from its selector. `--prompts-file`: held-out prompts of another
-target (`{"prompt"}` lines; the demo pair's by default).
+A DFlash 2 draft's trees come from its selector; `tBaX` (`t16a1.5`): its pair scores times X
+before the best-first search (sharper for X > 1; a shape variant, not an option of the
+engine). `--prompts-file`: held-out prompts of another target (`{"prompt"}` lines; the demo
+pair's by default).
 
     python benchmarks/trees.py [--draft-block 8] [--prompts 8]
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python benchmarks/trees.py
@@ -20,8 +22,25 @@ import argparse
 import json
 import time
 
+import mlx.core as mx
+
+import dflash_mlx.engine.tree as tree_module
 from dflash_mlx import GenerateOptions, Pair, generate, load, load_draft
 from dflash_mlx.demo import demo_pair
+
+SELECTOR_TREE = tree_module.selector_tree
+
+
+def scaled_selector_tree(alpha: float):
+    """`tree.selector_tree` with the pair scores times `alpha` (a shape variant)."""
+
+    def selector_tree(selector, logits, hidden, anchor, budget):
+        cands, table = selector.pair_table(logits, hidden, anchor.reshape(1))
+        table = table * alpha
+        logp = table - mx.logsumexp(table, axis=-1, keepdims=True)
+        return tree_module.build(anchor, logp, cands.astype(mx.int32), budget)
+
+    return selector_tree
 
 
 def main() -> None:
@@ -47,7 +66,7 @@ def main() -> None:
             return o.replace(verify_width=1)
         if shape.startswith("auto"):
             return o.replace(tree=None if shape == "auto" else False)
-        return o.replace(verify_width=int(shape[1:]), tree=shape[0] == "t")
+        return o.replace(verify_width=int(shape[1:].split("a")[0]), tree=shape[0] == "t")
 
     shapes = args.shapes.split(",")
     generate(pair, tok, prompts[0], options("c4").replace(max_tokens=8))  # warm up
@@ -57,6 +76,10 @@ def main() -> None:
     for p in prompts:
         want = generate(pair, tok, p, options("plain")).tokens
         for s in shapes:
+            alpha = float(s.split("a")[1]) if s[0] == "t" and "a" in s else None
+            tree_module.selector_tree = (
+                SELECTOR_TREE if alpha is None else scaled_selector_tree(alpha)
+            )
             tic = time.perf_counter()
             r = generate(pair, tok, p, options(s))
             t = totals[s]
