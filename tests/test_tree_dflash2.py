@@ -105,10 +105,11 @@ def random_dflash2(seed: int, block: int = 8, vocab=None):
     return d2
 
 
-@pytest.mark.parametrize("budget", [6, 16])
-def test_greedy_selector_trees_keep_the_targets_output(dense, budget):  # noqa: F811
+@pytest.mark.parametrize("budget,block", [(6, 8), (16, 8), (16, 16)])
+def test_greedy_selector_trees_keep_the_targets_output(dense, budget, block):  # noqa: F811
+    """Block 16: the tree of 16 may go 15 deep, where the chain of width 8 stops at 7."""
     model, tok = dense
-    d2 = random_dflash2(5)
+    d2 = random_dflash2(5, block=block)
     calls = []
     real = tree_module.selector_tree
 
