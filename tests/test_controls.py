@@ -209,13 +209,23 @@ JOINT_OPTIONS = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={2:
 def exact_processed_joint(model, top_k: int) -> dict[tuple[int, ...], float]:
     """P(x_0 .. x_{JOINT-1} | PROMPT) of the processed, top-k, T=1 target, exactly."""
     o = GenerateOptions(**JOINT_OPTIONS)
+    return exact_joint(
+        model,
+        lambda s, row: numpy_target_probs(process_np(row, PROMPT, list(s), o), 1.0, top_k, 1.0),
+        JOINT,
+    )
+
+
+def exact_joint(model, law, steps: int) -> dict[tuple[int, ...], float]:
+    """P(x_0 .. x_{steps-1} | PROMPT) exactly, every continuation enumerated: `law(s, row)`
+    is the next token's distribution after the sequence `s` whose target logits are `row`."""
     probs = {(): 1.0}
-    for _ in range(JOINT):
+    for _ in range(steps):
         prefixes = list(probs)
         logits = np.array(model(mx.array([PROMPT + list(s) for s in prefixes]))[:, -1])
         nxt = {}
         for s, row in zip(prefixes, logits.astype(np.float64)):
-            p = numpy_target_probs(process_np(row, PROMPT, list(s), o), 1.0, top_k, 1.0)
+            p = law(s, row)
             for x in np.nonzero(p)[0]:
                 nxt[s + (int(x),)] = probs[s] * p[x]
         probs = nxt

@@ -25,7 +25,7 @@ import dflash_mlx.engine.controls as controls
 from dflash_mlx import GenerateOptions, Pair, batch_generate, generate
 from dflash_mlx.engine.batch import BatchDecoder
 
-from .test_controls import SCHEMA, reference, rejects, valid
+from .test_controls import SCHEMA, exact_joint, reference, rejects, valid
 from .test_decode import ScriptedDraft
 from .test_sampling import PROMPT, V, numpy_target_probs
 
@@ -216,19 +216,13 @@ TABLE_OPTIONS = dict(temperature=1.0, top_k=3, grammar="start: table")  # a plac
 
 def exact_table_joint(model, rule) -> dict[tuple[int, ...], float]:
     """P(x_0 .. x_4 | PROMPT) of the masked, top-3, T = 1 target, exactly."""
-    probs = {(): 1.0}
-    for _ in range(JOINT):
-        prefixes = list(probs)
-        logits = np.array(model(mx.array([PROMPT + list(s) for s in prefixes]))[:, -1])
-        nxt = {}
-        for s, row in zip(prefixes, logits.astype(np.float64)):
-            allowed = np.zeros(V, dtype=bool)
-            allowed[list(rule(s)[0])] = True
-            p = numpy_target_probs(np.where(allowed, row, -np.inf), 1.0, 3, 1.0)
-            for x in np.nonzero(p)[0]:
-                nxt[s + (int(x),)] = probs[s] * p[x]
-        probs = nxt
-    return probs
+
+    def law(s, row):
+        allowed = np.zeros(V, dtype=bool)
+        allowed[list(rule(s)[0])] = True
+        return numpy_target_probs(np.where(allowed, row, -np.inf), 1.0, 3, 1.0)
+
+    return exact_joint(model, law, JOINT)
 
 
 def table_grammar(rule) -> controls.Grammar:
