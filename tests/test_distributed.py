@@ -184,11 +184,50 @@ def test_a_bad_watchdog_timeout_is_one_line_before_loading(tmp_path, monkeypatch
         monkeypatch.delenv(name)
 
 
+def test_a_rank_ending_tells_the_others_its_exit_code():
+    """How each way a rank's command ends is told to the others: a command's chosen exit
+    (click's and typer's, distinct classes in typer >= 0.10), Ctrl-C, a bad argument, ours."""
+    import click
+    import typer
+
+    from dflash_mlx.distributed.cluster import _exit_code
+    from dflash_mlx.errors import BadArgument
+
+    assert _exit_code(None) == 0
+    assert _exit_code(typer.Exit(130)) == 130 and _exit_code(typer.Exit()) == 0
+    assert _exit_code(click.exceptions.Exit(2)) == 2
+    assert _exit_code(KeyboardInterrupt()) == 130
+    assert _exit_code(BadArgument("x")) == 2 and _exit_code(RuntimeError("x")) == 1
+    assert _exit_code(SystemExit(3)) == 3
+
+
+def test_a_silent_rank_failing_alone_before_joining_says_its_line(tmp_path):
+    """Rank 1 (silent: rank 0 speaks) fails before the ranks join, where rank 0 saw no
+    error: after waiting for rank 0 to say it, it says its own line, naming itself, on its
+    real stderr; nothing on stdout. (Rank 0's side: the chat test under mlx.launch.)"""
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([["127.0.0.1:5000"], ["127.0.0.1:5001"]]))
+    done = subprocess.run(
+        [*exe(), "generate", "--demo", "--shard", "bogus", PROMPT],
+        capture_output=True,
+        timeout=120,
+        env={**env(), "MLX_RANK": "1", "MLX_HOSTFILE": str(hosts)},
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 2 and not done.stdout.strip(), err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --shard 'bogus'"), err
+    assert lines[0].endswith("(rank 1)") and "auto, tensor" in lines[0], err
+
+
 @pytest.mark.slow
 def test_chat_under_mlx_launch_ends_with_one_line_not_a_hang():
     code, out, err = launched(*exe(), "chat", "--demo", timeout=120)
+    # Every rank refuses alike; rank 0 says it (the other waits for it to, and the launcher
+    # ends it once rank 0 has exited): one line, whichever rank the launcher saw end first.
     assert "chat under mlx.launch" in one_error(err), err
-    assert "Node with rank 0 exited with code 2" in err and not out.strip(), err
+    assert "(rank 1)" not in err, err
+    assert re.search(r"Node with rank [01] exited with code 2", err) and not out.strip(), err
 
 
 def test_a_family_mlx_lm_cannot_shard_is_named(tmp_path):
@@ -637,6 +676,10 @@ def test_serve_two_ranks_reuses_a_stored_prompt_prefix_like_one_process(tmp_path
         raise
     err = stop_serving(proc)
     assert "error:" not in err and "still ran" not in err, err  # (mlx.launch dies of Ctrl-C)
+    # Ctrl-C right after the last reply: each rank ends as interrupted (130), none as failed,
+    # and the others' block writes of that last request are not cut short (below).
+    assert re.search(r"rank 0 exited with code 130", err), err
+    assert not re.search(r"exited with code (1|-15)\b", err), err
     assert [t for t, _ in got] == [t for t, _ in expected]
     first, _, again = (timings for _, timings in got)
     assert first["cache_memory_n"] == 0

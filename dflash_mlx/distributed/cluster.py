@@ -153,9 +153,11 @@ def finish(code: int, why: str = "") -> None:
         # have the launcher end rank 0 before it could.
         time.sleep(control.GRACE + control.ANSWER_GRACE + 3)
     if c.rank == 0:
-        # The others' `bye`, so that none is taken for a rank that vanished.
-        end = time.monotonic() + 5.0
-        while len(c.channel.said_bye) < c.size - 1 and time.monotonic() < end:
+        # The others' `bye`, so that none is taken for a rank that vanished, and so that the
+        # launcher (which ends every rank once one exits with an error code) does not cut
+        # their pending work short (`Channel.before_exit`).
+        end = time.monotonic() + control.EXIT_WORK + 5.0
+        while len(c.channel.said_bye | c.channel.gone) < c.size - 1 and time.monotonic() < end:
             time.sleep(0.01)
     _CLUSTER = None
 
@@ -195,12 +197,12 @@ class session:
 
 
 def _exit_code(error: BaseException | None) -> int:
-    import click
-
     if error is None:
         return 0
-    if isinstance(error, click.exceptions.Exit):
-        return int(error.exit_code or 0)
+    # A command's chosen exit (click's `Exit`, or typer's: its own class since typer 0.10).
+    code = getattr(error, "exit_code", None)
+    if type(error).__name__ == "Exit" and (code is None or isinstance(code, int)):
+        return int(code or 0)
     if isinstance(error, SystemExit):
         return int(error.code) if isinstance(error.code, int) else 1
     if isinstance(error, KeyboardInterrupt):

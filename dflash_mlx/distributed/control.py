@@ -62,6 +62,9 @@ CONNECT_TIMEOUT = 600.0  # the default of `connect_timeout()` (kept for old impo
 GRACE = 2.0
 # How long rank 0 lets the answers to in-flight requests go out before it ends.
 ANSWER_GRACE = 1.0
+# How long a rank's end waits for its own pending work (`Channel.before_exit`: a prompt
+# store's block writes), and rank 0 for the others' word that they have done theirs.
+EXIT_WORK = 10.0
 
 
 # -- silence ---------------------------------------------------------------------------------
@@ -85,6 +88,22 @@ def quiet(rank: int) -> None:
     os.dup2(log.fileno(), 2)
     os.close(null)
     _QUIET["log"] = log
+    import atexit
+
+    atexit.register(_linger, rank)
+
+
+def _linger(rank: int) -> None:
+    """A silent rank that fails before joining the others (a bad argument every rank sees
+    alike): rank 0 says it, so this one waits first (the launcher ends every rank once one
+    exits with an error code: ending first would have it end rank 0 before it could), then
+    says its line itself when rank 0 did not end it (rank 0 saw no error: only this rank's)."""
+    if _QUIET.get("joined"):
+        return  # the ranks' channel said how it ended
+    message = last_error()
+    if message:
+        time.sleep(GRACE + ANSWER_GRACE + 3)
+        say(f"{message} (rank {rank})")
 
 
 def last_line() -> str:
@@ -100,6 +119,23 @@ def last_line() -> str:
         return lines[-1] if lines else ""
     except OSError:
         return ""
+
+
+def last_error() -> str:
+    """The last `error:` message a silent rank wrote, its wrapped lines joined ("" when none)."""
+    log = _QUIET.get("log")
+    if log is None:
+        return ""
+    try:
+        sys.stderr.flush()
+        log.seek(0)
+        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
+    if not starts:
+        return ""
+    return " ".join(ln for ln in lines[starts[-1] :] if ln)
 
 
 def say(message: str) -> None:
@@ -167,6 +203,7 @@ class Channel:
         self.replies: dict[int, queue.Queue] = {}  # rank 0: what each other rank reported
         self.ending = False  # this rank is ending on its own (its own message goes out)
         self.said_bye: set[int] = set()
+        self.gone: set[int] = set()  # rank 0: the others whose connection has closed
         self.failures: list[str] = []  # rank 0: the other ranks' failures, as said
         self.aborted: int | None = None  # the others: rank 0 ends every rank with this code
         self.timeout = rank_timeout()
@@ -175,7 +212,11 @@ class Channel:
         # requests in flight); `stalled` says whether this rank's main thread is stuck.
         self.on_abort: list[Callable[[str], None]] = []
         self.stalled: Callable[[], str | None] = lambda: None
+        # The others: work to finish before this rank ends on rank 0's word (each bounded).
+        self.before_exit: list[Callable[[], Any]] = []
+        self._exit_ready = threading.Event()
         self._lock = threading.Lock()
+        _QUIET["joined"] = True
         self._connect(group)
         threading.Thread(target=self._heartbeat, daemon=True).start()
 
@@ -299,8 +340,9 @@ class Channel:
         while True:
             msg = _recv_frame(self.leader)
             if msg is None:
-                if self.aborted is not None:
-                    os._exit(self.aborted)  # rank 0 said why, and has ended
+                if self.aborted is not None:  # rank 0 said why, and has ended
+                    self._exit_ready.wait(EXIT_WORK + 1.0)
+                    os._exit(self.aborted)
                 if self.ending or 0 in self.said_bye:
                     self.inbox.put(CLOSED)
                     return
@@ -320,14 +362,30 @@ class Channel:
                 # closes), so that the launcher does not end rank 0 before it could say it.
                 self.aborted = int(msg[1])
                 self.ending = True
-                threading.Timer(10.0, os._exit, (self.aborted,)).start()
+                threading.Thread(target=self._end_on_abort, daemon=True).start()
             else:
                 self.inbox.put(msg)
+
+    def _end_on_abort(self) -> None:
+        """The others, told by rank 0 that every rank ends: this rank's pending work
+        (`before_exit`), then its `bye` (rank 0 waits for it: the launcher ends every rank
+        once rank 0 has exited), then its end once rank 0's connection closes, or 10 s on."""
+        start = time.monotonic()
+        for work in list(self.before_exit):
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - ending anyway
+                pass
+        self.tell_leader(("bye",))
+        self._exit_ready.set()
+        time.sleep(max(0.0, 10.0 - (time.monotonic() - start)))
+        os._exit(self.aborted if self.aborted is not None else 1)
 
     def _watch_peer(self, rank: int, conn: socket.socket) -> None:
         while True:
             msg = _recv_frame(conn, plain=True, limit=1 << 20)
             if msg is None:
+                self.gone.add(rank)
                 if rank in self.said_bye:
                     return
                 self._abort(

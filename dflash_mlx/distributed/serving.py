@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cluster import RanksFailed, abort, current, progress, stepped, stepping
-from .control import CLOSED
+from .control import CLOSED, EXIT_WORK
 
 
 def lead() -> None:
@@ -150,21 +150,55 @@ def follow(
     pool = PromptCachePool(prompt_cache_slots, prompt_store)
     caches: dict[int, Any] = {}
     rows: dict[int, Any] = {}
-    while True:
-        msg = c.channel.recv()
-        if msg is CLOSED:
-            decoder.close()
-            if prompt_store is not None:
-                prompt_store.flush(30)  # its blocks on disk, as rank 0's server does
-            return
-        if msg[0] != "step":
-            raise RanksFailed(f"rank {c.rank} fell out of step with rank 0: got {msg[0]}")
-        for ev in msg[1]:
-            replay(ev, pool, caches, decoder, rows)
-        decoder.step()
-        stepped()
-        for n in [n for n, r in rows.items() if r.done]:
-            del rows[n]
+    if prompt_store is not None:
+        # Rank 0 ends the launch once it has: this rank's pending block writes first, on
+        # whichever way it ends (rank 0's word, Ctrl-C here, rank 0 gone).
+        c.channel.before_exit.append(lambda: prompt_store.flush(EXIT_WORK))
+    restore = _defer_ctrl_c()
+    try:
+        while True:
+            msg = c.channel.recv()
+            if msg is CLOSED:
+                decoder.close()
+                return
+            if msg[0] != "step":
+                raise RanksFailed(f"rank {c.rank} fell out of step with rank 0: got {msg[0]}")
+            for ev in msg[1]:
+                replay(ev, pool, caches, decoder, rows)
+            decoder.step()
+            stepped()
+            for n in [n for n, r in rows.items() if r.done]:
+                del rows[n]
+    finally:
+        # Its blocks on disk before it says how it ended (rank 0 waits for that word, and
+        # the launcher ends this rank once rank 0 has exited), as rank 0's server does.
+        if prompt_store is not None:
+            prompt_store.flush(EXIT_WORK)
+        restore()
+
+
+def _defer_ctrl_c() -> Callable[[], None]:
+    """Ctrl-C in a terminal reaches every rank of a launch at once. Rank 0 ends the others
+    (its word, then each one's pending writes, `Channel.before_exit`): a Ctrl-C landing here
+    mid-step would cut this rank's step or its prompt store's writes short. So the first is
+    left to rank 0; a second ends this rank at once. Returns what puts the handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = signal.getsignal(signal.SIGINT)
+    if old is not signal.default_int_handler:
+        return lambda: None  # ignored (a background job) or the embedder's own
+    pressed = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    return lambda: signal.signal(signal.SIGINT, old)
 
 
 def replay(ev: tuple, pool: Any, caches: dict[int, Any], decoder: Any, rows: dict) -> None:

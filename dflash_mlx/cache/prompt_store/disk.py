@@ -83,8 +83,7 @@ class DiskTier:
         self._since_scan = 0
         self.counts = {"bytes_written": 0, "written": 0, "removed_bad": 0, "evicted": 0}
         self._queue: queue.Queue = queue.Queue()
-        self._idle = threading.Condition()
-        self._pending = 0
+        self._starting = threading.Lock()  # the writer thread's start
         self._thread: threading.Thread | None = None
 
     # -- paths and reads --------------------------------------------------------------------
@@ -215,9 +214,10 @@ class DiskTier:
     # -- the background writer --------------------------------------------------------------
 
     def submit(self, job: Callable[[], None]) -> None:
-        """Run `job` on the writer thread (started on first use)."""
-        with self._idle:
-            self._pending += 1
+        """Run `job` on the writer thread (started on first use). A job is counted as
+        pending in the same step that queues it (`Queue.put`), so a signal landing in
+        between loses the job rather than leaving a count no write will ever clear."""
+        with self._starting:
             if self._thread is None or not self._thread.is_alive():
                 if self._thread is None:
                     # A process that ends with writes pending finishes them first: a
@@ -231,8 +231,9 @@ class DiskTier:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every submitted write is done; False on timeout."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        done = self._queue.all_tasks_done
+        with done:
+            return done.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
 
     def _work(self) -> None:
         while True:
@@ -242,9 +243,7 @@ class DiskTier:
             except Exception as e:  # noqa: BLE001 - a failed write loses a block, nothing else
                 log.warning("prompt cache: a block write failed (%s: %s)", type(e).__name__, e)
             finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+                self._queue.task_done()
 
 
 def scan_folder(folder: Path) -> tuple[list[tuple[Path, int, float]], list]:
