@@ -1,0 +1,290 @@
+"""Trees under a grammar (issue 38, item 3; SPEC 6, 7): a grammar row verifies a tree, each
+node's target distribution masked by the grammar at that node's own path.
+
+Every node is a token the grammar allows after its path (forced runs carried as single
+children, the draft's likeliest allowed tokens elsewhere). Greedy replies are the constrained
+target's own decode, one token at a time with the mask applied (`test_controls.reference`),
+for several budgets, DFlash 1 and the demo pair's DFlash 2 draft, alone and in a batch of
+mixed rows; the stats say trees were verified. Broken verifiers (the target unmasked at the
+nodes, or masked with the parent's mask) must fail the greedy check; sampled, the masked
+law over the first positions (a chi-square on the table grammar of test_forced_drafts.py)
+holds, and fails with the target unmasked at the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx.engine.batch as batch
+import dflash_mlx.engine.batch_cycle as batch_cycle
+import dflash_mlx.engine.tree as tree_module
+from dflash_mlx import GenerateOptions, Pair, batch_generate, generate
+from dflash_mlx.engine import controls
+
+from .test_controls import SCHEMA, reference, rejects, valid
+from .test_sampling import PROMPT
+
+OTHER = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The demo pair: its target, DFlash 1 draft and DFlash 2 draft."""
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.demo import SHIPPED
+
+    model, tok = load(str(SHIPPED / "target"))
+    return model, tok, load_draft(str(SHIPPED / "draft")), load_draft(str(SHIPPED / "draft2"))
+
+
+def spy_trees(monkeypatch) -> list:
+    """Each grammar tree proposed: `(tokens, parents, masks, selector)` on the host."""
+    seen, real = [], batch_cycle.grammar_tree
+
+    def spy(req, *a, **k):
+        shape, masks = real(req, *a, **k)
+        tokens, parents = np.array(shape[0]), np.array(shape[1])
+        seen.append((tokens, parents, masks, "candidate_selector" in req.draft))
+        return shape, masks
+
+    monkeypatch.setattr(batch_cycle, "grammar_tree", spy)
+    return seen
+
+
+def assert_within_the_grammar(seen) -> None:
+    """Every node is a token its parent's mask allows; a mask for every node."""
+    assert seen
+    for tokens, parents, masks, _ in seen:
+        assert masks.shape[0] == tokens.size
+        g = controls.Grammar(None, 32 * masks.shape[1])
+        for v in range(1, tokens.size):
+            assert g.allows(masks[parents[v]], int(tokens[v])), (v, tokens, parents)
+
+
+def branchy(seen) -> bool:
+    """Some tree had a node with more than one child (not all chains)."""
+    return any(
+        np.bincount(parents[1:], minlength=tokens.size).max() > 1 for tokens, parents, *_ in seen
+    )
+
+
+def trees_verified(stats) -> int:
+    return sum(c for c, _ in stats.trees.values())
+
+
+# -- greedy: the constrained target's own decode ---------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [4, 8, 16, 32])
+def test_greedy_grammar_trees_are_the_constrained_targets_own_decode(
+    target, draft, budget, monkeypatch
+):
+    model, tok = target
+    ids = tok.encode("Reply in JSON:")
+    o = GenerateOptions(max_tokens=80, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 80)
+    seen = spy_trees(monkeypatch)
+    out = generate(Pair(model, draft), tok, ids, o.replace(verify_width=budget, tree=True))
+    assert out.tokens == want, budget
+    assert out.stats.tree_note is None
+    assert trees_verified(out.stats) >= 1
+    assert max(out.stats.trees) <= budget
+    assert_within_the_grammar(seen)
+    if budget >= 8:
+        assert branchy(seen)
+    if out.finish_reason == "stop":
+        assert valid(json.loads(out.text))
+
+
+@pytest.mark.parametrize("budget", [8, 16])
+@pytest.mark.parametrize("which", ["dflash1", "dflash2"])
+def test_the_demo_pairs_drafts_verify_grammar_trees_keeping_the_targets_output(
+    shipped, which, budget, monkeypatch
+):
+    """The demo pair's DFlash 1 and DFlash 2 drafts under the issue's schema and a forced
+    tool call's shape: trees verified (DFlash 2's from its selector among the allowed
+    candidates), each reply the constrained target's own and valid."""
+    model, tok, d1, d2 = shipped
+    d = d1 if which == "dflash1" else d2
+    seen = spy_trees(monkeypatch)
+    for prompt, schema in (("def parse(path):\n    ", SCHEMA), ("import os\n", OTHER)):
+        ids = tok.encode(prompt)
+        o = GenerateOptions(max_tokens=60, json_schema=schema)
+        want, _ = reference(model, tok, ids, o, 60)
+        out = generate(Pair(model, d), tok, ids, o.replace(verify_width=budget, tree=True))
+        assert out.tokens == want, (prompt, which, budget)
+        assert out.stats.tree_note is None and trees_verified(out.stats) >= 1
+        if out.finish_reason == "stop":
+            doc = json.loads(out.text)
+            assert valid(doc) if schema is SCHEMA else set(doc) == {"ok", "n"}
+        assert out.stats.tau > 1.5  # forced structure at least
+    assert_within_the_grammar(seen)
+    assert all(sel == (which == "dflash2") for *_, sel in seen)
+    assert branchy(seen)
+
+
+def test_the_automatic_shape_under_a_grammar_keeps_the_targets_output(shipped, monkeypatch):
+    """`tree=None` with a width chooser that learns costs: the shape chooser may pick trees
+    for a grammar row now (it tries a tree first), and the reply stays the target's."""
+    from dflash_mlx.speed.adaptive import WidthChooser
+
+    from .test_adaptive import FLAT
+
+    model, tok, d1, _ = shipped
+    ids = tok.encode("def parse(path):\n    ")
+    o = GenerateOptions(max_tokens=60, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 60)
+    seen = spy_trees(monkeypatch)
+    grammar = controls.compile_grammar(o, tok, model(mx.array([[0]])).shape[-1])
+    chooser = WidthChooser(FLAT, 16)
+    got = []
+    eos = frozenset(tok.eos_token_ids)
+    pair = Pair(model, d1)
+    for c in batch.speculative_decode(
+        pair, ids, o, width=8, draft_block=16, chooser=chooser, grammar=grammar, eos_ids=eos
+    ):
+        got += c.tokens
+    assert got[: len(want)] == want
+    assert seen  # a tree was tried
+
+
+@pytest.mark.parametrize("broken", ["unmasked", "parents_mask"])
+def test_the_greedy_check_catches_nodes_verified_without_their_own_mask(
+    shipped, broken, monkeypatch
+):
+    """Broken verifiers: the target's argmax unmasked at the nodes, or masked with each
+    node's parent's mask (one position off): the reply leaves the target's own decode (or
+    the grammar refuses a token)."""
+    model, tok, d1, _ = shipped
+    ids = tok.encode("def parse(path):\n    ")
+    o = GenerateOptions(max_tokens=60, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 60)
+    real = tree_module.node_outputs
+
+    def wrong(req, logits, masks=None):
+        if masks is not None and broken == "parents_mask":
+            return real(req, logits, np.concatenate([masks[:1], masks[:-1]]))
+        return real(req, logits, None)
+
+    monkeypatch.setattr(batch_cycle, "node_outputs", wrong)
+    try:
+        out = generate(Pair(model, d1), tok, ids, o.replace(verify_width=16, tree=True))
+    except Exception as e:  # noqa: BLE001 - the grammar refused what the broken verifier took
+        assert "grammar" in str(e)
+        return
+    assert out.tokens != want
+
+
+# -- in a batch: grammar trees beside free rows, one verify pass -------------------------------
+
+
+@pytest.mark.parametrize("which", ["dflash1", "dflash2"])
+def test_grammar_trees_in_a_batch_of_4_mixed_rows_are_each_their_own_decode(
+    shipped, which, monkeypatch
+):
+    """Two grammar rows verifying trees beside a free tree row and a free chain row, one
+    verify pass (`tree.batch_mask`): each reply is its request's own decode, the grammar
+    rows' stats count trees, and their replies validate."""
+    model, tok, d1, d2 = shipped
+    d = d1 if which == "dflash1" else d2
+    seen = spy_trees(monkeypatch)
+    prompts = ["def parse(path):\n    ", "import os\n", "class Node:\n", "for x in y:\n"]
+    options = [
+        GenerateOptions(max_tokens=50, json_schema=SCHEMA, verify_width=8, tree=True),
+        GenerateOptions(max_tokens=20, verify_width=8, tree=True),
+        GenerateOptions(max_tokens=40, json_schema=OTHER, verify_width=12, tree=True),
+        GenerateOptions(max_tokens=20, verify_width=4),
+    ]
+    got = batch_generate(Pair(model, d), tok, prompts, options, max_batch=4)
+    for p, o, r in zip(prompts, options, got, strict=True):
+        plain = o.replace(verify_width=None, tree=False)
+        want, _ = reference(model, tok, tok.encode(p), plain, o.max_tokens)
+        assert r.tokens == want, (p, o.constrained)
+        if o.tree:
+            assert r.stats.tree_note is None and trees_verified(r.stats) >= 1, p
+        if o.constrained and r.finish_reason == "stop":
+            doc = json.loads(r.text)
+            assert valid(doc) if o.json_schema is SCHEMA else set(doc) == {"ok", "n"}
+    assert all(4 in r.stats.batches for r in got), [r.stats.batches for r in got]
+    assert_within_the_grammar(seen)
+
+
+# -- sampling: the masked law ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def top2_pair():
+    from .test_sampling import build_tiny_vocab_pair
+    from .test_tree import Top2Draft
+
+    model, draft = build_tiny_vocab_pair(12)
+    return model, Top2Draft(draft, model)
+
+
+def tree_table_counts(model, draft, rule, draws: int) -> tuple[dict, int]:
+    """The table grammar's first positions, sampled with trees of 8 (block 4: the forced x1,
+    then the draft's two likeliest x2, each followed by the forced x3 x4); and how many
+    cycles verified a tree. A run the grammar stops (it refused a token a broken verifier
+    took) counts as a draw outside the law."""
+    from .test_forced_drafts import JOINT, TABLE_OPTIONS, table_grammar
+
+    pair = Pair(model, draft)
+    o = GenerateOptions(max_tokens=10, tree=True, **TABLE_OPTIONS)
+    counts: dict[tuple, int] = {}
+    trees = 0
+    for seed in range(draws):
+        tokens = []
+        try:
+            for c in batch.speculative_decode(
+                pair, PROMPT, o, seed=seed, width=8, draft_block=4, grammar=table_grammar(rule)
+            ):
+                tokens += c.tokens
+                trees += c.tree
+        except RuntimeError as e:
+            assert "grammar" in str(e)
+            tokens = ["refused"]
+        key = tuple(tokens[:JOINT])
+        counts[key] = counts.get(key, 0) + 1
+    return counts, trees
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_sampled_grammar_trees_have_the_masked_law(top2_pair, monkeypatch):
+    from .test_forced_drafts import exact_table_joint, table_rule
+
+    model, draft = top2_pair
+    rule = table_rule(model)
+    used, real = [], tree_module.accept_sampled
+
+    def spy(tree, p, uniforms):
+        path, tok = real(tree, p, uniforms)
+        used.append(any(int(c) != int(tree.children(tree.parents[c])[0]) for c in path[1:]))
+        return path, tok
+
+    monkeypatch.setattr(tree_module, "accept_sampled", spy)
+    counts, trees = tree_table_counts(model, draft, rule, 3000)
+    assert trees >= 3000 and sum(used) > 100, (trees, sum(used))
+    assert not rejects(counts, exact_table_joint(model, rule))
+
+
+@pytest.mark.slow  # thousands of sampled requests for a chi-square test
+def test_the_law_test_catches_the_target_unmasked_at_the_nodes(top2_pair, monkeypatch):
+    from .test_forced_drafts import exact_table_joint, table_rule
+
+    model, draft = top2_pair
+    rule = table_rule(model)
+    real = tree_module.node_outputs
+    monkeypatch.setattr(
+        batch_cycle, "node_outputs", lambda req, logits, masks=None: real(req, logits)
+    )
+    counts, _ = tree_table_counts(model, draft, rule, 1500)
+    assert rejects(counts, exact_table_joint(model, rule))
