@@ -24,6 +24,7 @@ import dflash_mlx.engine.batch_cycle as batch_cycle
 import dflash_mlx.engine.tree as tree_module
 from dflash_mlx import GenerateOptions, Pair, batch_generate, generate
 from dflash_mlx.engine import controls
+from dflash_mlx.engine.walks import FORCED_BEYOND
 
 from .test_controls import SCHEMA, reference, rejects, valid
 from .test_sampling import PROMPT
@@ -97,12 +98,29 @@ def test_greedy_grammar_trees_are_the_constrained_targets_own_decode(
     assert out.tokens == want, budget
     assert out.stats.tree_note is None
     assert trees_verified(out.stats) >= 1
-    assert max(out.stats.trees) <= budget
+    # The run the grammar forces from the anchor on counts 16 past the budget, as a chain's.
+    assert max(out.stats.trees) <= budget + FORCED_BEYOND
+    if budget <= 8:
+        assert max(out.stats.trees) > budget
     assert_within_the_grammar(seen)
     if budget >= 8:
         assert branchy(seen)
     if out.finish_reason == "stop":
         assert valid(json.loads(out.text))
+
+
+def test_a_grammar_tree_stops_at_the_requests_max_tokens(target, draft):
+    """The forced run past the budget never carries the reply past `max_tokens`."""
+    model, tok = target
+    ids = tok.encode("Reply in JSON:")
+    o = GenerateOptions(max_tokens=40, json_schema=SCHEMA)
+    want, _ = reference(model, tok, ids, o, 40)
+    for n in (2, 3, 5, 9, 17):
+        out = generate(
+            Pair(model, draft), tok, ids, o.replace(max_tokens=n, verify_width=4, tree=True)
+        )
+        assert out.tokens == want[:n], n
+        assert out.stats.generation_tokens == n and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("budget", [8, 16])

@@ -293,7 +293,9 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
                 hidden, logits = block if block is not None else (None, None)
                 masks = None
                 if r.req.controls is not None:  # a grammar's: a mask at each node's path
-                    shape, masks = grammar_tree(r.req, r.anchor, w, length, logits, hidden)
+                    room = r.options.max_tokens - r.generated - 1
+                    got = grammar_tree(r.req, r.anchor, w, length, logits, hidden, room)
+                    shape, masks = got
                 else:
                     shape = propose_tree(r.req, r.anchor, w, length, logits, hidden=hidden)
                 out.append((shape[0][1:], None, masks, shape))

@@ -295,8 +295,10 @@ def grammar_tree(
     rows: int,
     logits: mx.array | None = None,
     hidden: mx.array | None = None,
+    room: int | None = None,
 ) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array], np.ndarray]:
-    """A grammar row's tree (SPEC 6, 7): at most `budget` nodes (anchor included), every
+    """A grammar row's tree (SPEC 6, 7): `budget` nodes (anchor included) and the run the
+    grammar forces from the anchor on, every
     node a token the grammar allows at its parent's path, and the grammar's mask at each
     node's own path `(N, words)`, which verification applies to the target's logits there
     (`node_outputs`). Returns `(tokens, parents, depths, seen)` as `propose_tree` does, and
@@ -305,11 +307,14 @@ def grammar_tree(
     Best first on the host, as `build` scores paths: where the grammar forces a token
     (llguidance's fast-forward tokens, `Grammar.forced`) the node's one child is that token,
     at its parent's score (it costs no draft row, and may go `walks.FORCED_BEYOND` past the
-    block, not for a draft with cross-block conv rows); elsewhere its children are the
+    block, not for a draft with cross-block conv rows; as a chain's, the run forced from the
+    anchor on, before any choice, is certain and counts `FORCED_BEYOND` of it outside the
+    budget); elsewhere its children are the
     draft's `BRANCH` likeliest allowed tokens at the next block position (a DFlash 2
     draft's: its selector's candidates the grammar allows, scored after the node's own
     token, `sampling.MaskedSelector`), each scored by its log-probability among the allowed
-    ones. Each node's mask is computed once, when it joins the tree: the matcher consumes
+    ones. No node is deeper than `room` (the tokens the request has left, but one). Each
+    node's mask is computed once, when it joins the tree: the matcher consumes
     its path (from the last node's, rolling back to their common ancestor), and is rolled
     back to the committed tokens at the end. The draft's block is read back once, at the
     first choice (a tree the grammar forces whole runs no draft pass, but a conv draft's,
@@ -323,6 +328,9 @@ def grammar_tree(
     selector = "candidate_selector" in req.draft
     conv = bool(req.state.conv)
     deepest = rows - 1 if conv else rows - 1 + FORCED_BEYOND
+    deepest = deepest if room is None else min(deepest, room)
+    extra = 0 if conv else FORCED_BEYOND  # certain nodes outside the budget, left
+    certain = [True]  # each node's path forced from the anchor on (no choice)
     tokens, parents, depths, scores = [int(anchor.reshape(-1)[0].item())], [-1], [0], [0.0]
     masks, runs = [grammar.mask()], [grammar.forced()]
     at: list[int] = []  # the path the matcher has consumed past the committed tokens
@@ -343,7 +351,7 @@ def grammar_tree(
             return
         run = runs[v]
         if run and grammar.allows(masks[v], run[0]):
-            heapq.heappush(heap, (-scores[v], pushed, v, run[0], run[1:]))
+            heapq.heappush(heap, (-scores[v], pushed, v, run[0], (run[1:],)))
             pushed += 1
             return
         if depths[v] >= rows - 1:  # a choice past the draft's rows
@@ -367,8 +375,16 @@ def grammar_tree(
             pushed += 1
 
     expand(0)
-    while heap and len(tokens) < budget:
-        neg, _, parent, tok, rest = heapq.heappop(heap)
+    counted = 1  # nodes in the budget
+    while heap and (counted < budget or extra):
+        neg, _, parent, tok, forced = heapq.heappop(heap)
+        free = extra > 0 and certain[parent] and forced is not None
+        if not free and counted >= budget:
+            continue
+        extra -= free
+        counted += not free
+        certain.append(certain[parent] and forced is not None)
+        rest = forced[0] if forced is not None else None
         v = len(tokens)
         tokens.append(tok)
         parents.append(parent)
