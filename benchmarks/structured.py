@@ -184,6 +184,7 @@ PROFILED = {
     ("dflash_mlx.engine.controls", "Grammar.rollback"): "grammar: consume / rollback",
     ("dflash_mlx.engine.controls", "Grammar.allowed"): "walk: masks unpacked, rows drawn",
     ("dflash_mlx.engine.walks", "draft_block"): "draft pass + host read of its block",
+    ("dflash_mlx.engine.batch_cycle", "grammar_tree"): "grammar tree: built on the host",
     ("dflash_mlx.engine.batch_cycle", "decide"): "verify pass + acceptance (host sync)",
 }
 
@@ -234,7 +235,9 @@ def profile(pair, tok, prompts, opts, masked) -> tuple[dict, dict]:
     return spent, counts
 
 
-def print_profile(pair, tok, prompts, width, max_tokens, constraint="schema") -> None:
+def print_profile(
+    pair, tok, prompts, width, max_tokens, constraint="schema", trees: tuple[int, ...] = ()
+) -> None:
     kw, _ = CONSTRAINTS[constraint]
     o = GenerateOptions(max_tokens=max_tokens, verify_width=width)
     runs = {
@@ -242,6 +245,8 @@ def print_profile(pair, tok, prompts, width, max_tokens, constraint="schema") ->
         f"{constraint[:6]}, walk": (o.replace(**kw), True),
         f"{constraint[:6]}, free": (o.replace(**kw), False),
     }
+    for b in trees:
+        runs[f"{constraint[:6]}, t{b}"] = (o.replace(**kw, verify_width=b, tree=True), True)
     print(f"\n{constraint}")
     generate(pair, tok, prompts[0], max_tokens=8, verify_width=4)  # warm up
     got = {name: profile(pair, tok, prompts, o, m) for name, (o, m) in runs.items()}
@@ -283,16 +288,17 @@ def main() -> None:
     regime = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "default BLAS"
     n = len(next(iter(prompts.values())))
     print(f"{what}, greedy, W = {args.width}, {n} prompts a constraint, {regime}")
+    trees = tuple(int(b) for b in args.trees.split(",") if b)
     if args.profile:
         for c in CONSTRAINTS:
-            print_profile(pair, tok, prompts[c], args.width, args.max_tokens, c)
+            print_profile(pair, tok, prompts[c], args.width, args.max_tokens, c, trees)
         return
 
     def options(kw: dict) -> GenerateOptions:
         return GenerateOptions(**{"max_tokens": args.max_tokens, "verify_width": args.width, **kw})
 
     generate(pair, tok, prompts["schema"][0], max_tokens=8, verify_width=4)  # warm up
-    found = variants(tuple(int(b) for b in args.trees.split(",") if b))
+    found = variants(trees)
     # Each constraint against free text on its own prompts: (constraint, variant) -> totals.
     totals = {}  # tokens, cycles, seconds, invalid, not the target's own reply
     alone = {}
