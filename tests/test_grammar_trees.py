@@ -31,7 +31,10 @@ from .test_sampling import PROMPT
 
 OTHER = {
     "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 99}},
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
     "required": ["ok", "n"],
     "additionalProperties": False,
 }
@@ -105,8 +108,7 @@ def test_greedy_grammar_trees_are_the_constrained_targets_own_decode(
     assert_within_the_grammar(seen)
     if budget >= 8:
         assert branchy(seen)
-    if out.finish_reason == "stop":
-        assert valid(json.loads(out.text))
+    assert out.finish_reason == "stop" and valid(json.loads(out.text))
 
 
 def test_a_grammar_tree_stops_at_the_requests_max_tokens(target, draft):
@@ -141,9 +143,9 @@ def test_the_demo_pairs_drafts_verify_grammar_trees_keeping_the_targets_output(
         out = generate(Pair(model, d), tok, ids, o.replace(verify_width=budget, tree=True))
         assert out.tokens == want, (prompt, which, budget)
         assert out.stats.tree_note is None and trees_verified(out.stats) >= 1
-        if out.finish_reason == "stop":
-            doc = json.loads(out.text)
-            assert valid(doc) if schema is SCHEMA else set(doc) == {"ok", "n"}
+        assert out.finish_reason == "stop", out.text
+        doc = json.loads(out.text)
+        assert valid(doc) if schema is SCHEMA else set(doc) == {"ok", "n"}
         assert out.stats.tau > 1.5  # forced structure at least
     assert_within_the_grammar(seen)
     assert all(sel == (which == "dflash2") for *_, sel in seen)
@@ -229,7 +231,8 @@ def test_grammar_trees_in_a_batch_of_4_mixed_rows_are_each_their_own_decode(
         assert r.tokens == want, (p, o.constrained)
         if o.tree:
             assert r.stats.tree_note is None and trees_verified(r.stats) >= 1, p
-        if o.constrained and r.finish_reason == "stop":
+        if o.constrained:
+            assert r.finish_reason == "stop", r.text
             doc = json.loads(r.text)
             assert valid(doc) if o.json_schema is SCHEMA else set(doc) == {"ok", "n"}
     assert all(4 in r.stats.batches for r in got), [r.stats.batches for r in got]
