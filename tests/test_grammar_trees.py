@@ -204,6 +204,24 @@ def test_the_greedy_check_catches_nodes_verified_without_their_own_mask(
     assert out.tokens != want
 
 
+@pytest.mark.parametrize("which", ["dflash1", "dflash2"])
+def test_seeded_sampled_grammar_trees_are_plain_seeded_decoding(shipped, which):
+    """A seeded request draws each position's token with that position's key from the
+    masked target (`coupled_accept`): under a grammar, trees of 8 and 16 give the reply the
+    target alone gives with that seed (verify width 1), token for token."""
+    model, tok, d1, d2 = shipped
+    d = d1 if which == "dflash1" else d2
+    ids = tok.encode("def parse(path):\n    ")
+    for seed in (0, 1):
+        o = GenerateOptions(max_tokens=60, json_schema=SCHEMA, temperature=1.0, seed=seed)
+        plain = generate(Pair(model, d), tok, ids, o.replace(verify_width=1))
+        assert plain.finish_reason == "stop" and valid(json.loads(plain.text))
+        for budget in (8, 16):
+            out = generate(Pair(model, d), tok, ids, o.replace(verify_width=budget, tree=True))
+            assert out.tokens == plain.tokens, (seed, budget)
+            assert trees_verified(out.stats) >= 1
+
+
 # -- in a batch: grammar trees beside free rows, one verify pass -------------------------------
 
 
@@ -309,3 +327,60 @@ def test_the_law_test_catches_the_target_unmasked_at_the_nodes(top2_pair, monkey
     )
     counts, _ = tree_table_counts(model, draft, rule, 1500)
     assert rejects(counts, exact_table_joint(model, rule))
+
+
+def batched_tree_table_counts(model, draft, rule, draws: int) -> tuple[dict, int]:
+    """`tree_table_counts` in batches of 4: each draw a table-grammar row verifying trees of
+    8, beside free rows (a tree row and a chain row, other prompts), joining as others
+    leave; and how many of the counted rows verified trees and ran in a batch."""
+    from .test_batch import _IdsOnly
+    from .test_forced_drafts import JOINT, TABLE_OPTIONS, table_grammar
+
+    grammars = iter([table_grammar(rule) for _ in range(draws)])
+    dec = batch.BatchDecoder(Pair(model, draft), _IdsOnly(), max_batch=4)
+    constrained = GenerateOptions(
+        max_tokens=10, verify_width=8, draft_block=4, tree=True, **TABLE_OPTIONS
+    )
+    free = [
+        GenerateOptions(max_tokens=8, temperature=1.0, verify_width=8, draft_block=4, tree=True),
+        GenerateOptions(max_tokens=8, temperature=1.0, verify_width=4, draft_block=4),
+    ]
+    real = batch.compile_grammar
+    batch.compile_grammar = lambda opts, tokenizer, vocab: (
+        next(grammars) if opts.constrained else None
+    )
+    tokens: dict = {}
+    last: dict = {}
+    try:
+        for i in range(draws):
+            dec.submit(list(PROMPT), constrained, handle=("c", i))
+            if i % 2:
+                dec.submit([2, 7, 1, 8], free[i % 4 == 1], handle=("f", i))
+        while dec.busy:
+            for row, item in dec.step():
+                assert not isinstance(item, BaseException), item
+                tokens.setdefault(row.handle, []).extend(item.tokens)
+                last[row.handle] = item.stats
+    finally:
+        batch.compile_grammar = real
+    assert max(dec.sizes) == 4
+    batched_trees = sum(
+        bool(st.trees) and bool(st.batches) for (kind, _), st in last.items() if kind == "c"
+    )
+    counts: dict = {}
+    for (kind, _), got in tokens.items():
+        if kind == "c":
+            key = tuple(got[:JOINT])
+            counts[key] = counts.get(key, 0) + 1
+    return counts, batched_trees
+
+
+@pytest.mark.slow  # thousands of sampled rows for a chi-square test
+def test_batched_grammar_tree_rows_keep_the_masked_law(top2_pair):
+    from .test_forced_drafts import exact_table_joint, table_rule
+
+    model, draft = top2_pair
+    rule = table_rule(model)
+    counts, batched_trees = batched_tree_table_counts(model, draft, rule, 1500)
+    assert batched_trees > 1000, batched_trees
+    assert not rejects(counts, exact_table_joint(model, rule))
