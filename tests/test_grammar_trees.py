@@ -85,6 +85,63 @@ def trees_verified(stats) -> int:
     return sum(c for c, _ in stats.trees.values())
 
 
+# -- the tree: within the grammar, a mask per node at its path --------------------------------
+
+
+@pytest.mark.parametrize("budget", [3, 8, 24])
+def test_a_grammar_tree_masks_each_node_at_its_own_path(target, draft, budget):
+    """`grammar_tree` on a schema, after a committed prefix, from a random block: every
+    node's mask is a fresh matcher's after the committed tokens and the node's path; each
+    child is allowed at its parent; a choice node's children are the draft's likeliest
+    allowed tokens there; the budget holds (the run forced from the anchor aside); the
+    matcher is left where it was."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.engine.sampling import SamplingParams
+
+    model, tok = target
+    vocab = model(mx.array([[0]])).shape[-1]
+    o = GenerateOptions(json_schema=SCHEMA)
+    committed = tok.encode('{"name": "ab')
+    grammar = controls.compile_grammar(o, tok, vocab)
+    grammar.consume(committed)
+    req = SimpleNamespace(
+        controls=controls.Controls(o, vocab, [], grammar),
+        draft=draft,
+        state=SimpleNamespace(conv=[]),
+        params=SamplingParams(),
+    )
+    rows = 6
+    mx.random.seed(budget)
+    logits = mx.random.normal((rows - 1, vocab)) * 4
+    before = grammar.mask()
+    shape, masks = tree_module.grammar_tree(
+        req, mx.array([committed[-1]]), budget, rows, logits, None, room=40
+    )
+    tokens, parents, depths = (np.array(x).tolist() for x in shape[:3])
+    assert (grammar.mask() == before).all()  # rolled back to the committed tokens
+    host = np.array(logits)
+    for v in range(1, len(tokens)):
+        assert parents[v] < v and depths[v] == depths[parents[v]] + 1
+        assert grammar.allows(masks[parents[v]], tokens[v]), v
+        path, u = [], v
+        while u > 0:
+            path.append(tokens[u])
+            u = parents[u]
+        fresh = controls.compile_grammar(o, tok, vocab)
+        fresh.consume(committed + path[::-1])
+        assert (fresh.mask() == masks[v]).all(), v
+    for v in range(len(tokens)):
+        kids = [c for c in range(len(tokens)) if parents[c] == v]
+        if len(kids) > 1:  # a choice: the draft's likeliest allowed tokens at that depth
+            row = np.where(grammar.allowed(masks[v]), host[depths[v]], -np.inf)
+            best = np.argsort(-row, kind="stable")[: len(kids)]
+            assert [tokens[c] for c in kids] == best.tolist(), v
+    branches = [sum(p == v for p in parents) for v in range(len(tokens))]
+    assert max(branches) > 1 or budget < 8
+    assert budget <= len(tokens) <= budget + FORCED_BEYOND
+
+
 # -- greedy: the constrained target's own decode ---------------------------------------------
 
 
