@@ -7,7 +7,10 @@ drafted nodes of highest path probability (best-first, vectorised per depth: the
 marginals do not depend on the parent, so every node's children are the same ranked tokens
 of the next position). A DFlash 2 draft's tree comes from its candidate selector instead
 (`selector_tree`): each node's children are the next slot's candidates scored given that
-node's token, the paths the selector would walk, best first. `attention_mask` lets each node
+node's token, the paths the selector would walk, best first. Under a grammar (a request
+whose only control is one) `grammar_tree` builds it on the host within the grammar, and
+every node's target distribution is masked by the grammar at that node's path
+(`node_outputs`): the argument below holds for the masked `p`. `attention_mask` lets each node
 see the committed prefix and its own ancestors only, at position `prefix + depth`.
 `accept_greedy` and `accept_sampled` walk the verified tree from the root (SPEC 7): greedy
 follows the child equal to the target's argmax; sampling tests a node's children in rank
@@ -27,6 +30,7 @@ target's autoregressive law.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +39,7 @@ import numpy as np
 
 from .controls import bits_to_mask
 from .sampling import PositionKeys, probabilities, sample_rows
+from .walks import FORCED_BEYOND, draft_block
 
 if TYPE_CHECKING:
     from ..options import GenerateOptions
@@ -297,33 +302,30 @@ def grammar_tree(
     hidden: mx.array | None = None,
     room: int | None = None,
 ) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array], np.ndarray]:
-    """A grammar row's tree (SPEC 6, 7): `budget` nodes (anchor included) and the run the
-    grammar forces from the anchor on, every
-    node a token the grammar allows at its parent's path, and the grammar's mask at each
-    node's own path `(N, words)`, which verification applies to the target's logits there
-    (`node_outputs`). Returns `(tokens, parents, depths, seen)` as `propose_tree` does, and
-    the masks.
+    """A grammar row's tree (SPEC 6, 7): `budget` nodes (anchor included), and the run the
+    grammar forces from the anchor on, each node a token the grammar allows after its
+    parent's path; with the grammar's mask at each node's own path `(N, words)`, which
+    verification applies to the target's logits there (`node_outputs`). Returns `(tokens,
+    parents, depths, seen)` as `propose_tree` does, and the masks.
 
-    Best first on the host, as `build` scores paths: where the grammar forces a token
-    (llguidance's fast-forward tokens, `Grammar.forced`) the node's one child is that token,
-    at its parent's score (it costs no draft row, and may go `walks.FORCED_BEYOND` past the
-    block, not for a draft with cross-block conv rows; as a chain's, the run forced from the
-    anchor on, before any choice, is certain and counts `FORCED_BEYOND` of it outside the
-    budget); elsewhere its children are the
-    draft's `BRANCH` likeliest allowed tokens at the next block position (a DFlash 2
-    draft's: its selector's candidates the grammar allows, scored after the node's own
-    token, `sampling.MaskedSelector`), each scored by its log-probability among the allowed
-    ones. No node is deeper than `room` (the tokens the request has left, but one). Each
-    node's mask is computed once, when it joins the tree: the matcher consumes
-    its path (from the last node's, rolling back to their common ancestor), and is rolled
-    back to the committed tokens at the end. The draft's block is read back once, at the
-    first choice (a tree the grammar forces whole runs no draft pass, but a conv draft's,
-    whose conv rows are committed). The children are a function of the draft pass and the
-    grammar alone, so `accept_sampled`'s rule stays exact on the masked target."""
-    import heapq
+    Best first on the host, paths scored as `build` scores them. Where the grammar forces a
+    token (llguidance's fast-forward tokens, `Grammar.forced`) a node's one child is that
+    token, at its parent's score: it needs no draft row and may go `walks.FORCED_BEYOND`
+    past the block (not for a draft with cross-block conv rows), and, as a chain's forced
+    run past its width, the run forced from the anchor on (before any choice) counts up to
+    `FORCED_BEYOND` nodes outside the budget. Elsewhere its children are the draft's
+    `BRANCH` likeliest allowed tokens at the next block position (a DFlash 2 draft's: its
+    selector's candidates the grammar allows, scored after the node's own token,
+    `sampling.MaskedSelector`), each scored by its log-probability among the allowed ones.
+    No node is deeper than `room` (the tokens the request has left, but one).
 
-    from .walks import FORCED_BEYOND, draft_block
-
+    Each node's mask is computed once, as the node joins the tree: the matcher rolls back
+    to the common ancestor of the last node and this one, consumes the rest of its path,
+    and is rolled back to the committed tokens at the end. The draft's block is read back
+    once, at the first choice (a tree the grammar forces whole runs no draft pass, but a
+    conv draft's, whose conv rows are committed). The children are a function of the draft
+    pass and the grammar alone, so `accept_sampled`'s rule stays exact on the masked
+    target."""
     grammar = req.controls.grammar
     selector = "candidate_selector" in req.draft
     conv = bool(req.state.conv)
