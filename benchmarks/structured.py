@@ -13,11 +13,13 @@ carried as drafts either way (SPEC 6, issue 38). Every constrained reply is chec
 against its schema. Alone: one request at a time, variants alternated prompt by prompt (so
 drift on a loaded machine falls on all of them). Batched: the prompts 4 at a time
 (`batch_generate`, every row the same variant), and a mixed batch (two constrained rows
-beside two free ones, each row's own figures).
+beside two free ones, each row's own figures). `--trees B`: also trees of B verified
+tokens, free and within the grammar (each node masked at its own path, `tree.grammar_tree`).
 
     python benchmarks/structured.py                 # the demo pair, W = 8
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python benchmarks/structured.py             # the OpenBLAS regime
+    python benchmarks/structured.py --pair D --trees 16   # also trees of 16 nodes
 """
 
 from __future__ import annotations
@@ -111,12 +113,18 @@ CONSTRAINTS = {
 }
 
 
-def variants() -> dict[str, tuple[dict, bool, object]]:
-    """name -> (options, whether drafts are drawn within the grammar, validator)."""
+def variants(trees: tuple[int, ...] = ()) -> dict[str, tuple[dict, bool, object]]:
+    """name -> (options, whether drafts are drawn within the grammar, validator); with
+    `trees`, also each budget's tree (free text's and each constraint's, within the grammar:
+    `tree.grammar_tree`)."""
     out = {"free": ({}, True, None)}
+    for b in trees:
+        out[f"free, tree {b}"] = ({"verify_width": b, "tree": True}, True, None)
     for name, (kw, check) in CONSTRAINTS.items():
         out[f"{name}, walk"] = (kw, True, check)
         out[f"{name}, free"] = (kw, False, check)
+        for b in trees:
+            out[f"{name}, tree {b}"] = ({**kw, "verify_width": b, "tree": True}, True, check)
     return out
 
 
@@ -176,6 +184,7 @@ PROFILED = {
     ("dflash_mlx.engine.controls", "Grammar.rollback"): "grammar: consume / rollback",
     ("dflash_mlx.engine.controls", "Grammar.allowed"): "walk: masks unpacked, rows drawn",
     ("dflash_mlx.engine.walks", "draft_block"): "draft pass + host read of its block",
+    ("dflash_mlx.engine.batch_cycle", "grammar_tree"): "grammar tree: built on the host",
     ("dflash_mlx.engine.batch_cycle", "decide"): "verify pass + acceptance (host sync)",
 }
 
@@ -226,7 +235,9 @@ def profile(pair, tok, prompts, opts, masked) -> tuple[dict, dict]:
     return spent, counts
 
 
-def print_profile(pair, tok, prompts, width, max_tokens, constraint="schema") -> None:
+def print_profile(
+    pair, tok, prompts, width, max_tokens, constraint="schema", trees: tuple[int, ...] = ()
+) -> None:
     kw, _ = CONSTRAINTS[constraint]
     o = GenerateOptions(max_tokens=max_tokens, verify_width=width)
     runs = {
@@ -234,6 +245,8 @@ def print_profile(pair, tok, prompts, width, max_tokens, constraint="schema") ->
         f"{constraint[:6]}, walk": (o.replace(**kw), True),
         f"{constraint[:6]}, free": (o.replace(**kw), False),
     }
+    for b in trees:
+        runs[f"{constraint[:6]}, t{b}"] = (o.replace(**kw, verify_width=b, tree=True), True)
     print(f"\n{constraint}")
     generate(pair, tok, prompts[0], max_tokens=8, verify_width=4)  # warm up
     got = {name: profile(pair, tok, prompts, o, m) for name, (o, m) in runs.items()}
@@ -267,28 +280,32 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="where a constrained request's CPU time goes"
     )
+    ap.add_argument(
+        "--trees", default="", help="B[,B...]: also trees of B verified tokens (free and within)"
+    )
     args = ap.parse_args()
     pair, tok, prompts, what = load_pair(args)
     regime = "OpenBLAS" if "openblas" in os.environ.get("LD_PRELOAD", "") else "default BLAS"
     n = len(next(iter(prompts.values())))
     print(f"{what}, greedy, W = {args.width}, {n} prompts a constraint, {regime}")
+    trees = tuple(int(b) for b in args.trees.split(",") if b)
     if args.profile:
         for c in CONSTRAINTS:
-            print_profile(pair, tok, prompts[c], args.width, args.max_tokens, c)
+            print_profile(pair, tok, prompts[c], args.width, args.max_tokens, c, trees)
         return
 
     def options(kw: dict) -> GenerateOptions:
-        return GenerateOptions(max_tokens=args.max_tokens, verify_width=args.width, **kw)
+        return GenerateOptions(**{"max_tokens": args.max_tokens, "verify_width": args.width, **kw})
 
     generate(pair, tok, prompts["schema"][0], max_tokens=8, verify_width=4)  # warm up
-    found = variants()
+    found = variants(trees)
     # Each constraint against free text on its own prompts: (constraint, variant) -> totals.
     totals = {}  # tokens, cycles, seconds, invalid, not the target's own reply
     alone = {}
     for c, ps in prompts.items():
         for p in ps:
             for name, (kw, masked, check) in found.items():
-                if name != "free" and not name.startswith(c):
+                if not name.startswith(("free", c)):
                     continue
                 use(masked)
                 tic = time.perf_counter()
@@ -304,26 +321,26 @@ def main() -> None:
                     t[4] += r.tokens != want
     use(True)
     print(
-        f"\nalone\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}{'vs free':>9}"
+        f"\nalone\n{'prompts':<11}{'variant':<20}{'tau':>6}{'tok/s':>8}{'vs free':>9}"
         f"{'invalid':>9}{'not target':>12}"
     )
     for (c, name), (tokens, cycles, secs, bad, other) in totals.items():
         free = totals[(c, "free")]
         base = free[0] / free[2]
         print(
-            f"{c:<11}{name:<18}{tokens / cycles:>6.2f}{tokens / secs:>8.1f}"
-            f"{tokens / secs / base:>9.2f}{bad:>9}{other if name != 'free' else '':>12}"
+            f"{c:<11}{name:<20}{tokens / cycles:>6.2f}{tokens / secs:>8.1f}"
+            f"{tokens / secs / base:>9.2f}{bad:>9}{'' if name.startswith('free') else other:>12}"
         )
     if args.no_batch:
         return
     print(
-        f"\nbatched, 4 rows a batch\n{'prompts':<11}{'variant':<18}{'tau':>6}{'tok/s':>8}"
+        f"\nbatched, 4 rows a batch\n{'prompts':<11}{'variant':<20}{'tau':>6}{'tok/s':>8}"
         f"{'vs free':>9}{'invalid':>9}"
     )
     for c, ps in prompts.items():
         rates = {}
         for name, (kw, masked, check) in found.items():
-            if name != "free" and not name.startswith(c):
+            if not name.startswith(("free", c)):
                 continue
             use(masked)
             tic = time.perf_counter()
@@ -334,7 +351,7 @@ def main() -> None:
             bad = sum(check is not None and not check(r.text) for r in got)
             rates[name] = tokens / secs
             print(
-                f"{c:<11}{name:<18}{(tokens - len(got)) / passes:>6.2f}{rates[name]:>8.1f}"
+                f"{c:<11}{name:<20}{(tokens - len(got)) / passes:>6.2f}{rates[name]:>8.1f}"
                 f"{rates[name] / rates['free']:>9.2f}{bad:>9}"
             )
     print("\nmixed batch: 2 constrained rows beside 2 free rows (each row's tau)")
@@ -344,7 +361,7 @@ def main() -> None:
         got = batch_generate(pair, tok, prompts[name][:4], opts, max_batch=4)
         taus = " ".join(f"{r.stats.tau:.2f}" for r in got)
         bad = sum(not check(r.text) for r, o in zip(got, opts) if o.constrained)
-        print(f"{name:<18} tau per row {taus}   invalid {bad}")
+        print(f"{name:<20} tau per row {taus}   invalid {bad}")
     use(True)
 
 

@@ -57,6 +57,24 @@ def test_generate_json_schema_replies_parse_and_follow_the_schema(pair, tmp_path
         assert set(reply) == {"color", "n"}
 
 
+def test_generate_json_schema_with_tree_verifies_trees(pair, tmp_path):
+    """`generate --json-schema F --tree`: the grammar row verifies trees (the stats say so,
+    no `chains only` note), and the greedy reply is the one chains give."""
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    common = [*pair, "--raw", "--temp", "0", "--max-tokens", "40", "--verify-width", "6"]
+    common += ["--json-schema", str(path), "--json", PROMPT]
+    got = {}
+    for shape in ("--tree", "--no-tree"):
+        done = CliRunner().invoke(app, ["generate", shape, *common])
+        assert done.exit_code == 0, done.output
+        got[shape] = json.loads(done.stdout)
+    assert got["--tree"]["text"] == got["--no-tree"]["text"]
+    ran = got["--tree"]["ran"]
+    assert ran["trees"] and ran["tree_note"] is None, ran
+    assert not got["--no-tree"]["ran"]["trees"]
+
+
 @pytest.mark.parametrize(
     "content, says",
     [

@@ -526,40 +526,45 @@ def test_the_law_test_catches_a_q_other_than_the_masked_subset_drawn_from(table_
     assert rejects(counts, exact_table_joint(model, rule))
 
 
-# -- trees under a grammar: chains, and the reply says why ------------------------------------
+# -- trees under a grammar with other controls: chains, and the reply says why -----------------
+# (a grammar alone verifies trees: tests/test_grammar_trees.py)
 
 
 @pytest.mark.parametrize("tree", [True, None])
-def test_a_tree_asked_for_under_a_grammar_verifies_chains_and_says_why(target, draft, tree):
-    """A grammar's masks follow a chain of tokens (each position's mask after the tokens
-    before it), so a grammar row verifies chains: `tree=True` says why in its stats, the
-    automatic choice never picks a tree; the reply is the constrained target's own."""
+def test_a_tree_asked_for_under_a_grammar_with_logprobs_verifies_chains_and_says_why(
+    target, draft, tree
+):
+    """Logprobs (like penalties and a bias) follow chains, so a grammar row asking for them
+    verifies chains: `tree=True` says why in its stats, the automatic choice never picks a
+    tree; the reply is the constrained target's own."""
     model, tok = target
     ids = tok.encode("Reply in JSON:")
-    o = GenerateOptions(max_tokens=40, json_schema=SCHEMA)
+    o = GenerateOptions(max_tokens=40, json_schema=SCHEMA, logprobs=2)
     want, _ = reference(model, tok, ids, o, 40)
     out = generate(Pair(model, draft), tok, ids, o.replace(verify_width=8, tree=tree))
     assert out.tokens == want
     assert not out.stats.trees
     if tree:
-        assert "grammar" in out.stats.tree_note
+        assert "logprobs" in out.stats.tree_note
         assert out.stats.to_dict()["ran"]["tree_note"] == out.stats.tree_note
 
 
-def test_grammar_rows_verify_chains_beside_rows_verifying_trees_in_one_batch(target, draft):
-    """In a batch, a free row verifies trees while a grammar row beside it, asking for trees
-    too, verifies chains; each reply is its own decode."""
+def test_grammar_rows_with_penalties_verify_chains_beside_rows_verifying_trees(target, draft):
+    """In a batch, a free row verifies trees while a grammar row under a penalty beside it,
+    asking for trees too, verifies chains; each reply is its own decode."""
     model, tok = target
     prompts = ["Reply in JSON:", "def add(a, b):"]
     opts = [
-        GenerateOptions(max_tokens=30, json_schema=SCHEMA, verify_width=8, tree=True),
+        GenerateOptions(
+            max_tokens=30, json_schema=SCHEMA, verify_width=8, tree=True, presence_penalty=0.5
+        ),
         GenerateOptions(max_tokens=30, verify_width=8, tree=True),
     ]
     got = batch_generate(Pair(model, draft), tok, prompts, opts, max_batch=2)
     for p, o, r in zip(prompts, opts, got, strict=True):
         want, _ = reference(model, tok, tok.encode(p), o.replace(tree=False), 30)
         assert r.tokens == want, p
-    assert not got[0].stats.trees and "grammar" in got[0].stats.tree_note
+    assert not got[0].stats.trees and "penalties" in got[0].stats.tree_note
     assert got[1].stats.trees and got[1].stats.tree_note is None
     assert max(got[0].stats.batches) == 2
 

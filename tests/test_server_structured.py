@@ -634,3 +634,43 @@ def test_the_servers_penalty_defaults_apply_to_requests_that_do_not_say(models_d
             model=MODEL, prompt=ids, temperature=0, max_tokens=32, presence_penalty=0
         )
         assert off.choices[0].text == plain.text
+
+
+# Trees under a grammar (issue 38, item 3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tree_request_under_a_json_schema_verifies_trees_and_keeps_its_reply(client, stream):
+    """`tree: true` with `response_format`: the server's width is the tree's budget, the
+    grammar row verifies trees (each node masked at its path), and the greedy reply is the
+    one chains give; it follows the schema."""
+    kw = dict(model=MODEL, messages=USER, temperature=0, max_tokens=120, response_format=FORMAT)
+    chains = client.chat.completions.create(**kw, extra_body={"tree": False})
+    if stream:
+        text, timings = "", None
+        for chunk in client.chat.completions.create(**kw, extra_body={"tree": True}, stream=True):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            timings = (chunk.model_extra or {}).get("timings") or timings
+    else:
+        out = client.chat.completions.create(**kw, extra_body={"tree": True})
+        text, timings = out.choices[0].message.content, out.model_extra["timings"]
+    assert text == chains.choices[0].message.content
+    assert timings["ran"]["trees"] and timings["ran"]["tree_note"] is None, timings["ran"]
+    assert not chains.model_extra["timings"]["ran"]["trees"]
+    assert chains.choices[0].finish_reason == "stop"
+    follows(json.loads(text))
+
+
+def test_a_forced_tool_call_verifies_trees(oai):
+    """A forced tool call asking for trees: trees verified, the call the chains' call."""
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=0)
+    got = [oai.chat.completions.create(**kw, extra_body={"tree": t}) for t in (False, True)]
+    calls = [
+        [(c.function.name, c.function.arguments) for c in o.choices[0].message.tool_calls]
+        for o in got
+    ]
+    assert calls[0] == calls[1] and len(calls[1]) == 1
+    follows_tool(calls[1][0][0], json.loads(calls[1][0][1]))
+    ran = got[1].model_extra["timings"]["ran"]
+    assert ran["trees"] and ran["tree_note"] is None, ran

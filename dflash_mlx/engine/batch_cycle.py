@@ -30,7 +30,7 @@ from .bookkeeping import follow_capture
 from .decode import NO_DRAFTS, _Step, accept, commit_draft, result
 from .generate import Reply
 from .prefill import Request
-from .tree import ShapeChooser, batch_mask, node_outputs, propose_tree
+from .tree import ShapeChooser, batch_mask, grammar_tree, node_outputs, propose_tree
 from .walks import make_drafts
 
 
@@ -291,8 +291,14 @@ def draft(rows: list[Row], widths: list, captures: list[bool]) -> list:
         try:
             if trees[b]:
                 hidden, logits = block if block is not None else (None, None)
-                shape = propose_tree(r.req, r.anchor, w, length, logits, hidden=hidden)
-                out.append((shape[0][1:], None, None, shape))
+                masks = None
+                if r.req.controls is not None:  # a grammar's: a mask at each node's path
+                    room = r.options.max_tokens - r.generated - 1
+                    got = grammar_tree(r.req, r.anchor, w, length, logits, hidden, room)
+                    shape, masks = got
+                else:
+                    shape = propose_tree(r.req, r.anchor, w, length, logits, hidden=hidden)
+                out.append((shape[0][1:], None, masks, shape))
             else:
                 room = r.options.max_tokens - r.generated - 1  # the cycle's own token after
                 got = make_drafts(r.req, r.anchor, r.generated - 1, w, length, block, room)
@@ -348,7 +354,7 @@ def decide(rows: list[Row], drafted: list, logits, feats, width, saved, captures
         w = drafts.size + 1
         f = feats[b : b + 1] if feats is not None and captures[b] else None
         if shape is not None and r.error is None:  # a tree: walked on the host (`result`)
-            out = node_outputs(r.req, logits[b, :w])
+            out = node_outputs(r.req, logits[b, :w], masks)
             steps.append(_Step(None, out, f, saved, w, 0.0, False, None, shape[:3], []))
             continue
         if b in together:

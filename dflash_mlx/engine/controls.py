@@ -331,6 +331,17 @@ class Controls:
         return logits
 
     @property
+    def grammar_only(self) -> bool:
+        """Whether a grammar is all this request's processing (no penalty, no bias, no
+        logprobs): its tree's nodes are masked each at its own path (`tree.grammar_tree`)."""
+        return (
+            self.grammar is not None
+            and self.bias is None
+            and not self.follows_history
+            and self.top is None
+        )
+
+    @property
     def follows_history(self) -> bool:
         """Whether a position's processing depends on the tokens before it (penalties)."""
         return self.counts is not None or self.recent is not None

@@ -7,7 +7,10 @@ drafted nodes of highest path probability (best-first, vectorised per depth: the
 marginals do not depend on the parent, so every node's children are the same ranked tokens
 of the next position). A DFlash 2 draft's tree comes from its candidate selector instead
 (`selector_tree`): each node's children are the next slot's candidates scored given that
-node's token, the paths the selector would walk, best first. `attention_mask` lets each node
+node's token, the paths the selector would walk, best first. Under a grammar (a request
+whose only control is one) `grammar_tree` builds it on the host within the grammar, and
+every node's target distribution is masked by the grammar at that node's path
+(`node_outputs`): the argument below holds for the masked `p`. `attention_mask` lets each node
 see the committed prefix and its own ancestors only, at position `prefix + depth`.
 `accept_greedy` and `accept_sampled` walk the verified tree from the root (SPEC 7): greedy
 follows the child equal to the target's argmax; sampling tests a node's children in rank
@@ -27,13 +30,16 @@ target's autoregressive law.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
+from .controls import bits_to_mask
 from .sampling import PositionKeys, probabilities, sample_rows
+from .walks import FORCED_BEYOND, draft_block
 
 if TYPE_CHECKING:
     from ..options import GenerateOptions
@@ -227,8 +233,9 @@ def tree_mode(
     if options.tree is None and (chooser is None or not learn_costs):
         return False
     why = req.target.tree_support(req.cache)
-    if why is None and req.controls is not None:
-        why = "penalties, a bias, a grammar or logprobs (their histories follow chains)"
+    if why is None and req.controls is not None and not req.controls.grammar_only:
+        # A grammar alone verifies trees (`grammar_tree`: a mask at each node's path).
+        why = "penalties, a bias or logprobs (their histories follow chains)"
     if options.tree:
         req.tree_note = why
     if why is not None:
@@ -286,9 +293,143 @@ def selector_tree(
     return build(anchor, logp, cands.astype(mx.int32), budget)
 
 
-def node_outputs(req: Request, logits: mx.array) -> mx.array:
+def grammar_tree(
+    req: Request,
+    anchor: mx.array,
+    budget: int,
+    rows: int,
+    logits: mx.array | None = None,
+    hidden: mx.array | None = None,
+    room: int | None = None,
+) -> tuple[tuple[mx.array, mx.array, mx.array, mx.array], np.ndarray]:
+    """A grammar row's tree (SPEC 6, 7): `budget` nodes (anchor included), and the run the
+    grammar forces from the anchor on, each node a token the grammar allows after its
+    parent's path; with the grammar's mask at each node's own path `(N, words)`, which
+    verification applies to the target's logits there (`node_outputs`). Returns `(tokens,
+    parents, depths, seen)` as `propose_tree` does, and the masks.
+
+    Best first on the host, paths scored as `build` scores them. Where the grammar forces a
+    token (llguidance's fast-forward tokens, `Grammar.forced`) a node's one child is that
+    token, at its parent's score: it needs no draft row and may go `walks.FORCED_BEYOND`
+    past the block (not for a draft with cross-block conv rows), and, as a chain's forced
+    run past its width, the run forced from the anchor on (before any choice) counts up to
+    `FORCED_BEYOND` nodes outside the budget. Elsewhere its children are the draft's
+    `BRANCH` likeliest allowed tokens at the next block position (a DFlash 2 draft's: its
+    selector's candidates the grammar allows, scored after the node's own token,
+    `sampling.MaskedSelector`), each scored by its log-probability among the allowed ones.
+    No node is deeper than `room` (the tokens the request has left, but one).
+
+    Each node's mask is computed once, as the node joins the tree: the matcher rolls back
+    to the common ancestor of the last node and this one, consumes the rest of its path,
+    and is rolled back to the committed tokens at the end. The draft's block is read back
+    once, at the first choice (a tree the grammar forces whole runs no draft pass, but a
+    conv draft's, whose conv rows are committed). The children are a function of the draft
+    pass and the grammar alone, so `accept_sampled`'s rule stays exact on the masked
+    target."""
+    grammar = req.controls.grammar
+    selector = "candidate_selector" in req.draft
+    conv = bool(req.state.conv)
+    deepest = rows - 1 if conv else rows - 1 + FORCED_BEYOND
+    deepest = deepest if room is None else min(deepest, room)
+    extra = 0 if conv else FORCED_BEYOND  # certain nodes outside the budget, left
+    certain = [True]  # each node's path forced from the anchor on (no choice)
+    tokens, parents, depths, scores = [int(anchor.reshape(-1)[0].item())], [-1], [0], [0.0]
+    masks, runs = [grammar.mask()], [grammar.forced()]
+    at: list[int] = []  # the path the matcher has consumed past the committed tokens
+    host = None
+    heap: list = []
+    pushed = 0
+
+    def path(v: int) -> list[int]:
+        out = []
+        while v > 0:
+            out.append(tokens[v])
+            v = parents[v]
+        return out[::-1]
+
+    def expand(v: int) -> None:
+        nonlocal host, pushed
+        if depths[v] >= deepest or (v and tokens[v] in grammar.eos):
+            return
+        run = runs[v]
+        if run and grammar.allows(masks[v], run[0]):
+            heapq.heappush(heap, (-scores[v], pushed, v, run[0], (run[1:],)))
+            pushed += 1
+            return
+        if depths[v] >= rows - 1:  # a choice past the draft's rows
+            return
+        if host is None:  # the tree's one host read of the draft's block
+            host = draft_block(req, anchor, rows, rows - 1, logits, hidden)
+        allowed = grammar.allowed(masks[v])
+        if selector:
+            row = host.row(depths[v], tokens[v] if v else None, allowed)
+        else:
+            row = np.where(allowed, host[depths[v]], -np.inf)
+        finite = np.isfinite(row)
+        if not finite.any():
+            return
+        k = min(BRANCH, int(finite.sum()))
+        top = np.argpartition(-row, k - 1)[:k]
+        top = top[np.argsort(-row[top], kind="stable")]
+        lp = row[top] - (row.max() + np.log(np.exp(row[finite] - row.max()).sum()))
+        for tok, score in zip(top.tolist(), lp.tolist()):
+            heapq.heappush(heap, (-(scores[v] + score), pushed, v, tok, None))
+            pushed += 1
+
+    expand(0)
+    counted = 1  # nodes in the budget
+    while heap and (counted < budget or extra):
+        neg, _, parent, tok, forced = heapq.heappop(heap)
+        free = extra > 0 and certain[parent] and forced is not None
+        if not free and counted >= budget:
+            continue
+        extra -= free
+        counted += not free
+        certain.append(certain[parent] and forced is not None)
+        rest = forced[0] if forced is not None else None
+        v = len(tokens)
+        tokens.append(tok)
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+        scores.append(-neg)
+        if tok in grammar.eos:  # nothing follows it: its row is unread
+            masks.append(np.full_like(masks[0], -1))
+            runs.append([])
+            continue
+        want = path(v)
+        common = 0
+        while common < min(len(at), len(want)) and at[common] == want[common]:
+            common += 1
+        grammar.rollback(len(at) - common)
+        grammar.consume(want[common:])
+        at = want
+        masks.append(grammar.mask())
+        deeper = depths[v] < deepest
+        runs.append(rest if rest else (grammar.forced() if deeper else []))
+        expand(v)
+    grammar.rollback(len(at))
+    if host is None and conv and logits is None:
+        # A tree forced whole: its conv rows still come from its pass, which runs (lazily,
+        # evaluated with the next pass) but is not read back.
+        req.feed_draft()
+        req.draft.block_hidden(anchor, rows, rows - 1, req.state)
+        req.lazy_rows = 0
+    par = mx.array(parents, dtype=mx.int32)
+    shape = (
+        mx.array(tokens, dtype=mx.int32),
+        par,
+        mx.array(depths, dtype=mx.int32),
+        ancestors(par, max(depths)),
+    )
+    return shape, np.stack(masks)
+
+
+def node_outputs(req: Request, logits: mx.array, masks: np.ndarray | None = None) -> mx.array:
     """What a tree's acceptance reads at each node: the target's argmax (greedy) or its
-    distribution."""
+    distribution; under a grammar (`masks` `(N, words)`, `grammar_tree`) of the target's
+    logits masked by the grammar at that node's path."""
+    if masks is not None:
+        logits = mx.where(bits_to_mask(masks, logits.shape[-1]), logits, float("-inf"))
     if req.params.greedy:
         return mx.argmax(logits, axis=-1)
     return probabilities(logits, req.params)
