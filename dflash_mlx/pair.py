@@ -163,6 +163,12 @@ class Pair:
                 )
             if width > rows:
                 raise BadArgument(f"verify_width {width} exceeds draft_block {rows}")
+            if draft_block is None and width >= 2 and not draft.config.is_dflash2:
+                # A fixed width drafts the positions it verifies, no more (as z-lab's
+                # reference drafts its `block_size`): the extra rows of the trained block
+                # cost a draft pass more and are never verified. (The automatic width picks
+                # the cheapest block covering each W from the calibration instead.)
+                rows = width
             return width, rows, None
         fixed = block if draft.config.is_dflash2 else draft_block
         try:

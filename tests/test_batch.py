@@ -50,7 +50,7 @@ class LookupDraft(DFlashDraft):
         script = next((s for s in self.scripts if pos < len(s) and s[pos] == a), [])
         # 0 .. L-1 right before the first wrong one: a function of the row's position, so
         # that a row drafts the same batched or alone (seeds replay).
-        right = (pos * 5) % length
+        right = (pos * 5) % self.config.block_size  # whatever rows are drafted
         vocab = self.config.vocab_size
         want = []
         for i in range(1, length):
@@ -761,7 +761,13 @@ def test_tree_rows_share_the_batchs_draft_pass(case, draft, monkeypatch):
         return real_tree(req, anchor, budget, rows, logits, hidden=hidden)
 
     monkeypatch.setattr(batch_mod, "propose_tree", tree_spy)
-    opts = [options(i, 6 if i < 3 else 4, tree=i < 3) for i in range(4)]
+    # The chain row drafts the whole block, as the tree rows do (a fixed width alone drafts
+    # only the positions it verifies: a pass of another length).
+    block = draft.config.block_size
+    opts = [
+        options(i, 6 if i < 3 else 4, tree=i < 3, draft_block=None if i < 3 else block)
+        for i in range(4)
+    ]
     got = batch_generate(Pair(model, draft), tok, ids, opts)
     assert [r.tokens for r in got] == refs
     assert all(r.stats.trees for r in got[:3]) and not got[3].stats.trees

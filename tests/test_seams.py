@@ -174,3 +174,33 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
     for name in ("ReplyStats", "SessionTotals"):
         with pytest.warns(DeprecationWarning, match="Stats"):
             assert getattr(chat, name) is Stats
+
+
+def test_a_fixed_width_drafts_the_positions_it_verifies(target, draft, monkeypatch):
+    """`verify_width=W` (a DFlash 1 draft) drafts W positions a cycle, as z-lab's reference
+    drafts its `block_size`, not the trained block's (rows never verified, a dearer draft
+    pass); `draft_block` still asks for more; the tokens are the target's either way."""
+    model, tok = target
+    ids = tok.encode(PROMPTS[0])
+    block = draft.config.block_size
+    assert block > 4
+    lengths: list[int] = []
+    real = type(draft).block_logits
+
+    def spy(self, anchor, length, rows, state):
+        lengths.append(length)
+        return real(self, anchor, length, rows, state)
+
+    monkeypatch.setattr(type(draft), "block_logits", spy)
+    pair = Pair(model, draft)
+    assert pair.plan(GenerateOptions(verify_width=4))[:2] == (4, 4)
+    assert pair.plan(GenerateOptions(verify_width=4, draft_block=block))[:2] == (4, block)
+    assert pair.plan(GenerateOptions(verify_width=1))[:2] == (1, block)
+    ref = target_greedy(model, ids, 24)
+    for opts, drafted in (
+        (GenerateOptions(max_tokens=24, verify_width=4), 4),
+        (GenerateOptions(max_tokens=24, verify_width=4, draft_block=block), block),
+    ):
+        lengths.clear()
+        assert generate(pair, tok, ids, opts).tokens == ref
+        assert lengths and set(lengths) == {drafted}, lengths
