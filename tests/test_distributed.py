@@ -184,6 +184,30 @@ def test_a_bad_watchdog_timeout_is_one_line_before_loading(tmp_path, monkeypatch
         monkeypatch.delenv(name)
 
 
+def test_rank_0_failing_after_a_peer_vanished_names_the_peer():
+    """A rank killed mid-collective: rank 0's own collective may fail (its peer gone) before
+    its watcher reads the closed connection, and the session then ends as failing. The
+    one line it says is the cause, the vanished rank, not its collective's error."""
+    import threading
+
+    from dflash_mlx.distributed.control import Channel
+
+    ch = Channel.__new__(Channel)  # rank 0's side of the control connections, unconnected
+    ch.rank, ch.size, ch.said_bye, ch.gone, ch.failures = 0, 2, set(), set(), []
+    ch.heard, ch.ending, ch._lock = {}, True, threading.Lock()  # rank 0 is already ending
+    said: list[tuple[str, int]] = []
+    ch._abort = lambda message, code=1, grace=False: said.append((message, code))
+    mine, theirs = socket.socketpair()
+    theirs.close()  # rank 1 is gone, without a word
+    ch._watch_peer(1, mine)
+    assert ch.gone == {1}
+    said.clear()  # (the watcher's own attempt: rank 0 was ending, so it said nothing)
+    ch.failed_first(1, wait=0.5)
+    assert said == [("rank 1 ended without a word (killed, or its machine is gone): "
+                     "every rank stops", 1)]  # fmt: skip
+    mine.close()
+
+
 def test_a_rank_ending_tells_the_others_its_exit_code():
     """How each way a rank's command ends is told to the others: a command's chosen exit
     (click's and typer's, distinct classes in typer >= 0.10), Ctrl-C, a bad argument, ours."""

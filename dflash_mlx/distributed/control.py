@@ -388,11 +388,14 @@ class Channel:
                 self.gone.add(rank)
                 if rank in self.said_bye:
                     return
-                self._abort(
+                # Kept as a failure too: when rank 0's own collective fails first (its
+                # peer gone), `failed_first` says this, the cause, rather than that.
+                gone = (
                     f"rank {rank} ended without a word (killed, or its machine is gone): "
-                    "every rank stops",
-                    grace=False,
+                    "every rank stops"
                 )
+                self.failures.append(gone)
+                self._abort(gone, grace=False)
                 return
             self.heard[rank] = time.monotonic()
             if not isinstance(msg, list) or not msg:
