@@ -619,7 +619,36 @@ def test_ctrl_c_in_a_terminal_keeps_the_conversation_for_the_next_turn(tmp_path)
         child.expect(pexpect.EOF)
     finally:
         child.close()
-    assert reused >= held // 2, f"the second turn reused {reused} of the {held} tokens held"
+    # What can be reused: the held tokens up to where the kept reply, rendered again as the
+    # conversation's text, tokenizes otherwise (a model's tokens need not be the canonical
+    # ones: here from the reply's 89th token on), less the few tokens the streaming
+    # detokenizer had not shown yet when Ctrl-C came. Worked out on the same greedy reply.
+    reusable = min(held, _rerendered_prefix("class Stack:", held + 50)) - 8
+    assert reused >= reusable > 20, f"the second turn reused {reused} of the {held} tokens held"
+
+
+def _rerendered_prefix(user: str, tokens: int) -> int:
+    """How many tokens of the demo pair's first turn (its prompt and a greedy reply of
+    `tokens`, W = 4) the conversation rendered again with that reply shares with them."""
+    import dflash_mlx
+    from dflash_mlx.chat.session import ChatSession
+    from dflash_mlx.demo import demo_pair
+
+    t, d = demo_pair()
+    model, tok = dflash_mlx.load(str(t))
+    pair = dflash_mlx.Pair(model, dflash_mlx.load_draft(str(d)))
+    opts = dflash_mlx.GenerateOptions(max_tokens=tokens, verify_width=4)
+    chat = ChatSession(pair, tok, options=opts)
+    generated = [t for r in chat.send(user) for t in r.tokens]
+    reply = chat.messages.pop()
+    first = chat._render()  # the first turn's prompt
+    chat.messages.append(reply)
+    again = chat._render()
+    held = first + generated
+    n = 0
+    while n < min(len(held), len(again)) and held[n] == again[n]:
+        n += 1
+    return n
 
 
 # -- rendering ------------------------------------------------------------------------
