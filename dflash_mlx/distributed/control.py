@@ -106,32 +106,28 @@ def _linger(rank: int) -> None:
         say(f"{message} (rank {rank})")
 
 
-def last_line() -> str:
-    """The last line a silent rank wrote to its stderr ("" when none, or when it speaks)."""
+def _logged() -> list[str] | None:
+    """The stripped lines a silent rank wrote to its stderr (None when it speaks)."""
     log = _QUIET.get("log")
     if log is None:
-        return ""
+        return None
     try:
         sys.stderr.flush()
         log.seek(0)
-        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines()]
-        lines = [ln for ln in lines if ln]
-        return lines[-1] if lines else ""
+        return [ln.strip() for ln in log.read().decode(errors="replace").splitlines()]
     except OSError:
-        return ""
+        return None
+
+
+def last_line() -> str:
+    """The last line a silent rank wrote to its stderr ("" when none, or when it speaks)."""
+    lines = [ln for ln in _logged() or () if ln]
+    return lines[-1] if lines else ""
 
 
 def last_error() -> str:
     """The last `error:` message a silent rank wrote, its wrapped lines joined ("" when none)."""
-    log = _QUIET.get("log")
-    if log is None:
-        return ""
-    try:
-        sys.stderr.flush()
-        log.seek(0)
-        lines = [ln.strip() for ln in log.read().decode(errors="replace").splitlines()]
-    except OSError:
-        return ""
+    lines = _logged() or []
     starts = [i for i, ln in enumerate(lines) if ln.startswith("error:")]
     if not starts:
         return ""
