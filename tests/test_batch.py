@@ -19,6 +19,7 @@ from dflash_mlx.engine import batch_cycle as batch_mod
 from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
 from dflash_mlx.engine.prefill import Request
 from dflash_mlx.engine.sampling import PositionKeys, propose
+from dflash_mlx.engine.walks import draft_keys
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.draft import DFlashDraft
 from dflash_mlx.speed.costs import CostCurves
@@ -833,9 +834,13 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
     d2.conv_state = "carry"
     pair = Pair(model, d2)
     dec = BatchDecoder(pair, tok)
-    for p in PROMPTS[:3]:
-        dec.submit(p, GenerateOptions(max_tokens=60, verify_width=4, temperature=temperature))
-    for _ in range(5):  # three admissions, two cycles (a sampled row may end early)
+    for i, p in enumerate(PROMPTS[:3]):
+        # Seeded: an unseeded sampled row draws its own seed and may end early at random.
+        seed = 7 + i if temperature else None
+        dec.submit(
+            p, GenerateOptions(max_tokens=60, verify_width=4, temperature=temperature, seed=seed)
+        )
+    for _ in range(5):  # three admissions, two cycles
         dec.step()
     reqs = [r.req for r in dec.active]
     assert len(reqs) == 3 and all(batch_draft.batchable(r) for r in reqs)
@@ -846,7 +851,7 @@ def test_dflash2_rows_share_one_draft_pass_and_propose_as_alone(target, temperat
         r.feed_draft()
     alone, kept = [], []
     for r, a, s in zip(reqs, anchors, starts):
-        keys = None if r.params.greedy else r.keys(PositionKeys.DRAFT, s + 1, 5)
+        keys = None if r.params.greedy else r.keys(draft_keys(r), s + 1, 5)
         alone.append(propose(d2, r.state, a, 8, 5, r.params, keys))
         kept.append([np.array(c.last[0]) for c in r.state.conv])
     got = batch_draft.propose_rows(reqs, anchors, starts, [6, 6, 6], 8)
