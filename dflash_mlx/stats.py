@@ -53,18 +53,21 @@ class Stats:
 
     # -- filling ------------------------------------------------------------------------
 
-    def add(self, width: int, accepted: int, tree: bool = False, batch: int = 0) -> None:
+    def add(
+        self, width: int, accepted: int, tree: bool = False, batch: int = 0, times: int = 1
+    ) -> None:
         """One verify pass of `width` tokens that accepted `accepted` drafts (a tree of
         `width` tokens: also counted in `trees`, and not per block position, which are a
-        chain's), in a batch of `batch` rows (0: decoded alone, not counted)."""
-        self.cycles += 1
+        chain's), in a batch of `batch` rows (0: decoded alone, not counted); `times` such
+        passes (a stretch of plain steps)."""
+        self.cycles += times
         if batch:
-            self.batches[batch] = self.batches.get(batch, 0) + 1
-        self.committed += accepted + 1
+            self.batches[batch] = self.batches.get(batch, 0) + times
+        self.committed += (accepted + 1) * times
         for table in (self.widths, self.trees) if tree else (self.widths,):
             ran = table.setdefault(width, [0, 0])
-            ran[0] += 1
-            ran[1] += accepted + 1
+            ran[0] += times
+            ran[1] += (accepted + 1) * times
         if tree:
             return
         missing = width - 1 - len(self.drafted_per_position)
@@ -72,8 +75,8 @@ class Stats:
             self.accepted_per_position += [0] * missing
             self.drafted_per_position += [0] * missing
         for i in range(width - 1):
-            self.drafted_per_position[i] += 1
-            self.accepted_per_position[i] += int(accepted > i)
+            self.drafted_per_position[i] += times
+            self.accepted_per_position[i] += int(accepted > i) * times
 
     def copy(self) -> Stats:
         """A snapshot (the lists and the width table copied)."""

@@ -55,6 +55,13 @@ from .tree import ShapeChooser, tree_mode
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
 
 
+# A plain cycle of a row alone runs on as a stretch of plain steps (`_stretch`) of at most
+# this many tokens and seconds: per token only the pass, as in mlx-lm's loop; the rest of a
+# cycle's host work once a stretch. Its tokens go out together, as a speculative cycle's do.
+STRETCH_TOKENS = 32
+STRETCH_SECONDS = 0.025
+
+
 class _Ahead(NamedTuple):
     """A plain pass launched before the cycle it belongs to."""
 
@@ -508,17 +515,69 @@ class BatchDecoder:
             else:
                 self._planned = ([id(r) for r in rows], (widths, caps))
         tokens = top.tolist()
+        if self._ahead is not None and self._stretches(rows, lps):
+            tokens = [self._stretch(rows[0], tokens[0])]
         # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
         # wherever it fell between host syncs.
         spent = self._sync()
         if spent is not None:
             spent += ahead.built if ahead is not None else 0.0
             spent -= self._ahead.built if self._ahead is not None else 0.0
-        results = [(0, [t]) for t in tokens]
+        results = [(0, t if isinstance(t, list) else [t]) for t in tokens]
         bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
-        self.sizes[size] = self.sizes.get(size, 0) + 1
-        self.chained += self._ahead is not None
+        ran = len(results[0][1])
+        self.sizes[size] = self.sizes.get(size, 0) + ran
+        self.chained += ran - 1 + (self._ahead is not None)
         self._commit_rows(rows, steps, results, size, plain=True)
+
+    def _stretches(self, rows: list[Row], lps: list | None) -> bool:
+        """Whether this plain cycle may run on as a stretch (`_stretch`): a row alone that
+        decodes with the target only (no draft to feed, no controls or logprobs, no stop
+        strings or recurrent snapshots to keep per token), nothing waiting, on one process
+        (ranks would have to agree on where each stretch ends)."""
+        if len(rows) != 1 or self.waiting or distributed.current() is not None:
+            return False
+        r = rows[0]
+        req = r.req
+        return (
+            req.draft is None
+            and req.controls is None
+            and not req.keep_snapshots
+            and not r.options.stop
+            and not r.cancelled
+            and (lps is None or all(lp is None for lp in lps))
+        )
+
+    def _stretch(self, row: Row, first: int) -> list[int]:
+        """Plain steps of a row alone run on within one cycle, as mlx-lm's loop runs them:
+        each pass launched on the last one's device token before that token is read, and
+        nothing else per token; the tokens (from `first`) are committed and handed out
+        together, as a speculative cycle's are. A stretch ends at EOS, at the request's
+        budget, when a request arrives or the row is cancelled, and after
+        `STRETCH_TOKENS` tokens or `STRETCH_SECONDS` (so that the stream stays as fine as a
+        speculative cycle's); the pass launched last stays launched for the next cycle."""
+        got = [first]
+        req, target = row.req, self.pair.target
+        g = row.generated  # the generated index of `first`
+        cap = min(STRETCH_TOKENS, row.options.max_tokens - g)
+        end = time.perf_counter() + STRETCH_SECONDS
+        while (
+            self._ahead is not None
+            and len(got) < cap
+            and got[-1] not in row.eos
+            and not self.waiting
+            and not row.cancelled
+            and time.perf_counter() < end
+        ):
+            ahead, nxt = self._ahead, None
+            at = g + len(got)  # the generated index of the token `ahead` computes
+            if row.options.max_tokens - at >= 2:
+                launch = time.perf_counter()
+                nxt = bc.plain_pass(target, [row], ahead.top, req.cache, [False], [at])
+                built = time.perf_counter() - launch
+            got.append(ahead.top.item())
+            self._ahead = _Ahead([row], *nxt, [False], built) if nxt is not None else None
+        return got
 
     def _commit_row(
         self, r: Row, s: _Step, n: int, new: list[int], size: int, plain: bool = False
@@ -538,7 +597,10 @@ class BatchDecoder:
         lp = read_logprobs(s.logprobs, range(len(new)), new)
         batch = size if size > 1 else 0
         tree = s.tree is not None
-        self._respond(r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch))
+        steps = len(new) if plain else 1  # a stretch of plain steps, one per token
+        self._respond(
+            r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch, steps=steps)
+        )
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True
 

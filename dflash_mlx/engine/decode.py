@@ -48,6 +48,7 @@ class Cycle:
     tree: bool = False  # a tree of `width` tokens was verified (SPEC 7), not a chain
     tree_note: str | None = None  # (first only) trees were asked for, chains run: why
     batch: int = 0  # rows in the verify pass that ran this cycle (0: decoded alone)
+    steps: int = 1  # verify passes it stands for (a stretch of plain steps: one per token)
 
 
 class _Step(NamedTuple):

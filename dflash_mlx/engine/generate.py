@@ -174,7 +174,7 @@ class Reply:
             stats.tree_note = cyc.tree_note
             self.gen_start = now
         else:
-            stats.add(cyc.width, cyc.accepted, cyc.tree, cyc.batch)
+            stats.add(cyc.width, cyc.accepted, cyc.tree, cyc.batch, cyc.steps)
             if self.chooser is not None:
                 stats.probes = self.chooser.probes - self.probes
                 stats.draft = "active" if self.chooser.capture else "dormant"
