@@ -515,8 +515,8 @@ class BatchDecoder:
             else:
                 self._planned = ([id(r) for r in rows], (widths, caps))
         tokens = top.tolist()
-        if self._ahead is not None and self._stretches(rows, lps):
-            tokens = [self._stretch(rows[0], tokens[0])]
+        if self._ahead is not None and self._stretches(rows, lps, chooser):
+            tokens = [self._stretch(rows[0], tokens[0], chooser)]
         # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
         # wherever it fell between host syncs.
         spent = self._sync()
@@ -524,23 +524,27 @@ class BatchDecoder:
             spent += ahead.built if ahead is not None else 0.0
             spent -= self._ahead.built if self._ahead is not None else 0.0
         results = [(0, t if isinstance(t, list) else [t]) for t in tokens]
+        ran = len(results[0][1])  # plain steps (more than one: a stretch's)
+        if spent is not None:
+            spent /= ran
         bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
-        ran = len(results[0][1])
         self.sizes[size] = self.sizes.get(size, 0) + ran
         self.chained += ran - 1 + (self._ahead is not None)
         self._commit_rows(rows, steps, results, size, plain=True)
 
-    def _stretches(self, rows: list[Row], lps: list | None) -> bool:
+    def _stretches(self, rows: list[Row], lps: list | None, chooser: WidthChooser | None) -> bool:
         """Whether this plain cycle may run on as a stretch (`_stretch`): a row alone that
-        decodes with the target only (no draft to feed, no controls or logprobs, no stop
-        strings or recurrent snapshots to keep per token), nothing waiting, on one process
-        (ranks would have to agree on where each stretch ends)."""
+        decodes with the target only, or whose draft is dormant (capturing nothing) while
+        its `chooser` coasts, with no controls or logprobs, stop strings or recurrent
+        snapshots to keep per token, nothing waiting, on one process (ranks would have to
+        agree on where each stretch ends)."""
         if len(rows) != 1 or self.waiting or distributed.current() is not None:
             return False
         r = rows[0]
         req = r.req
+        dormant = r.fixed is None and chooser is not None and not chooser.capture
         return (
-            req.draft is None
+            (req.draft is None or dormant)
             and req.controls is None
             and not req.keep_snapshots
             and not r.options.stop
@@ -548,15 +552,19 @@ class BatchDecoder:
             and (lps is None or all(lp is None for lp in lps))
         )
 
-    def _stretch(self, row: Row, first: int) -> list[int]:
+    def _stretch(self, row: Row, first: int, chooser: WidthChooser | None) -> list[int]:
         """Plain steps of a row alone run on within one cycle, as mlx-lm's loop runs them:
         each pass launched on the last one's device token before that token is read, and
         nothing else per token; the tokens (from `first`) are committed and handed out
         together, as a speculative cycle's are. A stretch ends at EOS, at the request's
-        budget, when a request arrives or the row is cancelled, and after
-        `STRETCH_TOKENS` tokens or `STRETCH_SECONDS` (so that the stream stays as fine as a
-        speculative cycle's); the pass launched last stays launched for the next cycle."""
+        budget, when a request arrives or the row is cancelled, after `STRETCH_TOKENS`
+        tokens or `STRETCH_SECONDS` (so that the stream stays as fine as a speculative
+        cycle's). A row with a dormant draft runs on while its `chooser` coasts (each pass
+        one of its coasting steps), then as it decides anew: plain, capturing nothing, on;
+        capturing, the stretch ends with that pass; speculating, with that plan for the next
+        cycle. The pass launched last stays launched for the next cycle."""
         got = [first]
+        coasts = row.req.draft is not None
         req, target = row.req, self.pair.target
         g = row.generated  # the generated index of `first`
         cap = min(STRETCH_TOKENS, row.options.max_tokens - g)
@@ -569,14 +577,23 @@ class BatchDecoder:
             and not row.cancelled
             and time.perf_counter() < end
         ):
-            ahead, nxt = self._ahead, None
+            ahead, nxt, caps = self._ahead, None, [False]
             at = g + len(got)  # the generated index of the token `ahead` computes
             if row.options.max_tokens - at >= 2:
-                launch = time.perf_counter()
-                nxt = bc.plain_pass(target, [row], ahead.top, req.cache, [False], [at])
-                built = time.perf_counter() - launch
+                go = not coasts or chooser.coasting()
+                if not go:  # the chooser decides anew, as the next cycle's plan would
+                    widths, caps = bc.plan([row], chooser, ahead=at - g + 1)
+                    go = bc.plain(target, [row], widths)
+                    if not go:
+                        self._planned = ([id(row)], (widths, caps))
+                if go:
+                    launch = time.perf_counter()
+                    nxt = bc.plain_pass(target, [row], ahead.top, req.cache, caps, [at])
+                    built = time.perf_counter() - launch
             got.append(ahead.top.item())
-            self._ahead = _Ahead([row], *nxt, [False], built) if nxt is not None else None
+            self._ahead = _Ahead([row], *nxt, caps, built) if nxt is not None else None
+            if caps[0]:
+                break  # its pass captures features for the draft: the next cycle commits them
         return got
 
     def _commit_row(
@@ -598,9 +615,7 @@ class BatchDecoder:
         batch = size if size > 1 else 0
         tree = s.tree is not None
         steps = len(new) if plain else 1  # a stretch of plain steps, one per token
-        self._respond(
-            r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch, steps=steps)
-        )
+        self._respond(r, Cycle(new, n, s.width, logprobs=lp, tree=tree, batch=batch, steps=steps))
         if new[-1] in r.eos or len(req.generated) >= r.options.max_tokens:
             r.done = True
 

@@ -422,13 +422,7 @@ class WidthChooser:
         (see `context_cost`; (0, 0) when the draft is up to date)."""
         if depth is not None:
             self.depth = depth
-        if self._coast:
-            # Dormant and far from the next probe: the last decision stands for these few
-            # steps (what plain steps teach meanwhile cannot make speculation win), and a
-            # plain step pays nothing for it (the full decision cost it ~50 us of host time).
-            self._coast -= 1
-            self.since_probe += 1
-            self.req_time += self._coast_cost
+        if self.coasting():
             return 1, 0
         rates = self.rates()
         widths = [w for w in rates if limit is None or w <= limit]
@@ -468,6 +462,18 @@ class WidthChooser:
             self._coast_cost = self.cycle_cost(1)
             self._coast = COAST if self.req_done else max(0, min(COAST, due - self.window - 1))
         return best, rates[best][1]
+
+    def coasting(self) -> bool:
+        """Dormant and far from the next probe, the last decision stands for a few steps
+        (what plain steps teach meanwhile cannot make speculation win), and a plain step
+        pays nothing for it (the full decision cost it ~50 us of host time): takes one such
+        step and says so, or says there is none left (`choose` decides anew)."""
+        if not self._coast:
+            return False
+        self._coast -= 1
+        self.since_probe += 1
+        self.req_time += self._coast_cost
+        return True
 
     def _probe(self, widths: list[int], limit: int | None, catch_up: float) -> int:
         """The width of a probe due now, or 1 when it is put off (or, when it can no longer

@@ -1,0 +1,159 @@
+"""Plain decoding alone runs in stretches (issue 35): within one cycle, pass after pass is
+launched on the last one's device token as mlx-lm's loop does, with the cycle's other host
+work once a stretch. The tokens stay the target's own; what bounds a stretch (tokens,
+seconds of passes, EOS, the budget, a request arriving) is checked here on injected costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_mlx import GenerateOptions, Pair, stream_generate
+from dflash_mlx.engine import batch as batch_mod
+from dflash_mlx.engine import batch_cycle as bc
+from dflash_mlx.engine.batch import BatchDecoder
+
+from .test_decode import target_greedy
+
+PROMPT = "def fibonacci(n):\n    "
+
+
+class PassClock:
+    """A clock that only moves when the target runs a plain pass: each costs `cost` s."""
+
+    def __init__(self, monkeypatch, cost: float, on_pass=None):
+        self.now, self.passes = 1000.0, 0
+        real = bc.plain_pass
+
+        def plain_pass(*args, **kwargs):
+            self.now += cost
+            self.passes += 1
+            if on_pass is not None:
+                on_pass(self.passes)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(bc, "plain_pass", plain_pass)
+        monkeypatch.setattr(batch_mod.time, "perf_counter", lambda: self.now)
+
+
+@pytest.fixture
+def no_time_limit(monkeypatch):
+    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 8)
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_plain_decoding_runs_in_stretches_of_the_targets_own_tokens(
+    target, draft, no_time_limit, with_draft
+):
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    want = target_greedy(model, ids, 30)
+    pair = Pair(model, draft if with_draft else None)
+    got = list(stream_generate(pair, tok, ids, GenerateOptions(max_tokens=30, verify_width=1)))
+    # The first token straight after the prefill, then stretches of at most 8 (each
+    # stretch's first token from the pass its cycle launched, 7 more run on).
+    assert [len(r.tokens) for r in got] == [1, 8, 8, 8, 5]
+    assert [t for r in got for t in r.tokens] == want
+    stats = got[-1].stats
+    assert stats.cycles == 29 and stats.widths == {1: [29, 29]}, "each plain step counted"
+    assert stats.generation_tokens == 30 and got[-1].finish_reason == "length"
+
+
+def test_a_stretch_draws_what_single_plain_steps_draw(target, monkeypatch):
+    """A sampled (seeded) request: each token keyed by its position, stretch or not."""
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    opts = GenerateOptions(max_tokens=40, verify_width=1, temperature=0.9, seed=11)
+    pair = Pair(model, None)
+    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 1)
+    single = list(stream_generate(pair, tok, ids, opts))
+    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 16)
+    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+    stretched = list(stream_generate(pair, tok, ids, opts))
+    assert len(single) == 40 and len(stretched) < 10, "no stretch ran"
+    assert [t for r in stretched for t in r.tokens] == [t for r in single for t in r.tokens]
+
+
+def test_a_stretch_ends_at_eos(target, no_time_limit):
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    want = target_greedy(model, ids, 30)
+    k = next(i for i in range(4, 30) if want[i] not in want[:i])
+    dec = BatchDecoder(Pair(model, None), tok)
+    row = dec.submit(ids, GenerateOptions(max_tokens=30, verify_width=1))
+    row.eos = frozenset({want[k]})
+    got = list(dec.run(row))
+    assert [t for r in got for t in r.tokens] == want[: k + 1]
+    assert got[-1].finish_reason == "stop" and got[-1].stats.cycles == k
+    assert len(got) < k, "stretches ran"
+
+
+def test_a_stretch_ends_after_its_seconds_of_passes(target, monkeypatch):
+    """With passes of 10 ms (injected) a stretch runs passes while under 25 ms have gone:
+    a response holds at most 4 tokens (its cycle's own and 3 passes), the stream stays as
+    fine as a speculative cycle's."""
+    model, tok = target
+    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 0.025)
+    PassClock(monkeypatch, 0.010)
+    ids = tok.encode(PROMPT)
+    got = list(
+        stream_generate(Pair(model, None), tok, ids, GenerateOptions(max_tokens=40, verify_width=1))
+    )
+    sizes = [len(r.tokens) for r in got]
+    assert max(sizes) == 4 and sizes[1:-1] == [4] * (len(sizes) - 2), sizes
+    assert [t for r in got for t in r.tokens] == target_greedy(model, ids, 40)
+
+
+def test_a_request_arriving_ends_a_stretch(target, no_time_limit, monkeypatch):
+    """A request submitted while a stretch runs (as a server's thread does) is admitted at
+    the next step: the stretch stops at its next token, not 8 tokens on."""
+    model, tok = target
+    dec = BatchDecoder(Pair(model, None), tok)
+    ids = tok.encode(PROMPT)
+
+    def arrive(n):
+        if n == 4:
+            dec.submit(tok.encode("x = 1"), GenerateOptions(max_tokens=3), handle="late")
+
+    PassClock(monkeypatch, 0.001, arrive)
+    dec.submit(ids, GenerateOptions(max_tokens=30, verify_width=1), handle="first")
+    steps = [dec.step() for _ in range(3)]  # admission, a cycle whose stretch sees it, one more
+    sizes = [[(row.handle, len(out.tokens)) for row, out in got] for got in steps]
+    # Passes: 1 the first cycle's, 2 the one it chains, 3-4 the stretch's; at the 4th the
+    # request arrives and the stretch stops with the token it was reading.
+    assert sizes[:2] == [[("first", 1)], [("first", 3)]], sizes
+    assert sizes[2] == [("late", 1)], "the late request is admitted at the next step"
+
+
+def test_a_dormant_drafts_steps_stretch_while_its_chooser_coasts(target, draft, monkeypatch):
+    """Automatic width, drafts never right and then right: the plain steps between probes
+    run in stretches (each pass one of the chooser's coasting steps), and what runs at each
+    step (plain, probe, speculation after the drafts turn right) is what single steps give."""
+    from .test_decode import PROMPTS, ScriptedDraft, auto_decode, dormant_chooser
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    n = 160
+    ref = target_greedy(model, ids, n)
+    wake = len(ids) + 100
+    runs = {}
+
+    def scripted():
+        d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if d.pos >= wake else 0)
+        return d
+
+    for stretch in (1, 32):
+        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        d = scripted()
+        ch, _ = dormant_chooser(probe_interval=8, max_probe_interval=32)
+        cycles = auto_decode(model, d, ids, n, ch)
+        assert [t for c in cycles for t in c.tokens] == ref
+        steps = [
+            w for c in cycles[1:] for w in ([1] * len(c.tokens) if c.width == 1 else [c.width])
+        ]
+        runs[stretch] = (steps, ch.probes, len(cycles))
+    (single, probes1, cycles1), (stretched, probes32, cycles32) = runs[1], runs[32]
+    assert stretched == single and probes32 == probes1 > 0
+    assert any(w > 1 for w in single[95:]), "right drafts woke the draft"
+    assert cycles32 < cycles1 - 20, f"no stretch ran ({cycles32} cycles, {cycles1} single)"
