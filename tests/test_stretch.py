@@ -157,3 +157,55 @@ def test_a_dormant_drafts_steps_stretch_while_its_chooser_coasts(target, draft, 
     assert stretched == single and probes32 == probes1 > 0
     assert any(w > 1 for w in single[95:]), "right drafts woke the draft"
     assert cycles32 < cycles1 - 20, f"no stretch ran ({cycles32} cycles, {cycles1} single)"
+
+
+def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
+    target, draft, monkeypatch
+):
+    """Plain steps that capture features for the draft (a probe near) stretch too: every
+    pass's features reach the draft in order, so its context (rows, gaps, K/V) and the
+    probes' proposals equal what single steps give, with a real draft."""
+    import numpy as np
+
+    from dflash_mlx import GenerateOptions, Pair
+
+    from .test_decode import PROMPTS, dormant_chooser
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    pair = Pair(model, draft)
+    runs = {}
+    for stretch in (1, 32):
+        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        ch, _ = dormant_chooser()
+        calls = [0]
+
+        def choose(limit=None, depth=None, context=(0, 0), ch=ch, calls=calls):
+            # Plain, capturing from the 10th step on (a gap before), dormant from the
+            # 40th (the draft fed); a probe of W=4 every 15 steps from the 20th.
+            k = calls[0]
+            calls[0] += 1
+            ch.capture = 10 <= k < 40 or k >= 50
+            return (4, 16) if k >= 20 and k % 15 == 5 else (1, 0)
+
+        ch.choose = choose
+        dec = BatchDecoder(pair, tok)
+        row = dec.submit(ids, GenerateOptions(max_tokens=90))
+        row.plan = (16, 16, ch)
+        got = list(dec.run(row))
+        state = row.req.state
+        runs[stretch] = (
+            [(r.width, r.accepted, r.tokens) for r in got if r.width > 1],
+            [t for r in got for t in r.tokens],
+            (state.context_length, state.context_end, list(state.gaps)),
+            [np.array(a) for a in state.arrays],
+            len(got),
+        )
+    one, many = runs[1], runs[32]
+    assert many[1] == one[1] == target_greedy(model, ids, 90)
+    assert many[0] == one[0] and len(one[0]) >= 4, "the probes drafted alike"
+    assert many[2] == one[2], "the draft's context rows and gaps"
+    for a, b in zip(many[3], one[3]):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    assert many[4] < one[4] - 20, "no stretch ran"

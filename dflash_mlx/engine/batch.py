@@ -534,17 +534,15 @@ class BatchDecoder:
 
     def _stretches(self, rows: list[Row], lps: list | None, chooser: WidthChooser | None) -> bool:
         """Whether this plain cycle may run on as a stretch (`_stretch`): a row alone that
-        decodes with the target only, or whose draft is dormant (capturing nothing) while
-        its `chooser` coasts, with no controls or logprobs, stop strings or recurrent
-        snapshots to keep per token, nothing waiting, on one process (ranks would have to
-        agree on where each stretch ends)."""
+        decodes with the target only, or whose width its `chooser` picks, with no controls
+        or logprobs, stop strings or recurrent snapshots to keep per token, nothing waiting,
+        on one process (ranks would have to agree on where each stretch ends)."""
         if len(rows) != 1 or self.waiting or distributed.current() is not None:
             return False
         r = rows[0]
         req = r.req
-        dormant = r.fixed is None and chooser is not None and not chooser.capture
         return (
-            (req.draft is None or dormant)
+            (req.draft is None or (r.fixed is None and chooser is not None))
             and req.controls is None
             and not req.keep_snapshots
             and not r.options.stop
@@ -559,10 +557,11 @@ class BatchDecoder:
         together, as a speculative cycle's are. A stretch ends at EOS, at the request's
         budget, when a request arrives or the row is cancelled, after `STRETCH_TOKENS`
         tokens or `STRETCH_SECONDS` (so that the stream stays as fine as a speculative
-        cycle's). A row with a dormant draft runs on while its `chooser` coasts (each pass
-        one of its coasting steps), then as it decides anew: plain, capturing nothing, on;
-        capturing, the stretch ends with that pass; speculating, with that plan for the next
-        cycle. The pass launched last stays launched for the next cycle."""
+        cycle's). A row whose `chooser` picks its width runs on while it coasts (each pass
+        one of its coasting steps) or, deciding anew each step, picks a plain step (which may
+        capture features for the draft: each pass's go to it as it is read); when it picks
+        speculation the stretch ends with that plan for the next cycle. The pass launched
+        last stays launched for the next cycle."""
         got = [first]
         coasts = row.req.draft is not None
         req, target = row.req, self.pair.target
@@ -579,6 +578,10 @@ class BatchDecoder:
         ):
             ahead, nxt, caps = self._ahead, None, [False]
             at = g + len(got)  # the generated index of the token `ahead` computes
+            if ahead.feats is not None and ahead.captures[0]:
+                # Its anchor's features, committed before the next pass follows the capture
+                # (`follow_capture`: a draft going dormant is fed what was committed).
+                req.pending.append(ahead.feats[:1, :1])
             if row.options.max_tokens - at >= 2:
                 go = not coasts or chooser.coasting()
                 if not go:  # the chooser decides anew, as the next cycle's plan would
@@ -592,8 +595,6 @@ class BatchDecoder:
                     built = time.perf_counter() - launch
             got.append(ahead.top.item())
             self._ahead = _Ahead([row], *nxt, caps, built) if nxt is not None else None
-            if caps[0]:
-                break  # its pass captures features for the draft: the next cycle commits them
         return got
 
     def _commit_row(
