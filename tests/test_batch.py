@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, generate, load
+from dflash_mlx.engine import batch as batch_mod_engine
 from dflash_mlx.engine import batch_cache, batch_draft
 from dflash_mlx.engine import batch_cycle as batch_mod
 from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
@@ -112,10 +113,12 @@ def test_rows_joining_and_leaving_mid_stream_equal_their_solo_greedy(case, width
         assert sum(s.batches.get(3, 0) for s in stats.values()) > 0
 
 
-def test_chained_plain_passes_survive_joins_cancels_and_eos(target):
+def test_chained_plain_passes_survive_joins_cancels_and_eos(target, monkeypatch):
     """Plain rows whose next pass runs before their last tokens are read: a row that ends
     (its budget, or cancelled) while the next pass already ran for it, and a request that
-    joins then, leave every other row's tokens its own."""
+    joins then, leave every other row's tokens its own (a cycle a step: no stretches,
+    `test_stretch.py`)."""
+    monkeypatch.setattr(batch_mod_engine, "STRETCH_TOKENS", 1)
     model, tok = target
     pair = Pair(model, None)
     ids = [tok.encode(p) for p in PROMPTS]
@@ -286,11 +289,16 @@ def test_rows_resume_from_their_prompt_caches(case):
         assert reused[k] > 0, "the conversation's prefix must come from its cache"
 
 
-def test_chained_plain_rows_leave_prompt_caches_the_next_turn_resumes_from(target):
-    """Rows decoded with chained plain passes end with a position fed past their last
-    token in their caches; the next turn resumes from those caches and is still the
-    target's greedy decode."""
+@pytest.mark.parametrize("stretch", [1, 32])
+def test_chained_plain_rows_leave_prompt_caches_the_next_turn_resumes_from(
+    target, monkeypatch, stretch
+):
+    """Rows decoded with chained plain passes (a cycle a step, or stretches) end with a
+    position fed past their last token in their caches; the next turn resumes from those
+    caches and is still the target's greedy decode."""
     from dflash_mlx import PromptCache
+
+    monkeypatch.setattr(batch_mod_engine, "STRETCH_TOKENS", stretch)
 
     model, tok = target
     pair = Pair(model, None)
@@ -317,7 +325,8 @@ def batch_mod_run(pair, tok, prompts, caches, lengths, cancel=None):
     step = 0
     while dec.busy:
         if cancel is not None and step == cancel[1]:
-            assert dec._ahead is not None, "the next pass must be in flight"
+            if batch_mod_engine.STRETCH_TOKENS == 1:
+                assert dec._ahead is not None, "the next pass must be in flight"
             dec.cancel(rows[cancel[0]])
         step += 1
         for row, item in dec.step():

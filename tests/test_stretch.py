@@ -209,3 +209,33 @@ def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
     for a, b in zip(many[3], one[3]):
         np.testing.assert_allclose(a, b, atol=1e-5)
     assert many[4] < one[4] - 20, "no stretch ran"
+
+
+def test_a_batch_of_plain_rows_stretches_together(target, draft, no_time_limit):
+    """Rows decoding plainly together run their passes as one stretch: each row gets its
+    own greedy tokens, several a response, and the stretch stops at the first row's EOS
+    (the others go on in the next)."""
+    from .test_decode import PROMPTS
+
+    model, tok = target
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    want = [target_greedy(model, ids, 40) for ids in prompts]
+    k = next(i for i in range(6, 30) if want[1][i] not in want[1][:i])
+    dec = BatchDecoder(Pair(model, draft), tok)
+    rows = [
+        dec.submit(ids, GenerateOptions(max_tokens=40, verify_width=1), handle=b)
+        for b, ids in enumerate(prompts)
+    ]
+    rows[1].eos = frozenset({want[1][k]})
+    got = {b: [] for b in range(3)}
+    while dec.busy:
+        for row, out in dec.step():
+            got[row.handle].append(out)
+    for b in (0, 2):
+        assert [t for r in got[b] for t in r.tokens] == want[b]
+        assert got[b][-1].stats.cycles == 39 and got[b][-1].stats.batches, "counted, batched"
+    assert [t for r in got[1] for t in r.tokens] == want[1][: k + 1]
+    assert got[1][-1].finish_reason == "stop"
+    assert max(len(r.tokens) for r in got[0]) == 8 and len(got[0]) < 12, "no stretch ran"
+    ended = sum(len(r.tokens) for r in got[1])
+    assert sum(len(r.tokens) for r in got[0][: len(got[1])]) == ended, "stopped at the EOS"

@@ -516,7 +516,7 @@ class BatchDecoder:
                 self._planned = ([id(r) for r in rows], (widths, caps))
         tokens = top.tolist()
         if self._ahead is not None and self._stretches(rows, lps, chooser):
-            tokens = [self._stretch(rows[0], tokens[0], chooser)]
+            tokens = self._stretch(rows, tokens, chooser)
         # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
         # wherever it fell between host syncs.
         spent = self._sync()
@@ -533,68 +533,75 @@ class BatchDecoder:
         self._commit_rows(rows, steps, results, size, plain=True)
 
     def _stretches(self, rows: list[Row], lps: list | None, chooser: WidthChooser | None) -> bool:
-        """Whether this plain cycle may run on as a stretch (`_stretch`): a row alone that
-        decodes with the target only, or whose width its `chooser` picks, with no controls
-        or logprobs, stop strings or recurrent snapshots to keep per token, nothing waiting,
-        on one process (ranks would have to agree on where each stretch ends)."""
-        if len(rows) != 1 or self.waiting or distributed.current() is not None:
+        """Whether this plain cycle may run on as a stretch (`_stretch`): rows that decode
+        with the target only, or whose width the `chooser` picks, with no controls or
+        logprobs, stop strings or recurrent snapshots to keep per token, none cancelled,
+        nothing waiting, on one process (ranks would have to agree on where each stretch
+        ends)."""
+        if self.waiting or distributed.current() is not None:
             return False
-        r = rows[0]
-        req = r.req
-        return (
-            (req.draft is None or (r.fixed is None and chooser is not None))
-            and req.controls is None
-            and not req.keep_snapshots
+        if lps is not None and any(lp is not None for lp in lps):
+            return False
+        return all(
+            (r.req.draft is None or (r.fixed is None and chooser is not None))
+            and r.req.controls is None
+            and not r.req.keep_snapshots
             and not r.options.stop
             and not r.cancelled
-            and (lps is None or all(lp is None for lp in lps))
+            for r in rows
         )
 
-    def _stretch(self, row: Row, first: int, chooser: WidthChooser | None) -> list[int]:
-        """Plain steps of a row alone run on within one cycle, as mlx-lm's loop runs them:
-        each pass launched on the last one's device token before that token is read, and
-        nothing else per token; the tokens (from `first`) are committed and handed out
-        together, as a speculative cycle's are. A stretch ends at EOS, at the request's
-        budget, when a request arrives or the row is cancelled, after `STRETCH_TOKENS`
-        tokens or `STRETCH_SECONDS` (so that the stream stays as fine as a speculative
-        cycle's). A row whose `chooser` picks its width runs on while it coasts (each pass
-        one of its coasting steps) or, deciding anew each step, picks a plain step (which may
-        capture features for the draft: each pass's go to it as it is read); when it picks
+    def _stretch(
+        self, rows: list[Row], firsts: list[int], chooser: WidthChooser | None
+    ) -> list[list[int]]:
+        """Plain steps run on within one cycle, as mlx-lm's loop runs them: each pass
+        launched on the last one's device tokens before they are read, and nothing else
+        per token; each row's tokens (from `firsts`) are committed and handed out together,
+        as a speculative cycle's are. A stretch ends at a row's EOS or budget, when a
+        request arrives or a row is cancelled, after `STRETCH_TOKENS` tokens or
+        `STRETCH_SECONDS` (so that a stream stays as fine as a speculative cycle's).
+        Rows whose width the `chooser` picks run on while it coasts (each pass one of its
+        coasting steps) or, deciding anew each step, picks a plain step (which may capture
+        features for the drafts: each pass's go to them as it is read); when it picks
         speculation the stretch ends with that plan for the next cycle. The pass launched
         last stays launched for the next cycle."""
-        got = [first]
-        coasts = row.req.draft is not None
-        req, target = row.req, self.pair.target
-        g = row.generated  # the generated index of `first`
-        cap = min(STRETCH_TOKENS, row.options.max_tokens - g)
+        got = [[t] for t in firsts]
+        target = self.pair.target
+        cache = self.cache if len(rows) > 1 else rows[0].req.cache
+        coasts = any(r.req.draft is not None for r in rows)
+        base = [r.generated for r in rows]  # the generated index of each row's first
+        cap = min(STRETCH_TOKENS, *(r.options.max_tokens - g for r, g in zip(rows, base)))
         end = time.perf_counter() + STRETCH_SECONDS
+        k = 1  # tokens each row has so far
         while (
             self._ahead is not None
-            and len(got) < cap
-            and got[-1] not in row.eos
+            and k < cap
+            and not any(g[-1] in r.eos or r.cancelled for g, r in zip(got, rows))
             and not self.waiting
-            and not row.cancelled
             and time.perf_counter() < end
         ):
-            ahead, nxt, caps = self._ahead, None, [False]
-            at = g + len(got)  # the generated index of the token `ahead` computes
-            if ahead.feats is not None and ahead.captures[0]:
-                # Its anchor's features, committed before the next pass follows the capture
-                # (`follow_capture`: a draft going dormant is fed what was committed).
-                req.pending.append(ahead.feats[:1, :1])
-            if row.options.max_tokens - at >= 2:
+            ahead, nxt, caps = self._ahead, None, [False] * len(rows)
+            for b, r in enumerate(rows):
+                if ahead.feats is not None and ahead.captures[b]:
+                    # Its anchor's features, committed before the next pass follows the
+                    # capture (`follow_capture`: a draft going dormant is fed what was).
+                    r.req.pending.append(ahead.feats[b : b + 1, :1])
+            at = [g + k for g in base]  # the generated index of what `ahead` computes
+            if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
                 go = not coasts or chooser.coasting()
                 if not go:  # the chooser decides anew, as the next cycle's plan would
-                    widths, caps = bc.plan([row], chooser, ahead=at - g + 1)
-                    go = bc.plain(target, [row], widths)
+                    widths, caps = bc.plan(rows, chooser, ahead=k + 1)
+                    go = bc.plain(target, rows, widths)
                     if not go:
-                        self._planned = ([id(row)], (widths, caps))
+                        self._planned = ([id(r) for r in rows], (widths, caps))
                 if go:
                     launch = time.perf_counter()
-                    nxt = bc.plain_pass(target, [row], ahead.top, req.cache, caps, [at])
+                    nxt = bc.plain_pass(target, rows, ahead.top, cache, caps, at)
                     built = time.perf_counter() - launch
-            got.append(ahead.top.item())
-            self._ahead = _Ahead([row], *nxt, caps, built) if nxt is not None else None
+            for g, t in zip(got, ahead.top.tolist()):
+                g.append(t)
+            k += 1
+            self._ahead = _Ahead(rows, *nxt, caps, built) if nxt is not None else None
         return got
 
     def _commit_row(
