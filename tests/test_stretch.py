@@ -239,3 +239,42 @@ def test_a_batch_of_plain_rows_stretches_together(target, draft, no_time_limit):
     assert max(len(r.tokens) for r in got[0]) == 8 and len(got[0]) < 12, "no stretch ran"
     ended = sum(len(r.tokens) for r in got[1])
     assert sum(len(r.tokens) for r in got[0][: len(got[1])]) == ended, "stopped at the EOS"
+
+
+def test_the_decoders_interrupt_ends_a_stretch(target, no_time_limit, monkeypatch):
+    """A server's new request waits outside the decoder until the step ends: its
+    `interrupt` (asked between passes) ends the stretch at once."""
+    model, tok = target
+    dec = BatchDecoder(Pair(model, None), tok)
+    clock = PassClock(monkeypatch, 0.001)
+    dec.interrupt = lambda: clock.passes >= 4
+    dec.submit(tok.encode(PROMPT), GenerateOptions(max_tokens=30, verify_width=1))
+    steps = [[len(out.tokens) for _, out in dec.step()] for _ in range(3)]
+    # Pass 1 the first cycle's, 2 the one it chains, 3-4 the stretch's: then it ends, and
+    # every later cycle is a single step while the interrupt holds.
+    assert steps == [[1], [3], [1]], steps
+
+
+def test_a_servers_batcher_ends_stretches_for_a_waiting_request_or_a_gone_client():
+    from collections import deque
+    from types import SimpleNamespace
+
+    from dflash_mlx.server.batching import Batcher
+
+    class FakeJob:
+        cancelled = False
+
+    b = Batcher.__new__(Batcher)
+    b.engine = SimpleNamespace(pair=None, tokenizer=None, max_batch=2, _waiting=deque(), _active=[])
+    b.started = {}
+    dec = b._decoder()
+    assert dec.interrupt is not None and not dec.interrupt()
+    b.engine._waiting.append(FakeJob())
+    assert dec.interrupt(), "a request waits with room in the batch"
+    b.engine._active = [FakeJob(), FakeJob()]
+    assert not dec.interrupt(), "no room: it would wait for a row to leave anyway"
+    job = FakeJob()
+    b.started = {job: None}
+    assert not dec.interrupt()
+    job.cancelled = True
+    assert dec.interrupt(), "a client gone"

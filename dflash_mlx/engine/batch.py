@@ -101,6 +101,9 @@ class BatchDecoder:
         # admission made them (a server hands them to their clients then); without it they
         # are returned by the `step` that admits.
         self.on_output: Callable[[list[tuple[Row, Any]]], None] | None = None
+        # Whether something outside the decoder waits for the step to end (a server's
+        # request not yet submitted, a client gone): asked between the passes of a stretch.
+        self.interrupt: Callable[[], bool] | None = None
         self._ahead: _Ahead | None = None  # the next plain pass, launched before its turn
         self._planned: tuple | None = None  # the next cycle's widths, decided in advance
         self._synced = 0.0  # when the last cycle's result reached the host
@@ -558,7 +561,7 @@ class BatchDecoder:
         launched on the last one's device tokens before they are read, and nothing else
         per token; each row's tokens (from `firsts`) are committed and handed out together,
         as a speculative cycle's are. A stretch ends at a row's EOS or budget, when a
-        request arrives or a row is cancelled, after `STRETCH_TOKENS` tokens or
+        request arrives, a row is cancelled or `interrupt` says so, after `STRETCH_TOKENS` tokens or
         `STRETCH_SECONDS` (so that a stream stays as fine as a speculative cycle's).
         Rows whose width the `chooser` picks run on while it coasts (each pass one of its
         coasting steps) or, deciding anew each step, picks a plain step (which may capture
@@ -579,6 +582,7 @@ class BatchDecoder:
             and not any(g[-1] in r.eos or r.cancelled for g, r in zip(got, rows))
             and not self.waiting
             and time.perf_counter() < end
+            and not (self.interrupt is not None and self.interrupt())
         ):
             ahead, nxt, caps = self._ahead, None, [False] * len(rows)
             for b, r in enumerate(rows):

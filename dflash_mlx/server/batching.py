@@ -74,7 +74,17 @@ class Batcher:
         e = self.engine
         decoder = BatchDecoder(e.pair, e.tokenizer, max_batch=e.max_batch)
         decoder.on_output = self._between_chunks
+        decoder.interrupt = self._interrupt
         return decoder
+
+    def _interrupt(self) -> bool:
+        """Whether a waiting request has room in the batch, or a running one's client is
+        gone: the decoder's stretch of plain steps ends for it (read without the lock: a
+        late answer only delays it by a pass)."""
+        e = self.engine
+        if e._waiting and len(e._active) < e.max_batch:
+            return True
+        return any(job.cancelled for job in self.started)
 
     def _between_chunks(self, out: list) -> None:
         """While a long prompt is admitted, the running rows' tokens made between its
