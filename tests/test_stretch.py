@@ -278,3 +278,40 @@ def test_a_servers_batcher_ends_stretches_for_a_waiting_request_or_a_gone_client
     assert not dec.interrupt()
     job.cancelled = True
     assert dec.interrupt(), "a client gone"
+
+
+def test_penalties_and_stop_strings_stretch_as_single_steps_give(target, monkeypatch):
+    """Penalties see every token of a stretch on the device (each pass's token joins the
+    history before the next pass), and a stop string cuts a stretch's reply where single
+    steps stop: the same tokens, text and finish."""
+    from dflash_mlx import generate
+
+    model, tok = target
+    ids = tok.encode(PROMPT)
+    pair = Pair(model, None)
+    penalized = GenerateOptions(
+        max_tokens=40,
+        verify_width=1,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    )
+
+    def run(stretch, opts):
+        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        return list(stream_generate(pair, tok, ids, opts))
+
+    single, stretched = run(1, penalized), run(16, penalized)
+    assert len(stretched) < len(single) / 3, "no stretch ran"
+    tokens = [t for r in single for t in r.tokens]
+    assert [t for r in stretched for t in r.tokens] == tokens
+    assert tokens != target_greedy(model, ids, 40), "the penalties changed nothing"
+    full = generate(pair, tok, ids, GenerateOptions(max_tokens=40, verify_width=1)).text
+    stop = next(full[i : i + 3] for i in range(12, 30) if full.find(full[i : i + 3]) == i)
+    opts = GenerateOptions(max_tokens=40, verify_width=1, stop=(stop,))
+    single, stretched = run(1, opts), run(16, opts)
+    assert "".join(r.text for r in stretched) == "".join(r.text for r in single)
+    assert [t for r in stretched for t in r.tokens] == [t for r in single for t in r.tokens]
+    assert stretched[-1].finish_reason == single[-1].finish_reason == "stop"
+    assert stretched[-1].stop == stop and len(stretched) < len(single)

@@ -537,19 +537,19 @@ class BatchDecoder:
 
     def _stretches(self, rows: list[Row], lps: list | None, chooser: WidthChooser | None) -> bool:
         """Whether this plain cycle may run on as a stretch (`_stretch`): rows that decode
-        with the target only, or whose width the `chooser` picks, with no controls or
-        logprobs, stop strings or recurrent snapshots to keep per token, none cancelled,
-        nothing waiting, on one process (ranks would have to agree on where each stretch
-        ends)."""
+        with the target only, or whose width the `chooser` picks, with no grammar (whose
+        masks must see each token on the host), logprobs or recurrent snapshots to keep per
+        token, none cancelled, nothing waiting, on one process (ranks would have to agree on
+        where each stretch ends). Penalties follow each pass on the device; a stop string
+        cuts the stretch's reply as it cuts a speculative cycle's."""
         if self.waiting or distributed.current() is not None:
             return False
         if lps is not None and any(lp is not None for lp in lps):
             return False
         return all(
             (r.req.draft is None or (r.fixed is None and chooser is not None))
-            and r.req.controls is None
+            and (r.req.controls is None or r.req.controls.grammar is None)
             and not r.req.keep_snapshots
-            and not r.options.stop
             and not r.cancelled
             for r in rows
         )
@@ -590,6 +590,8 @@ class BatchDecoder:
                     # Its anchor's features, committed before the next pass follows the
                     # capture (`follow_capture`: a draft going dormant is fed what was).
                     r.req.pending.append(ahead.feats[b : b + 1, :1])
+                if r.req.controls is not None:  # penalties see its token in the next pass
+                    r.req.controls.commit(ahead.top[b : b + 1])
             at = [g + k for g in base]  # the generated index of what `ahead` computes
             if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
                 go = not coasts or chooser.coasting()
