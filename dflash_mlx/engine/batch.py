@@ -561,8 +561,9 @@ class BatchDecoder:
         launched on the last one's device tokens before they are read, and nothing else
         per token; each row's tokens (from `firsts`) are committed and handed out together,
         as a speculative cycle's are. A stretch ends at a row's EOS or budget, when a
-        request arrives, a row is cancelled or `interrupt` says so, after `STRETCH_TOKENS` tokens or
-        `STRETCH_SECONDS` (so that a stream stays as fine as a speculative cycle's).
+        request arrives, a row is cancelled or `interrupt` says so, and after
+        `STRETCH_TOKENS` tokens or `STRETCH_SECONDS` (so that a stream stays as fine as a
+        speculative cycle's).
         Rows whose width the `chooser` picks run on while it coasts (each pass one of its
         coasting steps) or, deciding anew each step, picks a plain step (which may capture
         features for the drafts: each pass's go to them as it is read); when it picks
