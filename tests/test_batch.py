@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, generate, load
-from dflash_mlx.engine import batch as batch_mod_engine
 from dflash_mlx.engine import batch_cache, batch_draft
 from dflash_mlx.engine import batch_cycle as batch_mod
+from dflash_mlx.engine import plain as plain_mod
 from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
 from dflash_mlx.engine.prefill import Request
 from dflash_mlx.engine.sampling import PositionKeys, propose
@@ -118,7 +118,7 @@ def test_chained_plain_passes_survive_joins_cancels_and_eos(target, monkeypatch)
     (its budget, or cancelled) while the next pass already ran for it, and a request that
     joins then, leave every other row's tokens its own (a cycle a step: no stretches,
     `test_stretch.py`)."""
-    monkeypatch.setattr(batch_mod_engine, "STRETCH_TOKENS", 1)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 1)
     model, tok = target
     pair = Pair(model, None)
     ids = [tok.encode(p) for p in PROMPTS]
@@ -298,7 +298,7 @@ def test_chained_plain_rows_leave_prompt_caches_the_next_turn_resumes_from(
     caches and is still the target's greedy decode."""
     from dflash_mlx import PromptCache
 
-    monkeypatch.setattr(batch_mod_engine, "STRETCH_TOKENS", stretch)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
 
     model, tok = target
     pair = Pair(model, None)
@@ -325,7 +325,7 @@ def batch_mod_run(pair, tok, prompts, caches, lengths, cancel=None):
     step = 0
     while dec.busy:
         if cancel is not None and step == cancel[1]:
-            if batch_mod_engine.STRETCH_TOKENS == 1:
+            if plain_mod.STRETCH_TOKENS == 1:
                 assert dec._ahead is not None, "the next pass must be in flight"
             dec.cancel(rows[cancel[0]])
         step += 1

@@ -377,7 +377,7 @@ def test_ctrl_c_keeps_the_partial_reply_and_the_next_turn_stays_exact(
 ):
     session.set("max_tokens", 40)
     session.set("verify_width", 1)  # one token per response: a predictable cut
-    monkeypatch.setattr("dflash_mlx.engine.batch.STRETCH_TOKENS", 1)  # no plain stretches
+    monkeypatch.setattr("dflash_mlx.engine.plain.STRETCH_TOKENS", 1)  # no plain stretches
     full = fresh(target, draft, [{"role": "user", "content": "import os"}], max_tokens=40)
     interrupt_after(5, monkeypatch)
     out, err = drive(session, "import os", tmp_path=tmp_path)

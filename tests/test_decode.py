@@ -278,10 +278,11 @@ def simulated_device(monkeypatch, pair, cost) -> list[tuple[int, float]]:
 
     import dflash_mlx.engine.batch as batch
     import dflash_mlx.engine.batch_cycle as batch_cycle
+    import dflash_mlx.engine.plain as plain
 
     now, charged = [0.0], []
     fake = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for module in (batch, batch_cycle):  # the cycle's launches and the clock that charges them
+    for module in (batch, batch_cycle, plain):  # the cycle's launches, the clock charging them
         monkeypatch.setattr(module, "time", fake)
     real_forward, real_prefill, decoding = pair.target.forward, batch.prefill_prompt, []
 
@@ -437,12 +438,13 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
 
     import dflash_mlx.engine.batch as batch
     import dflash_mlx.engine.batch_cycle as batch_cycle
+    import dflash_mlx.engine.plain as plain
     from dflash_mlx import Pair
 
     model, tok = target
     clock = [0.0]
     fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    for module in (batch, batch_cycle):  # the cycle's launches and the clock that charges them
+    for module in (batch, batch_cycle, plain):  # the cycle's launches, the clock charging them
         monkeypatch.setattr(module, "time", fake)
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 80)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_mlx import GenerateOptions, Pair, stream_generate
-from dflash_mlx.engine import batch as batch_mod
 from dflash_mlx.engine import batch_cycle as bc
+from dflash_mlx.engine import plain as plain_mod
 from dflash_mlx.engine.batch import BatchDecoder
 
 from .test_decode import target_greedy
@@ -32,13 +32,13 @@ class PassClock:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(bc, "plain_pass", plain_pass)
-        monkeypatch.setattr(batch_mod.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(plain_mod.time, "perf_counter", lambda: self.now)
 
 
 @pytest.fixture
 def no_time_limit(monkeypatch):
-    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
-    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 8)
+    monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 8)
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -65,10 +65,10 @@ def test_a_stretch_draws_what_single_plain_steps_draw(target, monkeypatch):
     ids = tok.encode(PROMPT)
     opts = GenerateOptions(max_tokens=40, verify_width=1, temperature=0.9, seed=11)
     pair = Pair(model, None)
-    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 1)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 1)
     single = list(stream_generate(pair, tok, ids, opts))
-    monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", 16)
-    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 16)
+    monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
     stretched = list(stream_generate(pair, tok, ids, opts))
     assert len(single) == 40 and len(stretched) < 10, "no stretch ran"
     assert [t for r in stretched for t in r.tokens] == [t for r in single for t in r.tokens]
@@ -93,7 +93,7 @@ def test_a_stretch_ends_after_its_seconds_of_passes(target, monkeypatch):
     a response holds at most 4 tokens (its cycle's own and 3 passes), the stream stays as
     fine as a speculative cycle's."""
     model, tok = target
-    monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 0.025)
+    monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 0.025)
     PassClock(monkeypatch, 0.010)
     ids = tok.encode(PROMPT)
     got = list(
@@ -143,8 +143,8 @@ def test_a_dormant_drafts_steps_stretch_while_its_chooser_coasts(target, draft, 
         return d
 
     for stretch in (1, 32):
-        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
-        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
         d = scripted()
         ch, _ = dormant_chooser(probe_interval=8, max_probe_interval=32)
         cycles = auto_decode(model, d, ids, n, ch)
@@ -176,8 +176,8 @@ def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
     pair = Pair(model, draft)
     runs = {}
     for stretch in (1, 32):
-        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
-        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
         ch, _ = dormant_chooser()
         calls = [0]
 
@@ -298,8 +298,8 @@ def test_penalties_and_stop_strings_stretch_as_single_steps_give(target, monkeyp
     )
 
     def run(stretch, opts):
-        monkeypatch.setattr(batch_mod, "STRETCH_TOKENS", stretch)
-        monkeypatch.setattr(batch_mod, "STRETCH_SECONDS", 1e9)
+        monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
+        monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
         return list(stream_generate(pair, tok, ids, opts))
 
     single, stretched = run(1, penalized), run(16, penalized)

@@ -31,7 +31,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -42,35 +42,19 @@ from ..options import GenerateOptions
 from ..pair import Pair
 from ..speed.adaptive import WidthChooser
 from . import batch_cycle as bc
+from . import plain
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
 from .batch_cycle import Row, batch_curves
 from .bookkeeping import clear_cache_every, cut_at_eos, snapshot
 from .controls import Grammar, compile_grammar, read_logprobs
 from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
 from .generate import GenerationResponse, Reply, batch_generate
+from .plain import Ahead
 from .prefill import open_request, prefill_prompt
 from .text import encode_prompt
 from .tree import ShapeChooser, tree_mode
 
 __all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
-
-
-# A plain cycle of a row alone runs on as a stretch of plain steps (`_stretch`) of at most
-# this many tokens and seconds: per token only the pass, as in mlx-lm's loop; the rest of a
-# cycle's host work once a stretch. Its tokens go out together, as a speculative cycle's do.
-STRETCH_TOKENS = 32
-STRETCH_SECONDS = 0.025
-
-
-class _Ahead(NamedTuple):
-    """A plain pass launched before the cycle it belongs to."""
-
-    rows: list[Row]  # the rows it runs for, in the batch's order when launched
-    top: mx.array  # each row's next token, on the device
-    feats: mx.array | None  # the anchors' features (rows that capture for their draft)
-    lps: list | None  # each row's logprobs, when one asks for them
-    captures: list[bool]  # which rows' drafts get the features
-    built: float  # seconds its launch took (charged to its own cycle, not the one before)
 
 
 class _Cycles:
@@ -104,7 +88,7 @@ class BatchDecoder:
         # Whether something outside the decoder waits for the step to end (a server's
         # request not yet submitted, a client gone): asked between the passes of a stretch.
         self.interrupt: Callable[[], bool] | None = None
-        self._ahead: _Ahead | None = None  # the next plain pass, launched before its turn
+        self._ahead: Ahead | None = None  # the next plain pass, launched before its turn
         self._planned: tuple | None = None  # the next cycle's widths, decided in advance
         self._synced = 0.0  # when the last cycle's result reached the host
         self.chained = 0  # plain passes launched before the last result reached the host
@@ -465,7 +449,7 @@ class BatchDecoder:
         self,
         rows: list[Row],
         chooser: WidthChooser | None,
-        ahead: _Ahead | None = None,
+        ahead: Ahead | None = None,
         index: list[int] | None = None,
         chain: bool = True,
         captures: list[bool] | None = None,
@@ -514,102 +498,26 @@ class BatchDecoder:
                 launch = time.perf_counter()
                 nxt = bc.plain_pass(target, rows, top, cache, caps, at)
                 built = distributed.agree("launch seconds", time.perf_counter() - launch)
-                self._ahead = _Ahead(rows, *nxt, caps, built)
+                self._ahead = Ahead(rows, *nxt, caps, built)
             else:
                 self._planned = ([id(r) for r in rows], (widths, caps))
-        tokens = top.tolist()
-        if self._ahead is not None and self._stretches(rows, lps, chooser):
-            tokens = self._stretch(rows, tokens, chooser)
+        got = [[t] for t in top.tolist()]
+        if self._ahead is not None and plain.stretches(self, rows, lps, chooser):
+            plain.stretch(self, rows, got, chooser)  # more plain steps, each row's tokens
         # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
         # wherever it fell between host syncs.
         spent = self._sync()
         if spent is not None:
             spent += ahead.built if ahead is not None else 0.0
             spent -= self._ahead.built if self._ahead is not None else 0.0
-        results = [(0, t if isinstance(t, list) else [t]) for t in tokens]
-        ran = len(results[0][1])  # plain steps (more than one: a stretch's)
+        results = [(0, g) for g in got]
+        ran = len(got[0])  # plain steps (more than one: a stretch's)
         if spent is not None:
             spent /= ran
         bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + ran
         self.chained += ran - 1 + (self._ahead is not None)
         self._commit_rows(rows, steps, results, size, plain=True)
-
-    def _stretches(self, rows: list[Row], lps: list | None, chooser: WidthChooser | None) -> bool:
-        """Whether this plain cycle may run on as a stretch (`_stretch`): rows that decode
-        with the target only, or whose width the `chooser` picks, with no grammar (whose
-        masks must see each token on the host), logprobs or recurrent snapshots to keep per
-        token, none cancelled, nothing waiting, on one process (ranks would have to agree on
-        where each stretch ends). Penalties follow each pass on the device; a stop string
-        cuts the stretch's reply as it cuts a speculative cycle's."""
-        if self.waiting or distributed.current() is not None:
-            return False
-        if lps is not None and any(lp is not None for lp in lps):
-            return False
-        return all(
-            (r.req.draft is None or (r.fixed is None and chooser is not None))
-            and (r.req.controls is None or r.req.controls.grammar is None)
-            and not r.req.keep_snapshots
-            and not r.cancelled
-            for r in rows
-        )
-
-    def _stretch(
-        self, rows: list[Row], firsts: list[int], chooser: WidthChooser | None
-    ) -> list[list[int]]:
-        """Plain steps run on within one cycle, as mlx-lm's loop runs them: each pass
-        launched on the last one's device tokens before they are read, and nothing else
-        per token; each row's tokens (from `firsts`) are committed and handed out together,
-        as a speculative cycle's are. A stretch ends at a row's EOS or budget, when a
-        request arrives, a row is cancelled or `interrupt` says so, and after
-        `STRETCH_TOKENS` tokens or `STRETCH_SECONDS` (so that a stream stays as fine as a
-        speculative cycle's).
-        Rows whose width the `chooser` picks run on while it coasts (each pass one of its
-        coasting steps) or, deciding anew each step, picks a plain step (which may capture
-        features for the drafts: each pass's go to them as it is read); when it picks
-        speculation the stretch ends with that plan for the next cycle. The pass launched
-        last stays launched for the next cycle."""
-        got = [[t] for t in firsts]
-        target = self.pair.target
-        cache = self.cache if len(rows) > 1 else rows[0].req.cache
-        coasts = any(r.req.draft is not None for r in rows)
-        base = [r.generated for r in rows]  # the generated index of each row's first
-        cap = min(STRETCH_TOKENS, *(r.options.max_tokens - g for r, g in zip(rows, base)))
-        end = time.perf_counter() + STRETCH_SECONDS
-        k = 1  # tokens each row has so far
-        while (
-            self._ahead is not None
-            and k < cap
-            and not any(g[-1] in r.eos or r.cancelled for g, r in zip(got, rows))
-            and not self.waiting
-            and time.perf_counter() < end
-            and not (self.interrupt is not None and self.interrupt())
-        ):
-            ahead, nxt, caps = self._ahead, None, [False] * len(rows)
-            for b, r in enumerate(rows):
-                if ahead.feats is not None and ahead.captures[b]:
-                    # Its anchor's features, committed before the next pass follows the
-                    # capture (`follow_capture`: a draft going dormant is fed what was).
-                    r.req.pending.append(ahead.feats[b : b + 1, :1])
-                if r.req.controls is not None:  # penalties see its token in the next pass
-                    r.req.controls.commit(ahead.top[b : b + 1])
-            at = [g + k for g in base]  # the generated index of what `ahead` computes
-            if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
-                go = not coasts or chooser.coasting()
-                if not go:  # the chooser decides anew, as the next cycle's plan would
-                    widths, caps = bc.plan(rows, chooser, ahead=k + 1)
-                    go = bc.plain(target, rows, widths)
-                    if not go:
-                        self._planned = ([id(r) for r in rows], (widths, caps))
-                if go:
-                    launch = time.perf_counter()
-                    nxt = bc.plain_pass(target, rows, ahead.top, cache, caps, at)
-                    built = time.perf_counter() - launch
-            for g, t in zip(got, ahead.top.tolist()):
-                g.append(t)
-            k += 1
-            self._ahead = _Ahead(rows, *nxt, caps, built) if nxt is not None else None
-        return got
 
     def _commit_row(
         self, r: Row, s: _Step, n: int, new: list[int], size: int, plain: bool = False

@@ -1,0 +1,113 @@
+"""Plain passes chained on the device (`batch.BatchDecoder._plain_cycle`): the pass launched
+before the cycle it belongs to (`Ahead`), and stretches of plain steps run within one
+cycle, as mlx-lm's loop runs them: per token only the pass; the rest of a cycle's host
+work (plan, learn, commit, reply) once a stretch, whose tokens go out together, as a
+speculative cycle's do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, NamedTuple
+
+import mlx.core as mx
+
+from .. import distributed
+from . import batch_cycle as bc
+
+if TYPE_CHECKING:
+    from ..speed.adaptive import WidthChooser
+    from .batch import BatchDecoder
+    from .batch_cycle import Row
+
+# A stretch runs at most this many tokens and seconds, so that a stream stays as fine as a
+# speculative cycle's.
+STRETCH_TOKENS = 32
+STRETCH_SECONDS = 0.025
+
+
+class Ahead(NamedTuple):
+    """A plain pass launched before the cycle it belongs to."""
+
+    rows: list[Row]  # the rows it runs for, in the batch's order when launched
+    top: mx.array  # each row's next token, on the device
+    feats: mx.array | None  # the anchors' features (rows that capture for their draft)
+    lps: list | None  # each row's logprobs, when one asks for them
+    captures: list[bool]  # which rows' drafts get the features
+    built: float  # seconds its launch took (charged to its own cycle, not the one before)
+
+
+def stretches(
+    dec: BatchDecoder, rows: list[Row], lps: list | None, chooser: WidthChooser | None
+) -> bool:
+    """Whether `dec`'s plain cycle of `rows` may run on as a stretch (`stretch`): rows that
+    decode with the target only, or whose width the `chooser` picks, with no grammar (whose
+    masks must see each token on the host), logprobs or recurrent snapshots to keep per
+    token, none cancelled, nothing waiting, on one process (ranks would have to agree on
+    where each stretch ends). Penalties follow each pass on the device; a stop string cuts
+    the stretch's reply as it cuts a speculative cycle's."""
+    if dec.waiting or distributed.current() is not None:
+        return False
+    if lps is not None and any(lp is not None for lp in lps):
+        return False
+    return all(
+        (r.req.draft is None or (r.fixed is None and chooser is not None))
+        and (r.req.controls is None or r.req.controls.grammar is None)
+        and not r.req.keep_snapshots
+        and not r.cancelled
+        for r in rows
+    )
+
+
+def stretch(
+    dec: BatchDecoder, rows: list[Row], got: list[list[int]], chooser: WidthChooser | None
+) -> None:
+    """More plain steps of `rows` within `dec`'s cycle, appended to each row's tokens `got`
+    (its cycle's own so far): each pass launched on the last one's device tokens before
+    they are read (`dec._ahead`), and nothing else per token. A stretch ends at a row's EOS
+    or budget, when a request arrives, a row is cancelled or `dec.interrupt` says so, and
+    after `STRETCH_TOKENS` tokens or `STRETCH_SECONDS`.
+    Rows whose width the `chooser` picks run on while it coasts (each pass one of its
+    coasting steps) or, deciding anew each step, picks a plain step (which may capture
+    features for the drafts: each pass's go to them as it is read); when it picks
+    speculation the stretch ends with that plan for the next cycle (`dec._planned`). The
+    pass launched last stays launched for the next cycle."""
+    target = dec.pair.target
+    cache = dec.cache if len(rows) > 1 else rows[0].req.cache
+    coasts = any(r.req.draft is not None for r in rows)
+    k = len(got[0])  # tokens each row has so far
+    base = [r.generated for r in rows]  # the generated index of each row's first
+    cap = min(STRETCH_TOKENS, *(r.options.max_tokens - g for r, g in zip(rows, base)))
+    end = time.perf_counter() + STRETCH_SECONDS
+    while (
+        dec._ahead is not None
+        and k < cap
+        and not any(g[-1] in r.eos or r.cancelled for g, r in zip(got, rows))
+        and not dec.waiting
+        and time.perf_counter() < end
+        and not (dec.interrupt is not None and dec.interrupt())
+    ):
+        ahead, nxt, caps = dec._ahead, None, [False] * len(rows)
+        for b, r in enumerate(rows):
+            if ahead.feats is not None and ahead.captures[b]:
+                # Its anchor's features, committed before the next pass follows the capture
+                # (`follow_capture`: a draft going dormant is fed what was committed).
+                r.req.pending.append(ahead.feats[b : b + 1, :1])
+            if r.req.controls is not None:  # penalties see its token in the next pass
+                r.req.controls.commit(ahead.top[b : b + 1])
+        at = [g + k for g in base]  # the generated index of what `ahead` computes
+        if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
+            go = not coasts or chooser.coasting()
+            if not go:  # the chooser decides anew, as the next cycle's plan would
+                widths, caps = bc.plan(rows, chooser, ahead=k + 1)
+                go = bc.plain(target, rows, widths)
+                if not go:
+                    dec._planned = ([id(r) for r in rows], (widths, caps))
+            if go:
+                launch = time.perf_counter()
+                nxt = bc.plain_pass(target, rows, ahead.top, cache, caps, at)
+                built = time.perf_counter() - launch
+        for g, t in zip(got, ahead.top.tolist()):
+            g.append(t)
+        k += 1
+        dec._ahead = Ahead(rows, *nxt, caps, built) if nxt is not None else None
