@@ -82,7 +82,10 @@ def browser() -> Iterator:
 def wait_for(driver, condition, what: str):
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
-        found = condition(driver)
+        try:
+            found = condition(driver)
+        except IndexError:  # the element it reads is not on the page yet
+            found = None
         if found:
             return found
         time.sleep(0.05)
