@@ -65,18 +65,20 @@ def test_metrics_add_up_to_what_the_replies_timings_reported(keyed):
         timings.append(t)
         prompts.append(prompt_tokens)
 
-    # Chat, whole and streamed; the same conversation's second turn reuses its cache.
+    # Chat, whole and streamed; the same conversation's second turn reuses its cache. Greedy
+    # throughout: a sampled reply may end at EOS before its max_tokens, which the sum counts.
     r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=12, temperature=0)
     took(r.model_extra["timings"], r.usage.prompt_tokens)
     turn = USER + [{"role": "assistant", "content": r.choices[0].message.content}]
     turn += [{"role": "user", "content": "and again"}]
-    r = client.chat.completions.create(model="tiny", messages=turn, max_tokens=9)
+    r = client.chat.completions.create(model="tiny", messages=turn, max_tokens=9, temperature=0)
     took(r.model_extra["timings"], r.usage.prompt_tokens)
     assert timings[-1]["cache_n"] > 0, "the second turn resumed from the first one's cache"
     stream = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "class Stack:"}],
         max_tokens=10,
+        temperature=0,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -84,10 +86,12 @@ def test_metrics_add_up_to_what_the_replies_timings_reported(keyed):
     last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
     took(last.model_extra["timings"], chunks[-1].usage.prompt_tokens)
     # Text completions and Anthropic's Messages.
-    r = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=7)
+    r = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=7, temperature=0)
     took(r.model_extra["timings"], r.usage.prompt_tokens)
     claude = anthropic.Anthropic(base_url=keyed.base, api_key=KEY, max_retries=0)
-    m = claude.messages.create(model="tiny", max_tokens=8, messages=USER)
+    m = claude.messages.create(
+        model="tiny", max_tokens=8, messages=USER, extra_body={"temperature": 0}
+    )
     took(m.model_extra["timings"], m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0))
     # Three at once: decoded together, in batches.
     with ThreadPoolExecutor(3) as pool:
