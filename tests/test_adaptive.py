@@ -434,6 +434,24 @@ def test_plain_steps_far_from_the_calibration_ask_for_a_new_one(factor, due):
     assert ch.recalibrate is due
 
 
+def test_a_stretch_of_plain_steps_teaches_what_its_single_steps_would():
+    """A plain stretch is observed once, `times` steps at their mean cost: its steps count
+    as so many (64 of them ask for a new calibration) and move the measured cost as far as
+    the single steps would have."""
+    single, stretched = WidthChooser(CPU, BLOCK), WidthChooser(CPU, BLOCK)
+    for ch in (single, stretched):
+        ch.observe(1, 0.4 * CPU.verify[0])
+    for _ in range(63):
+        single.observe(1, 0.3 * CPU.verify[0])
+    stretched.observe(1, 0.3 * CPU.verify[0], times=63)
+    assert stretched.recalibrate and single.recalibrate
+    assert stretched.plain_cost() == pytest.approx(single.plain_cost(), rel=1e-4)
+    once = WidthChooser(CPU, BLOCK)
+    once.observe(1, 0.4 * CPU.verify[0])
+    once.observe(1, 0.3 * CPU.verify[0])
+    assert not once.recalibrate
+
+
 # -- context depth ---------------------------------------------------------------------------
 
 

@@ -315,3 +315,24 @@ def test_penalties_and_stop_strings_stretch_as_single_steps_give(target, monkeyp
     assert [t for r in stretched for t in r.tokens] == [t for r in single for t in r.tokens]
     assert stretched[-1].finish_reason == single[-1].finish_reason == "stop"
     assert stretched[-1].stop == stop and len(stretched) < len(single)
+
+
+def test_a_stretchs_plain_steps_each_count_towards_a_new_calibration(target, draft, monkeypatch):
+    """A calibration whose plain step costs a second (every real one is ms here): the
+    automatic width stays plain, in stretches of up to 32 steps, and the 67 plain steps timed
+    of a 100-token request (not the first stretch's: its time is mixed with the prefill's)
+    ask for a new calibration, as 64 single steps do, not only after 64 stretches (on a
+    planted stale calibration, four 96-token requests stayed plain: 0.5x W=16)."""
+    from dflash_mlx.speed.adaptive import CostCurves
+
+    monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
+    model, tok = target
+    steep = CostCurves(tuple(float(w) for w in range(1, 17)), (0.0,) + (0.5,) * 15)
+    pair = Pair(model, draft)
+    pair.calibrate_in_plan = False
+    pair._curves_at_hand = lambda: steep
+    got = list(stream_generate(pair, tok, tok.encode(PROMPT), GenerateOptions(max_tokens=100)))
+    assert [r.width for r in got[1:]] == [1] * (len(got) - 1), "speculation cannot pay here"
+    assert len(got) < 10, f"no stretch ran ({len(got)} responses for 100 tokens)"
+    (chooser,) = pair.choosers.values()
+    assert chooser.recalibrate and pair.calibration_due

@@ -514,7 +514,7 @@ class BatchDecoder:
         ran = len(got[0])  # plain steps (more than one: a stretch's)
         if spent is not None:
             spent /= ran
-        bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent)
+        bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent, times=ran)
         self.sizes[size] = self.sizes.get(size, 0) + ran
         self.chained += ran - 1 + (self._ahead is not None)
         self._commit_rows(rows, steps, results, size, plain=True)

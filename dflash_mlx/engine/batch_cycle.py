@@ -424,6 +424,7 @@ def learn(
     spent: float,
     caught_up: bool = True,
     tree: bool = False,
+    times: int = 1,
 ):
     """The chooser learns the pass's cost (when it chose every row's width and every row
     learns costs: a seeded request does not) and each automatic row's acceptance (also into
@@ -431,12 +432,12 @@ def learn(
     host sync (None: not measured). `caught_up`: every row's draft was up to date before
     the cycle (it followed a speculative one), so its time is the cycle's own, not also a
     catch-up's. `tree`: a row alone verified a tree, which the width chooser does not price
-    as a chain."""
+    as a chain. `times`: plain steps the cycle ran (a stretch's), `spent` each."""
     if chooser is None:
         return
     if spent is not None and all(r.fixed is None and r.learn for r in rows):
         if not tree:
-            chooser.observe(width, spent)
+            chooser.observe(width, spent, times=times)
         alone = len(rows) == 1
         if width > 1 and (alone or caught_up):
             # Against plain decoding as measured now (a plain pass commits a token a row),

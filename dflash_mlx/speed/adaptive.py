@@ -290,15 +290,18 @@ class WidthChooser:
         self._rates = (key, out)
         return out
 
-    def observe(self, width: int, seconds: float, depth: int | None = None) -> None:
+    def observe(self, width: int, seconds: float, depth: int | None = None, times: int = 1) -> None:
         """Record how long a cycle of `width` really took, sync to sync (W = 1: a plain
-        step chained after another plain step), at context `depth` (default: the latest).
+        step chained after another plain step), at context `depth` (default: the latest);
+        `times`: so many cycles ran, `seconds` each on average (a plain stretch's steps,
+        each of which counts as evidence: 64 plain steps off the curves ask for a new
+        calibration, not 64 stretches).
 
         The first observation of a width in a depth bucket counts within a factor of three
         of what was expected; later ones at most a factor of two from its estimate, so a
         stalled cycle (GC, a busy machine) is a small nudge, not a new truth.
         """
-        if seconds <= 0 or not 1 <= width <= self.block:
+        if seconds <= 0 or not 1 <= width <= self.block or times < 1:
             return
         depth = self.depth if depth is None else depth
         cal = self.calibrated(depth)[width - 1]
@@ -310,12 +313,13 @@ class WidthChooser:
         else:
             est = b.ratio[width] * cal
             seconds = min(max(seconds, 0.5 * est), 2.0 * est)
-            b.ratio[width] += self.smoothing * (seconds / cal - b.ratio[width])
-        b.count[width] += 1
+            weight = 1.0 - (1.0 - self.smoothing) ** times  # `times` updates of the mean
+            b.ratio[width] += weight * (seconds / cal - b.ratio[width])
+        b.count[width] += times
         if width == 1:
             # Plain steps come every step while dormant: the curve is recomputed when their
             # cost moved by more than 1%, or every 16 steps.
-            self._plain_seen += 1
+            self._plain_seen += times
             moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
             if self._plain_seen < 16 and not moved:
                 return
