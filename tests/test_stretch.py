@@ -327,7 +327,7 @@ def test_a_stretchs_plain_steps_each_count_towards_a_new_calibration(target, dra
 
     monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
     model, tok = target
-    steep = CostCurves(tuple(float(w) for w in range(1, 17)), (0.0,) + (0.5,) * 15)
+    steep = CostCurves(tuple(float(w) for w in range(1, 17)), (0.0,) + (10.0,) * 15)
     pair = Pair(model, draft)
     pair.calibrate_in_plan = False
     pair._curves_at_hand = lambda: steep

@@ -98,6 +98,8 @@ def stretch(
         at = [g + k for g in base]  # the generated index of what `ahead` computes
         if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
             go = not coasts or chooser.coasting()
+            if go and coasts:  # the chooser's last decision stands, capture included
+                caps = [r.req.draft is not None and chooser.capture for r in rows]
             if not go:  # the chooser decides anew, as the next cycle's plan would
                 widths, caps = bc.plan(rows, chooser, ahead=k + 1)
                 go = bc.plain(target, rows, widths)

@@ -147,6 +147,7 @@ class WidthChooser:
         self.trials, self.hits = list(base.trials), list(base.hits)
         self.pooled()
         self._acc_version += 1
+        self._coast = 0
 
     def pooled(self) -> None:
         """What `update` is taught next comes from several texts at once (a batch's rows):
@@ -321,10 +322,13 @@ class WidthChooser:
             # cost moved by more than 1%, or every 16 steps.
             self._plain_seen += times
             moved = abs(b.ratio[1] / max(self._plain_ratio, 1e-12) - 1.0) > 0.01
+            if moved:
+                self._coast = 0  # a decision that stands is re-made on the new cost
             if self._plain_seen < 16 and not moved:
                 return
             self._plain_seen, self._plain_ratio = 0, b.ratio[1]
         else:
+            self._coast = 0
             rp = self._nearest(depth_bucket(depth), lambda k: k.seen[1])
             scale = rp.ratio[1] if rp is not None else 1.0
             gap = math.log(max(seconds, 1e-12) / (scale * cal))
@@ -454,7 +458,7 @@ class WidthChooser:
         elif best == 1 and len(widths) > 1 and not self.req_done:
             self.since_probe += 1
             if self.since_probe >= self.probe_interval:
-                best = self._probe(widths, limit, self.context_cost(*context))
+                best = self._probe(widths, limit, context)
         # Plain steps capture features for the draft only within a window before a probe
         # that can still come in this request.
         due = self.probe_interval - self.since_probe
@@ -462,16 +466,22 @@ class WidthChooser:
             not self.req_done and due <= self.window and (limit is None or due < limit)
         )
         self.req_time += self.cycle_cost(best)
-        if best == 1 and not self.capture:
+        if best == 1:
             self._coast_cost = self.cycle_cost(1)
-            self._coast = COAST if self.req_done else max(0, min(COAST, due - self.window - 1))
+            if not self.capture:
+                self._coast = COAST if self.req_done else max(0, min(COAST, due - self.window - 1))
+            else:
+                # Capturing for a probe `due` steps ahead: nothing a plain step teaches
+                # brings it nearer, so the decision stands until then.
+                self._coast = max(0, min(COAST, due - 1))
         return best, rates[best][1]
 
     def coasting(self) -> bool:
-        """Dormant and far from the next probe, the last decision stands for a few steps
-        (what plain steps teach meanwhile cannot make speculation win), and a plain step
-        pays nothing for it (the full decision cost it ~50 us of host time): takes one such
-        step and says so, or says there is none left (`choose` decides anew)."""
+        """Plain until the next probe is due, or dormant and far from it, the last decision
+        stands for a few steps (what plain steps teach meanwhile cannot make speculation
+        win), capturing features or not as it said (`capture`), and a plain step pays
+        nothing for it (the full decision cost it ~50 us of host time): takes one such step
+        and says so, or says there is none left (`choose` decides anew)."""
         if not self._coast:
             return False
         self._coast -= 1
@@ -479,9 +489,11 @@ class WidthChooser:
         self.req_time += self._coast_cost
         return True
 
-    def _probe(self, widths: list[int], limit: int | None, catch_up: float) -> int:
+    def _probe(self, widths: list[int], limit: int | None, context: tuple[int, int]) -> int:
         """The width of a probe due now, or 1 when it is put off (or, when it can no longer
-        pay back in what is left of the request, given up for the request)."""
+        pay back in what is left of the request, given up for the request); `context` the
+        `(rows, lazy)` it would first catch the draft's context up on."""
+        catch_up = self.context_cost(*context)
         safe = self.rates(optimistic=False)
         w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
         if self.follow_up:
@@ -505,9 +517,23 @@ class WidthChooser:
             self.since_probe = 0
             self.req_lost += loss
             return w
-        # This request cannot afford it yet: wait the steps that pay for it (dormant
-        # meanwhile, awake a window before); none, when the request ends first.
-        wait = math.ceil(short / (self.request_budget * t1))
+        # This request cannot afford it yet: wait the steps that pay for it; none, when
+        # the request ends first. Capturing meanwhile, each step adds a row the probe must
+        # first catch up on (at a cost that may outgrow what the step adds to the budget:
+        # put off again and again, a 64-token request captured for 50 steps and never
+        # probed); else dormant meanwhile, awake a window before, the catch-up a window's.
+        b = self.request_budget
+        wait = math.ceil(short / (b * t1))
+        if context[0] and wait > 1:  # capturing: rows pile up
+            base, row = loss - catch_up, self.context_cost(1)
+            net = b * t1 - (1.0 - b) * row
+            wait = math.ceil(short / net) if net > 0 else math.inf
+            if wait > self.window:
+                lw = base + self.context_cost(self.window, context[1])
+                wait = max(
+                    self.window + 1,
+                    math.ceil((self.req_lost + lw - b * (self.req_time + lw)) / (b * t1)),
+                )
         if left is not None and wait >= left:
             self.req_done = True
         self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
@@ -517,6 +543,7 @@ class WidthChooser:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
         if width <= 1:
             return
+        self._coast = 0  # new evidence of acceptance: decided anew
         if self.carried:
             # The request's first speculative cycle: when it falls well short of what
             # earlier requests' texts promised, this text is not theirs; what they taught
