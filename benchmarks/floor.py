@@ -16,8 +16,9 @@ One row per cell:
     trained with); `full`, the same draft without that declaration (its blocks see the whole
     context); `full+W`, that draft with `draft_window=W` (`--window`), on long prompts;
   * prompt length and reply length (`--replies` at short prompts, `--long-replies` beyond);
-  * alone, and `--concurrent` requests decoded together (`batch_generate`, the demo pair)
-    against the same requests one after another and against a batch at a fixed W=4.
+  * alone, and (short prompts, the demo pair) `--concurrent` requests decoded together
+    (`batch_generate`) against the same requests one after another and against a batch at
+    a fixed W=4.
 
 Prompts are stretches of the pair's held-out standard-library files. In each cell the
 script alternates, after a warm-up, mlx-lm's greedy decoding (`generate_step`, the plain
@@ -283,8 +284,8 @@ def child(args) -> None:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            if name != "demo" or args.concurrent < 2:
-                continue
+            if name != "demo" or args.concurrent < 2 or not short:
+                continue  # long prompts' prefills, which batching does not share, dominate
             # Concurrent requests: a batch against the same requests one after another.
             group = prompts_at(tok, files[: args.concurrent], n_ctx)
             n = (short_replies if short else long_replies)[-1]
