@@ -570,6 +570,7 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
         window=8,
         prior=0.05 if dormant else 0.9,
         request_budget=1.0,  # a probe within these few tokens
+        budget_tokens=0,  # of any length
     )
     assert ch.expects_plain(len(ids)) is dormant
     events = []

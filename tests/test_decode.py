@@ -350,7 +350,7 @@ def dormant_chooser(**kw):
     from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
     costs = CostCurves(tuple(1.0 + 0.05 * w for w in range(16)), (0.0,) + (0.1,) * 15)
-    args = dict(probe_interval=4, max_probe_interval=16, window=4) | kw
+    args = dict(probe_interval=4, max_probe_interval=16, window=4, budget_tokens=0) | kw
     ch = WidthChooser(costs, 16, **args)
     ch.observe = lambda *a, **k: None  # keep the synthetic costs: the test is about flow
     ch.observe_context = lambda *a, **k: None

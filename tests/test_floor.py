@@ -127,3 +127,37 @@ def test_a_new_text_is_looked_at_while_the_floor_says_speculation_loses():
     log = blind(ch, BLAS, 0.95, 96)  # a predictable text: speculation pays on this device
     assert max(t for t, _ in log) > 1, "the predictable text was never probed"
     assert sum(t for t, _ in log) / len(log) > 2.0, "it did not speculate once it paid"
+
+
+def request(ch: WidthChooser, truth, alpha: float, tokens: int) -> list[tuple[int, float]]:
+    """One request of `tokens` tokens on a fake clock, the chooser told what is left."""
+    ch.begin_request()
+    log, left = [], tokens
+    while left > 0:
+        w, n = ch.choose(limit=left, depth=0)
+        a = accepted_at(alpha, w) if w > 1 else 0
+        seconds = true_cost(truth, w, n)
+        ch.observe(w, seconds)
+        if w > 1:
+            ch.settle(a + 1, seconds)
+        ch.update(w, a)
+        log.append((a + 1, seconds))
+        left -= a + 1
+    return log
+
+
+def test_a_short_request_may_spend_less_on_probes_than_a_long_one():
+    """What a probe can win back grows with what is left to decode: a 64-token request on
+    a device where speculation cannot pay makes no probe (with the whole 3% of its time it
+    made one: 0.97x plain on the stock wheel), a 512-token one still looks, within 3%."""
+    short = WidthChooser(CPU, BLOCK)
+    request(short, CPU, 0.5, 64)
+    assert short.probes == 0 and short.budget() == pytest.approx(0.015)
+    whole = WidthChooser(CPU, BLOCK, budget_tokens=0)  # every request the whole 3%
+    request(whole, CPU, 0.5, 64)
+    assert whole.probes >= 1, "the test shows nothing"
+    long = WidthChooser(CPU, BLOCK)
+    log = request(long, CPU, 0.5, 512)
+    assert long.probes >= 1 and long.budget() == pytest.approx(0.03)
+    plain = 512 * CPU.verify[0]
+    assert sum(s for _, s in log) <= 1.03 * plain

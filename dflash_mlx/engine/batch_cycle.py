@@ -131,6 +131,8 @@ def _size_chooser(
             base.block,
             draft_block=base.draft_block,
             floor_evidence=1.0,
+            request_budget=base.request_budget,
+            budget_tokens=base.budget_tokens,
         )
         kept = known[size] = (base, chooser)
     chooser = kept[1]

@@ -51,6 +51,11 @@ __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 REQUEST_MEMORY = 4.0
 # Plain decisions that stand without being recomputed while dormant, far from a probe.
 COAST = 16
+# A request of this many tokens or more may lose `request_budget` of its time to probes; a
+# shorter one proportionally less: what a probe can win back grows with what is left to
+# decode (64-token requests on the stock wheel, where nothing paid, spent their 3% on a
+# probe each: 0.97x plain).
+FULL_BUDGET_TOKENS = 128
 
 
 class WidthChooser:
@@ -69,6 +74,7 @@ class WidthChooser:
         max_probe_interval: int = 4096,
         probe_budget: float = 0.005,
         request_budget: float = 0.03,
+        budget_tokens: int = FULL_BUDGET_TOKENS,
         window: int = 32,
         smoothing: float = 0.2,
         floor_evidence: float = 4.0,
@@ -90,6 +96,7 @@ class WidthChooser:
         self.max_probe_interval = max_probe_interval
         self.probe_budget = probe_budget  # fraction of decoding time probes may lose
         self.request_budget = request_budget  # the same, within one request
+        self.budget_tokens = budget_tokens  # ... of that many tokens (0: of any length)
         self.since_probe = 0
         self.probing = False
         self.probes = 0  # probes made, over the chooser's life
@@ -123,6 +130,7 @@ class WidthChooser:
         self.kin = 0.0
         self.req_time = 0.0  # seconds the current request's cycles are expected to take
         self.req_lost = 0.0  # seconds its probes were expected to lose
+        self.req_tokens: int | None = None  # tokens it may decode (None: not known yet)
         # The same over the chooser's life (requests before the current one): what early
         # looks at new texts may spend while speculation loses (`begin_request`).
         self.life_time = 0.0
@@ -357,6 +365,7 @@ class WidthChooser:
         is the one `other` did, a row fewer (its time, its probes' losses, the plain steps
         since its last probe)."""
         self.req_time, self.req_lost = other.req_time, other.req_lost
+        self.req_tokens = other.req_tokens
         self.since_probe = max(self.since_probe, other.since_probe)
         self.req_done = False
         self._coast = 0
@@ -392,6 +401,7 @@ class WidthChooser:
         self.life_lost += self.req_lost
         self.req_time = 0.0
         self.req_lost = 0.0
+        self.req_tokens = None
         self.req_done = False
         self._coast = 0
         seen = self.trials[1] if self.block > 1 else 0.0
@@ -430,6 +440,8 @@ class WidthChooser:
         (see `context_cost`; (0, 0) when the draft is up to date)."""
         if depth is not None:
             self.depth = depth
+        if self.req_tokens is None and limit is not None:
+            self.req_tokens = limit  # the request's first decision: all of it is left
         if self.coasting():
             return 1, 0
         rates = self.rates()
@@ -508,7 +520,8 @@ class WidthChooser:
             self.req_done = True
             return 1
         t1 = self.plain_cost()
-        short = self.req_lost + loss - self.request_budget * (self.req_time + loss)
+        b = self.budget()
+        short = self.req_lost + loss - b * (self.req_time + loss)
         # A follow-up of a probe whose drafts were all accepted is not held back by the
         # budget: by the latest evidence it loses nothing.
         if short <= 0 or self.follow_up:
@@ -522,7 +535,6 @@ class WidthChooser:
         # first catch up on (at a cost that may outgrow what the step adds to the budget:
         # put off again and again, a 64-token request captured for 50 steps and never
         # probed); else dormant meanwhile, awake a window before, the catch-up a window's.
-        b = self.request_budget
         wait = math.ceil(short / (b * t1))
         if context[0] and wait > 1:  # capturing: rows pile up
             base, row = loss - catch_up, self.context_cost(1)
@@ -538,6 +550,13 @@ class WidthChooser:
             self.req_done = True
         self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
         return 1
+
+    def budget(self) -> float:
+        """The share of the current request's time its probes may lose: `request_budget`,
+        less for a request of fewer than `budget_tokens` tokens (in proportion)."""
+        if self.req_tokens is None or self.budget_tokens <= 0:
+            return self.request_budget
+        return self.request_budget * min(1.0, self.req_tokens / self.budget_tokens)
 
     def update(self, width: int, accepted: int) -> None:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
