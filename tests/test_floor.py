@@ -133,8 +133,10 @@ def request(ch: WidthChooser, truth, alpha: float, tokens: int) -> list[tuple[in
     """One request of `tokens` tokens on a fake clock, the chooser told what is left."""
     ch.begin_request()
     log, left = [], tokens
+    ch.captured = 0
     while left > 0:
         w, n = ch.choose(limit=left, depth=0)
+        ch.captured += w == 1 and ch.capture
         a = accepted_at(alpha, w) if w > 1 else 0
         seconds = true_cost(truth, w, n)
         ch.observe(w, seconds)
@@ -153,9 +155,10 @@ def test_a_short_request_may_spend_less_on_probes_than_a_long_one():
     short = WidthChooser(CPU, BLOCK)
     request(short, CPU, 0.5, 64)
     assert short.probes == 0 and short.budget() == pytest.approx(0.015)
+    assert short.captured == 0, "no plain step captures features for a probe that cannot come"
     whole = WidthChooser(CPU, BLOCK, budget_tokens=0)  # every request the whole 3%
     request(whole, CPU, 0.5, 64)
-    assert whole.probes >= 1, "the test shows nothing"
+    assert whole.probes >= 1 and whole.captured > 0, "the test shows nothing"
     long = WidthChooser(CPU, BLOCK)
     log = request(long, CPU, 0.5, 512)
     assert long.probes >= 1 and long.budget() == pytest.approx(0.03)

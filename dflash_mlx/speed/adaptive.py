@@ -440,12 +440,15 @@ class WidthChooser:
         (see `context_cost`; (0, 0) when the draft is up to date)."""
         if depth is not None:
             self.depth = depth
-        if self.req_tokens is None and limit is not None:
+        first = self.req_tokens is None and limit is not None
+        if first:
             self.req_tokens = limit  # the request's first decision: all of it is left
         if self.coasting():
             return 1, 0
         rates = self.rates()
         widths = [w for w in rates if limit is None or w <= limit]
+        if first and len(widths) > 1 and not self._affordable(widths, limit, context):
+            self.req_done = True  # no probe fits its budget: nothing is built for one
         best = max(widths, key=lambda w: rates[w][0])
         self.probing = False
         if best > 1 and self.carried and limit is not None:
@@ -500,6 +503,15 @@ class WidthChooser:
         self.since_probe += 1
         self.req_time += self._coast_cost
         return True
+
+    def _affordable(self, widths: list[int], limit: int, context: tuple[int, int]) -> bool:
+        """Whether a probe could fit the budget of a request of `limit` tokens by its end,
+        woken on a window of context (`context`: what the draft is behind now)."""
+        safe = self.rates(optimistic=False)
+        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
+        loss = max(self.probe_loss(w), self.floor.cycle_loss())
+        loss += self.context_cost(min(context[0], self.window), context[1])
+        return self.budget() * (limit * self.plain_cost() + loss) >= loss
 
     def _probe(self, widths: list[int], limit: int | None, context: tuple[int, int]) -> int:
         """The width of a probe due now, or 1 when it is put off (or, when it can no longer
