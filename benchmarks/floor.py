@@ -26,7 +26,8 @@ baseline), the engine's forced plain decoding (`verify_width=1`), the fixed widt
 (`--widths`, at short prompts) and the automatic width (the default), whose chooser is
 carried from request to request as a server carries it. Every output is checked against
 mlx-lm's tokens. Speeds are tokens after the first per second (aggregate tokens per
-second of wall time, prefill included, for concurrent requests); each ratio is a geometric
+second of wall time, prefill included, for concurrent requests), TTFT is wall time from
+the call to the first token (the engine's own `Stats`); each ratio is a geometric
 mean paired by prompt and repeat with its 95% interval, and `worst` is the slowest
 prompt's own mean. The last column says whether the cell meets the issue's goal:
   * short prompts: auto >= 1.0x plain on the stock wheel (fresh), >= 0.97x the best fixed
@@ -149,10 +150,10 @@ def report(rows: list[dict], args) -> int:
     )
     print(
         "| regime | calibration | draft | prompt | reply | requests | auto / plain | worst "
-        "| forced plain / plain | auto / best W | τ | probes | batched / serial "
-        "| batched / W=4 | goal | met |"
+        "| forced plain / plain | auto / best W | TTFT forced plain / plain | TTFT auto / plain "
+        "| τ | probes | batched / serial | batched / W=4 | goal | met |"
     )
-    print("|" + "---|" * 16)
+    print("|" + "---|" * 18)
     missed = 0
     for r in rows:
         text, ok = goal(r)
@@ -162,7 +163,8 @@ def report(rows: list[dict], args) -> int:
             f"| {r['regime']} | {r['calibration']}{' (re-calibrated)' if r['recal'] else ''} "
             f"| {r['draft']} | {r['prompt']} | {r['reply']} | {1 if alone else r['mode']} "
             f"| {fmt(r.get('vs_plain'))} | {r['worst']:.2f} | {fmt(r.get('plain'))} "
-            f"| {fmt(r.get('vs_best'))} | {r['tau']:.2f} | {r['probes']:.1f} "
+            f"| {fmt(r.get('vs_best'))} | {fmt(r.get('ttft_plain'))} | {fmt(r.get('ttft_auto'))} "
+            f"| {r['tau']:.2f} | {r['probes']:.1f} "
             f"| {fmt(r.get('vs_serial'))} | {fmt(r.get('vs_w4'))} | {text} "
             f"| {'-' if ok is None else 'yes' if ok else '**no**'} |"
         )
@@ -216,12 +218,14 @@ def child(args) -> None:
         pair.costs()
         return pair, tok
 
-    def mlx_lm(model, ids, n):
-        out, first = [], 0.0
+    def mlx_lm(model, ids, n, ttft=None):
+        out, tic, first = [], time.perf_counter(), 0.0
         for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=None):
             if not out:
                 first = time.perf_counter()
             out.append(int(t))
+        if ttft is not None:
+            ttft.append(first - tic)
         return (n - 1) / (time.perf_counter() - first), out
 
     rows = []
@@ -245,10 +249,11 @@ def child(args) -> None:
                 speed = {m: [] for m in ["mlx-lm", *methods]}
                 per_prompt: dict[int, list[float]] = {}
                 taus, probes = [], []
+                ttft: dict[str, list[float]] = {"mlx-lm": [], "plain": [], "auto": []}
                 for rep in range(args.repeats):
                     for i, ids in enumerate(prompts):
                         k = (i + rep) % len(methods)
-                        tps, ref = mlx_lm(pair.model, ids, n)
+                        tps, ref = mlx_lm(pair.model, ids, n, ttft["mlx-lm"])
                         speed["mlx-lm"].append(tps)
                         for m in methods[k:] + methods[:k]:
                             w = 1 if m == "plain" else None if m == "auto" else int(m[2:])
@@ -258,6 +263,8 @@ def child(args) -> None:
                             if out.tokens != ref:
                                 sys.exit(f"{regime} {cal} {name} {n_ctx}/{n} {m}: output differs")
                             speed[m].append(out.stats.generation_tps)
+                            if m in ttft:
+                                ttft[m].append(out.stats.time_to_first_token)
                             if m == "auto":
                                 taus.append(out.stats.tau)
                                 probes.append(out.stats.probes)
@@ -281,6 +288,8 @@ def child(args) -> None:
                     "vs_best": paired(speed["auto"], best) if fixed else None,
                     "tau": statistics.fmean(taus),
                     "probes": statistics.fmean(probes),
+                    "ttft_plain": paired(ttft["plain"], ttft["mlx-lm"]),
+                    "ttft_auto": paired(ttft["auto"], ttft["mlx-lm"]),
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
