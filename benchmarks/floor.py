@@ -133,10 +133,10 @@ def goal(row: dict) -> tuple[str, bool | None]:
         if row["calibration"] == "stale":
             return (">= 0.95x best W", best[0] >= 0.95) if best else ("", None)
         if row["regime"] == "stock":
-            return ">= 1.0x plain", row["vs_plain"][0] >= 1.0
+            return ">= 1.0x mlx-lm", row["vs_plain"][0] >= 1.0
         return (">= 0.97x best W", best[0] >= 0.97) if best else ("", None)
     ok = row["vs_plain"][0] >= 0.97 and row["worst"] >= 0.90
-    return ">= 0.97x plain, worst >= 0.90", ok
+    return ">= 0.97x mlx-lm, worst >= 0.90", ok
 
 
 def fmt(r) -> str:
@@ -149,8 +149,8 @@ def report(rows: list[dict], args) -> int:
         "speed ratios, geometric means with 95% intervals)\n"
     )
     print(
-        "| regime | calibration | draft | prompt | reply | requests | auto / plain | worst "
-        "| forced plain / plain | auto / best W | TTFT forced plain / plain | TTFT auto / plain "
+        "| regime | calibration | draft | prompt | reply | requests | auto / mlx-lm | worst "
+        "| forced plain / mlx-lm | auto / best W | TTFT forced plain / mlx-lm | TTFT auto / mlx-lm "
         "| τ | probes | batched / serial | batched / W=4 | goal | met |"
     )
     print("|" + "---|" * 18)
