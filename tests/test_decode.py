@@ -451,7 +451,7 @@ def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, dra
     # Stretches of right and of wrong drafts: chained probes, runs of speculative cycles,
     # and plain steps after either.
     d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 20) % 2 else 0)
-    ch, log = dormant_chooser(probe_interval=3, max_probe_interval=6)
+    ch, log = dormant_chooser(probe_interval=3, max_probe_interval=6, request_budget=1.0)
     seen = []
     ch.observe = lambda w, seconds, times=1: seen.extend([(w, seconds)] * times)
     pair = Pair(model, d)

@@ -150,15 +150,16 @@ def request(ch: WidthChooser, truth, alpha: float, tokens: int) -> list[tuple[in
 
 def test_a_short_request_may_spend_less_on_probes_than_a_long_one():
     """What a probe can win back grows with what is left to decode: a 64-token request on
-    a device where speculation cannot pay makes no probe (with the whole 3% of its time it
-    made one: 0.97x plain on the stock wheel), a 512-token one still looks, within 3%."""
+    a device where speculation cannot pay makes no probe and captures nothing for one (with
+    the whole 3% of its time it made one late: 0.97x plain on the stock wheel), a 512-token
+    one still looks, within 3%."""
     short = WidthChooser(CPU, BLOCK)
     request(short, CPU, 0.5, 64)
     assert short.probes == 0 and short.budget() == pytest.approx(0.015)
     assert short.captured == 0, "no plain step captures features for a probe that cannot come"
-    whole = WidthChooser(CPU, BLOCK, budget_tokens=0)  # every request the whole 3%
-    request(whole, CPU, 0.5, 64)
-    assert whole.probes >= 1 and whole.captured > 0, "the test shows nothing"
+    dear = WidthChooser(CPU, BLOCK, request_budget=0.06, budget_tokens=0)  # twice 3%, whole
+    request(dear, CPU, 0.5, 64)
+    assert dear.probes >= 1 and dear.captured > 0, "the test shows nothing"
     long = WidthChooser(CPU, BLOCK)
     log = request(long, CPU, 0.5, 512)
     assert long.probes >= 1 and long.budget() == pytest.approx(0.03)

@@ -505,13 +505,15 @@ class WidthChooser:
         return True
 
     def _affordable(self, widths: list[int], limit: int, context: tuple[int, int]) -> bool:
-        """Whether a probe could fit the budget of a request of `limit` tokens by its end,
-        woken on a window of context (`context`: what the draft is behind now)."""
+        """Whether a probe could fit the budget of a request of `limit` tokens by its
+        middle (one made later has too little left to win its cost back: a 64-token request
+        on the stock wheel captured features for it for 20 steps and probed with 15 tokens
+        left), woken on a window of context (`context`: what the draft is behind now)."""
         safe = self.rates(optimistic=False)
         w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
         loss = max(self.probe_loss(w), self.floor.cycle_loss())
         loss += self.context_cost(min(context[0], self.window), context[1])
-        return self.budget() * (limit * self.plain_cost() + loss) >= loss
+        return self.budget() * (0.5 * limit * self.plain_cost() + loss) >= loss
 
     def _probe(self, widths: list[int], limit: int | None, context: tuple[int, int]) -> int:
         """The width of a probe due now, or 1 when it is put off (or, when it can no longer
@@ -543,7 +545,8 @@ class WidthChooser:
             self.req_lost += loss
             return w
         # This request cannot afford it yet: wait the steps that pay for it; none, when
-        # the request ends first. Capturing meanwhile, each step adds a row the probe must
+        # half of what is left is decoded first (too little would be left to win its cost
+        # back, `_affordable`). Capturing meanwhile, each step adds a row the probe must
         # first catch up on (at a cost that may outgrow what the step adds to the budget:
         # put off again and again, a 64-token request captured for 50 steps and never
         # probed); else dormant meanwhile, awake a window before, the catch-up a window's.
@@ -558,7 +561,7 @@ class WidthChooser:
                     self.window + 1,
                     math.ceil((self.req_lost + lw - b * (self.req_time + lw)) / (b * t1)),
                 )
-        if left is not None and wait >= left:
+        if left is not None and 2 * wait >= left:  # not before half of what is left
             self.req_done = True
         self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
         return 1
