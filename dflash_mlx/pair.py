@@ -178,7 +178,8 @@ class Pair:
         if curves is None:  # fall back to the fixed default
             return min(self.default_verify_width(), rows), rows, None
         if options.seed is not None:
-            return rows, rows, WidthChooser(curves, block, draft_block=fixed)
+            # It times nothing (`first_look`: no cycle it runs would be the look).
+            return rows, rows, WidthChooser(curves, block, draft_block=fixed, first_look=0.0)
         known = self.choosers.get(fixed)
         if known is None or known.costs != curves:
             known = self.choosers[fixed] = WidthChooser(curves, block, draft_block=fixed)

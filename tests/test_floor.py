@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import dflash_mlx.speed.costs as costs
-from dflash_mlx.speed.adaptive import WidthChooser
+from dflash_mlx.speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
 from dflash_mlx.speed.costs import Floor
 
 from .test_adaptive import BLAS, BLOCK, CPU, accepted_at, best_fixed_rate, true_cost
@@ -129,13 +129,18 @@ def test_a_new_text_is_looked_at_while_the_floor_says_speculation_loses():
     assert sum(t for t, _ in log) / len(log) > 2.0, "it did not speculate once it paid"
 
 
-def request(ch: WidthChooser, truth, alpha: float, tokens: int) -> list[tuple[int, float]]:
-    """One request of `tokens` tokens on a fake clock, the chooser told what is left."""
+def request(
+    ch: WidthChooser, truth, alpha: float, tokens: int, behind: tuple[int, int] = (0, 0)
+) -> list[tuple[int, float]]:
+    """One request of `tokens` tokens on a fake clock, the chooser told what is left (and
+    what the draft's context is `behind` until the first speculative cycle: a dormant
+    prefill's window)."""
     ch.begin_request()
     log, left = [], tokens
     ch.captured = 0
     while left > 0:
-        w, n = ch.choose(limit=left, depth=0)
+        w, n = ch.choose(limit=left, depth=0, context=behind)
+        behind = (0, 0) if w > 1 else behind
         ch.captured += w == 1 and ch.capture
         a = accepted_at(alpha, w) if w > 1 else 0
         seconds = true_cost(truth, w, n)
@@ -152,16 +157,47 @@ def test_a_short_request_may_spend_less_on_probes_than_a_long_one():
     """What a probe can win back grows with what is left to decode: a 64-token request on
     a device where speculation cannot pay makes no probe and captures nothing for one (with
     the whole 3% of its time it made one late: 0.97x plain on the stock wheel), a 512-token
-    one still looks, within 3%."""
-    short = WidthChooser(CPU, BLOCK)
+    one still looks, within 3%. (On curves it trusts: `first_look` 0, as once a speculative
+    cycle has been timed; `test_a_stale_calibration_that_prices_speculation_out_is_found_out`
+    covers the first.)"""
+    short = WidthChooser(CPU, BLOCK, first_look=0.0)
     request(short, CPU, 0.5, 64)
     assert short.probes == 0 and short.budget() == pytest.approx(0.015)
     assert short.captured == 0, "no plain step captures features for a probe that cannot come"
-    dear = WidthChooser(CPU, BLOCK, request_budget=0.06, budget_tokens=0)  # twice 3%, whole
-    request(dear, CPU, 0.5, 64)
+    dear = WidthChooser(CPU, BLOCK, request_budget=0.06, budget_tokens=0, first_look=0.0)
+    request(dear, CPU, 0.5, 64)  # twice 3%, whole
     assert dear.probes >= 1 and dear.captured > 0, "the test shows nothing"
-    long = WidthChooser(CPU, BLOCK)
+    long = WidthChooser(CPU, BLOCK, first_look=0.0)
     log = request(long, CPU, 0.5, 512)
     assert long.probes >= 1 and long.budget() == pytest.approx(0.03)
     plain = 512 * CPU.verify[0]
     assert sum(s for _, s in log) <= 1.03 * plain
+
+
+def test_a_stale_calibration_that_prices_speculation_out_is_found_out():
+    """Curves taken where a W-token verify costs W plain steps (the stock wheel), a device
+    where wide verifies are nearly free (OpenBLAS), drafts right 9 times in 10, 96-token
+    requests: no request's own budget (2.25% of it) pays the probe those curves price, so a
+    chooser that trusts them stays plain for good (0.29x the best fixed width, measured);
+    the first look, paid once from `first_look`, finds them out in the first request, and
+    the requests after it run near the best fixed width. Where the curves were right, the
+    look costs the one request it falls in at most `first_look` of its time, and no more
+    probes come."""
+    stock = CostCurves(CPU.verify, CPU.draft, context=0.01, lazy=0.01)
+    window = (32, 0)  # each request's draft context starts a window behind
+    trusting = WidthChooser(stock, BLOCK, first_look=0.0)
+    logs = [request(trusting, BLAS, 0.9, 96, window) for _ in range(4)]
+    assert trusting.probes == 0 and {t for log in logs for t, _ in log} == {1}, "shows nothing"
+    looking = WidthChooser(stock, BLOCK)
+    first, *rest = [request(looking, BLAS, 0.9, 96, window) for _ in range(4)]
+    assert looking.looked and max(t for t, _ in first) > 1
+    best = best_fixed_rate(BLAS, 0.9)
+    assert speed(first) >= 0.5 * best, speed(first) / best
+    for log in rest:
+        assert speed(log) >= 0.9 * best, speed(log) / best
+
+    right = WidthChooser(stock, BLOCK)
+    logs = [request(right, stock, 0.5, 64, window) for _ in range(6)]
+    assert right.probes == 1 and right.looked
+    assert sum(s for _, s in logs[0]) <= (1.0 + FIRST_LOOK) * 64 * stock.verify[0]
+    assert {t for log in logs[1:] for t, _ in log} == {1}, "no probe after the look"

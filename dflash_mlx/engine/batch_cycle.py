@@ -133,6 +133,7 @@ def _size_chooser(
             floor_evidence=1.0,
             request_budget=base.request_budget,
             budget_tokens=base.budget_tokens,
+            first_look=base.first_look,
         )
         kept = known[size] = (base, chooser)
     chooser = kept[1]

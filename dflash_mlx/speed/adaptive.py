@@ -56,6 +56,13 @@ COAST = 16
 # decode (64-token requests on the stock wheel, where nothing paid, spent their 3% on a
 # probe each: 0.97x plain).
 FULL_BUDGET_TOKENS = 128
+# Until a speculative cycle has been timed on this device, what one costs is the
+# calibration's word, which may be stale (taken under other conditions: another BLAS, a
+# busier machine): the first probe may spend this share of the request it falls in, once in
+# the chooser's life, so that a calibration that wrongly prices speculation out is found out
+# by one cycle (on stock-BLAS curves under OpenBLAS, where W=16 ran 3x plain, every
+# 96-token request stayed plain: its 2% could not pay the probe the stale curves priced).
+FIRST_LOOK = 0.1
 
 
 class WidthChooser:
@@ -75,6 +82,7 @@ class WidthChooser:
         probe_budget: float = 0.005,
         request_budget: float = 0.03,
         budget_tokens: int = FULL_BUDGET_TOKENS,
+        first_look: float = FIRST_LOOK,
         window: int = 32,
         smoothing: float = 0.2,
         floor_evidence: float = 4.0,
@@ -97,6 +105,7 @@ class WidthChooser:
         self.probe_budget = probe_budget  # fraction of decoding time probes may lose
         self.request_budget = request_budget  # the same, within one request
         self.budget_tokens = budget_tokens  # ... of that many tokens (0: of any length)
+        self.first_look = first_look  # ... until a speculative cycle is timed (`looked`)
         self.since_probe = 0
         self.probing = False
         self.probes = 0  # probes made, over the chooser's life
@@ -128,6 +137,7 @@ class WidthChooser:
         # speculative cycles to cost against their calibration (log ratio), while this one
         # has measured none: a calibration from elsewhere is found out once, not once a size.
         self.kin = 0.0
+        self._kin_seen = False  # whether `kin` is what another chooser measured
         self.req_time = 0.0  # seconds the current request's cycles are expected to take
         self.req_lost = 0.0  # seconds its probes were expected to lose
         self.req_tokens: int | None = None  # tokens it may decode (None: not known yet)
@@ -375,6 +385,7 @@ class WidthChooser:
         speculative cycles as this chooser's prior for them (`kin`), until it measures its own."""
         seen = [o.disagreement for o in others if o is not self and o._spec_seen]
         kin = max(seen) if seen else 0.0
+        self._kin_seen = bool(seen)
         if abs(kin - self.kin) > 0.01:
             self.kin = kin
             self._version += 1
@@ -566,12 +577,20 @@ class WidthChooser:
         self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
         return 1
 
+    @property
+    def looked(self) -> bool:
+        """Whether a speculative cycle's cost has been timed on this device, by this chooser
+        or (`learn_from`) another of the pair's: until then it is the calibration's word."""
+        return bool(self._spec_seen) or self._kin_seen
+
     def budget(self) -> float:
         """The share of the current request's time its probes may lose: `request_budget`,
-        less for a request of fewer than `budget_tokens` tokens (in proportion)."""
-        if self.req_tokens is None or self.budget_tokens <= 0:
-            return self.request_budget
-        return self.request_budget * min(1.0, self.req_tokens / self.budget_tokens)
+        less for a request of fewer than `budget_tokens` tokens (in proportion); at least
+        `first_look` until a speculative cycle has been timed (`looked`)."""
+        b = self.request_budget
+        if self.req_tokens is not None and self.budget_tokens > 0:
+            b *= min(1.0, self.req_tokens / self.budget_tokens)
+        return b if self.looked else max(b, self.first_look)
 
     def update(self, width: int, accepted: int) -> None:
         """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
