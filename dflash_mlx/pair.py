@@ -23,7 +23,7 @@ from .errors import BadArgument, ContextTooLong
 from .models.draft import DFlashDraft, DraftState, TargetHead
 from .models.target import TargetAdapter
 from .options import GenerateOptions
-from .speed.adaptive import CostCurves, WidthChooser
+from .speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
 
 # Fallback verify-width cap for quantized targets, before anything is measured on the
 # device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
@@ -180,9 +180,16 @@ class Pair:
         if options.seed is not None:
             # It times nothing (`first_look`: no cycle it runs would be the look).
             return rows, rows, WidthChooser(curves, block, draft_block=fixed, first_look=0.0)
+        trusted = self.calibration.trusted
         known = self.choosers.get(fixed)
         if known is None or known.costs != curves:
-            known = self.choosers[fixed] = WidthChooser(curves, block, draft_block=fixed)
+            # Curves measured in another process may be stale: its first probe looks.
+            look = 0.0 if trusted else FIRST_LOOK
+            known = self.choosers[fixed] = WidthChooser(
+                curves, block, draft_block=fixed, first_look=look
+            )
+        elif not trusted and known.confirms:
+            self.calibration.confirm()  # the next process need not look
         return rows, rows, known
 
     def _curves_at_hand(self) -> CostCurves | None:

@@ -11,7 +11,7 @@ import pytest
 import dflash_mlx
 import dflash_mlx.speed.calibrate as calibrate
 from dflash_mlx import Pair
-from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
+from dflash_mlx.speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
 
 BLOCK = 16
 
@@ -230,6 +230,42 @@ def test_a_calibration_rewritten_on_disk_is_what_the_next_request_reads(
     again = calibrate.load_or_measure(pair)
     assert again != first and again.verify == tuple(data["verify"])
     assert len(measure_calls) == 1
+
+
+def test_curves_from_another_process_are_looked_at_once_then_trusted(
+    target, draft, tmp_path, measure_calls
+):
+    """Curves measured in this process are trusted: the chooser makes no first look. Read
+    back from the cache (another process measured them, under conditions that may have
+    changed), its first probe may look (`first_look`); a speculative cycle it timed that
+    agrees with them marks the file confirmed, and the next process trusts it; one that
+    disagrees confirms nothing."""
+    model, _ = target
+    pair = Pair(model, draft)
+    opts = dflash_mlx.GenerateOptions()
+    _, _, ch = pair.plan(opts)
+    assert pair.calibration.trusted and ch.first_look == 0.0
+
+    def new_process():
+        pair.forget()
+        pair.calibration.forget()
+        return pair.plan(opts)[2]
+
+    path = calibrate.cache_path(pair)
+    for factor, confirmed in ((3.0, False), (1.1, True)):
+        ch = new_process()
+        assert not pair.calibration.trusted and ch.first_look == FIRST_LOOK
+        assert ch.budget() >= FIRST_LOOK and not ch.looked
+        cal = ch.calibrated(0)
+        ch.observe(1, cal[0])
+        ch.observe(4, factor * cal[3])  # the look: a speculative cycle timed
+        assert ch.looked and ch.budget() < FIRST_LOOK
+        assert pair.plan(opts)[2] is ch
+        assert pair.calibration.trusted is confirmed
+        assert ("confirmed" in json.loads(path.read_text())) is confirmed
+    ch = new_process()
+    assert pair.calibration.trusted and ch.first_look == 0.0
+    assert len(measure_calls) == 1, "confirming is no new measurement"
 
 
 def test_a_changed_mlx_version_invalidates_the_calibration(

@@ -578,6 +578,12 @@ class WidthChooser:
         return 1
 
     @property
+    def confirms(self) -> bool:
+        """Whether the speculative cycles it timed agree with the calibration (their decayed
+        log ratio to it, plain steps' scale applied, within a factor of 1.5)."""
+        return self._spec_seen > 0 and abs(self.disagreement) <= math.log(1.5)
+
+    @property
     def looked(self) -> bool:
         """Whether a speculative cycle's cost has been timed on this device, by this chooser
         or (`learn_from`) another of the pair's: until then it is the calibration's word."""

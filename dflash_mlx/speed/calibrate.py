@@ -263,6 +263,10 @@ class Calibration:
         # (mlx version, conditions) -> (curves, file, its stamp when read)
         self._known: dict[tuple, tuple[CostCurves, Path, tuple[int, int] | None]] = {}
         self.latest: CostCurves | None = None  # the curves last read or measured, if any
+        # Whether `latest` was measured in this process, or read from a file that a timed
+        # speculative cycle confirmed (`confirm`): else what it says of speculation may be
+        # stale (taken under other conditions), and the choosers look for themselves.
+        self.trusted = False
 
     def curves(
         self,
@@ -280,7 +284,7 @@ class Calibration:
             path = _cache_path(key)
             curves = measure(self.pair, progress=progress)
             _write(path, key, curves)
-            self._remember(memo, curves, path)
+            self._remember(memo, curves, path, trusted=True)
         return curves
 
     def cached(self) -> CostCurves | None:
@@ -294,15 +298,35 @@ class Calibration:
         path = _cache_path(key)
         curves = _read(path, key)
         if curves is not None:
-            self._remember(memo, curves, path)
+            kept = known is not None and known[0] == curves and self.trusted
+            self._remember(memo, curves, path, trusted=kept or _confirmed(path))
         return curves
+
+    def confirm(self) -> None:
+        """A speculative cycle timed on this device agreed with the current curves: the
+        cache file says so, and later processes trust it (`trusted`) without a look."""
+        known = self._known.get(self._memo())
+        if known is None or self.trusted:
+            return
+        curves, path, _ = known
+        try:
+            data = json.loads(path.read_text())
+            if _read(path, data.get("key")) != curves:
+                return  # rewritten since: not what was confirmed
+            data["confirmed"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+            path.write_text(json.dumps(data, indent=1))
+        except (OSError, ValueError):
+            pass  # an unwritable cache: this process trusts it, the next one looks again
+        self.trusted = True
+        self._known[self._memo()] = (curves, path, _stamp(path))
 
     def _memo(self) -> tuple:
         return (mx.__version__, tuple(sorted(conditions().items())))
 
-    def _remember(self, memo: tuple, curves: CostCurves, path: Path) -> None:
+    def _remember(self, memo: tuple, curves: CostCurves, path: Path, trusted: bool) -> None:
         self._known[memo] = (curves, path, _stamp(path))
         self.latest = curves
+        self.trusted = trusted
 
     @property
     def path(self) -> Path:
@@ -312,6 +336,7 @@ class Calibration:
     def forget(self) -> None:
         """Read the file again at the next request (as a new process would)."""
         self._known.clear()
+        self.trusted = False
 
 
 def load_or_measure(
@@ -355,6 +380,13 @@ def _read(path: Path, key: dict) -> CostCurves | None:
         )
     except (ValueError, KeyError, TypeError):
         return None  # unreadable cache: measure again
+
+
+def _confirmed(path: Path) -> bool:
+    try:
+        return bool(json.loads(path.read_text()).get("confirmed"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write(path: Path, key: dict, curves: CostCurves) -> None:
