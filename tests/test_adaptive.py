@@ -458,6 +458,19 @@ def test_persistent_disagreement_with_the_calibration_asks_for_a_new_one():
     assert stale.recalibrate and not fresh.recalibrate
 
 
+@pytest.mark.parametrize("factor, cycles", [(1 / 6, 8), (4.0, 8), (0.45, 64), (2.2, 64)])
+def test_speculative_cycles_far_off_the_calibration_ask_for_a_new_one_soon(factor, cycles):
+    """Speculative cycles a factor of three or more off the calibration ask for a new one
+    after 8 of them; nearer (but beyond a factor of two), after 64."""
+    ch = WidthChooser(CPU, BLOCK)
+    ch.observe(1, CPU.verify[0])
+    for i in range(cycles):
+        assert not ch.recalibrate, i
+        w = 4 + i % 8
+        ch.observe(w, factor * ch.calibrated(0)[w - 1])
+    assert ch.recalibrate
+
+
 @pytest.mark.parametrize("factor, due", [(0.42, True), (2.5, True), (0.7, False), (1.6, False)])
 def test_plain_steps_far_from_the_calibration_ask_for_a_new_one(factor, due):
     """Where the calibration says speculation cannot pay, only plain steps run: 64 of them

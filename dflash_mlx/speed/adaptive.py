@@ -358,12 +358,19 @@ class WidthChooser:
     def recalibrate(self) -> bool:
         """Whether measured cycles have persistently disagreed with the calibration (by more
         than a factor of two, over at least 64 speculative cycles, or 64 plain steps at one
-        depth): worth measuring again. Plain steps count because where the calibration says
+        depth; by more than a factor of three, over 8 speculative cycles): worth measuring
+        again. Plain steps count because where the calibration says
         speculation cannot pay, no speculative cycle ever runs to contradict it (on curves
         taken with another BLAS, not one probe in 40 short requests: 0.23x the best fixed
         width); a plain step twice as fast or slow as calibrated says the conditions
         changed, and what it says of speculation is not to be trusted either."""
         if self._spec_seen >= 64 and abs(self.disagreement) > math.log(2.0):
+            return True
+        if self._spec_seen >= 8 and abs(self.disagreement) > math.log(3.0):
+            # Far off, a few cycles tell: stock-BLAS curves under OpenBLAS, the first look
+            # and its follow-ups ran at a sixth of their price, and the curves went on
+            # pricing the widths not yet measured (until 64 speculative cycles, several
+            # requests: 0.93x the best fixed width on 256-token replies).
             return True
         return any(
             b.count[1] >= 64 and abs(math.log(max(b.ratio[1], 1e-12))) > math.log(2.0)
