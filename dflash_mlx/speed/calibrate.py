@@ -296,10 +296,11 @@ class Calibration:
             return known[0]
         key = calibration_key(self.pair)
         path = _cache_path(key)
-        curves = _read(path, key)
+        data = _load(path)
+        curves = _parse(data, key)
         if curves is not None:
             kept = known is not None and known[0] == curves and self.trusted
-            self._remember(memo, curves, path, trusted=kept or _confirmed(path))
+            self._remember(memo, curves, path, trusted=kept or bool(data.get("confirmed")))
         return curves
 
     def confirm(self) -> None:
@@ -309,13 +310,13 @@ class Calibration:
         if known is None or self.trusted:
             return
         curves, path, _ = known
+        data = _load(path)
+        if _parse(data, data.get("key") if data else None) != curves:
+            return  # rewritten since: not what was confirmed
+        data["confirmed"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         try:
-            data = json.loads(path.read_text())
-            if _read(path, data.get("key")) != curves:
-                return  # rewritten since: not what was confirmed
-            data["confirmed"] = time.strftime("%Y-%m-%dT%H:%M:%S")
             path.write_text(json.dumps(data, indent=1))
-        except (OSError, ValueError):
+        except OSError:
             pass  # an unwritable cache: this process trusts it, the next one looks again
         self.trusted = True
         self._known[self._memo()] = (curves, path, _stamp(path))
@@ -363,12 +364,23 @@ def load_or_measure(
 
 
 def _read(path: Path, key: dict) -> CostCurves | None:
-    if not path.is_file():
-        return None
+    return _parse(_load(path), key)
+
+
+def _load(path: Path) -> dict | None:
+    """The cache file's contents (None: none, or unreadable)."""
     try:
         data = json.loads(path.read_text())
-        if data.get("key") != key:
-            return None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _parse(data: dict | None, key: dict | None) -> CostCurves | None:
+    """The curves a cache file holds for `key` (None: other key, or unreadable: measure)."""
+    if data is None or data.get("key") != key:
+        return None
+    try:
         return CostCurves(
             tuple(data["verify"]),
             tuple(data["draft"]),
@@ -379,14 +391,7 @@ def _read(path: Path, key: dict) -> CostCurves | None:
             lazy=data.get("lazy"),
         )
     except (ValueError, KeyError, TypeError):
-        return None  # unreadable cache: measure again
-
-
-def _confirmed(path: Path) -> bool:
-    try:
-        return bool(json.loads(path.read_text()).get("confirmed"))
-    except (OSError, ValueError, AttributeError):
-        return False
+        return None
 
 
 def _write(path: Path, key: dict, curves: CostCurves) -> None:
