@@ -26,6 +26,9 @@ made at all when even a perfect draft could not win that back in what is left of
 request. Meanwhile plain steps stop capturing features for the draft until a window before
 the next probe (none when no probe can come before the request ends). Pure Python on a
 few floats per cycle: no device work and no host syncs. Knows nothing about models.
+
+The acceptance statistics (`acceptance.py`) and the probes with their budgets (`probes.py`)
+are mixins of `WidthChooser`, each in its own module.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import math
 
 from ..engine.tree import ShapeChooser
+from .acceptance import Acceptance
 from .costs import (
     CatchUp,
     CostCurves,
@@ -44,11 +48,10 @@ from .costs import (
     measured_curve,
     nearest,
 )
+from .probes import Probes
 
 __all__ = ["CostCurves", "Curve", "WidthChooser", "depth_bucket"]
 
-# Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
-REQUEST_MEMORY = 4.0
 # Plain decisions that stand without being recomputed while dormant, far from a probe.
 COAST = 16
 # A request of this many tokens or more may lose `request_budget` of its time to probes; a
@@ -65,7 +68,7 @@ FULL_BUDGET_TOKENS = 128
 FIRST_LOOK = 0.1
 
 
-class WidthChooser:
+class WidthChooser(Acceptance, Probes):
     """Picks `(W, L)` for the next cycle and learns from each cycle's cost and acceptance."""
 
     def __init__(
@@ -155,50 +158,6 @@ class WidthChooser:
         self.floor = Floor(evidence=floor_evidence)
         self._coast = 0  # plain decisions left that stand without being recomputed
         self._coast_cost = 0.0
-
-    # -- acceptance ------------------------------------------------------------------------
-
-    def read_acceptance(self, base: WidthChooser) -> None:
-        """Take the acceptance `base` has learnt as this chooser's (a batch's chooser prices
-        its own costs, but acceptance belongs to the draft and the texts, not to the batch
-        size): pooled over several texts, so no row's first cycle drops it (`pooled`)."""
-        self.trials, self.hits = list(base.trials), list(base.hits)
-        self.pooled()
-        self._acc_version += 1
-        self._coast = 0
-
-    def pooled(self) -> None:
-        """What `update` is taught next comes from several texts at once (a batch's rows):
-        one of them falling short of what earlier texts promised says that its text
-        differs, not that the others' evidence is stale, so nothing carried is dropped."""
-        self.carried = False
-
-    def acceptance(self) -> list[float]:
-        """alpha_j = P(position j accepted | positions < j accepted), j = 1..block-1.
-
-        Each position is smoothed towards the estimate of the position before it, or the
-        pooled estimate of all positions when that is higher: positions little tried
-        borrow the evidence optimistically, so that one unlucky estimate does not keep the
-        width below them forever (wider cycles then try them, and their own evidence wins).
-        """
-        s = self.prior_strength
-        pooled = (sum(self.hits) + s * self.prior) / (sum(self.trials) + s)
-        alphas, prev = [], self.prior
-        for j in range(1, self.block):
-            anchor = prev if j == 1 else max(prev, pooled)
-            a = (self.hits[j] + s * anchor) / (self.trials[j] + s)
-            alphas.append(a)
-            prev = a
-        return alphas
-
-    def expected_tokens(self) -> list[float]:
-        """`E[accepted + 1 | W]` for W = 1..block."""
-        out, reach, total = [1.0], 1.0, 1.0
-        for a in self.acceptance():
-            reach *= a
-            total += reach
-            out.append(total)
-        return out
 
     # -- costs -----------------------------------------------------------------------------
 
@@ -405,47 +364,6 @@ class WidthChooser:
         rates = self.rates(depth)
         return max(rates, key=lambda w: rates[w][0]) == 1
 
-    def begin_request(self) -> None:
-        """A new request starts: its own probe budget starts empty, and what earlier
-        requests showed of the draft's acceptance stays only as a prior worth
-        `REQUEST_MEMORY` cycles, with probes at the base interval again. Costs belong to
-        the device and carry over whole; acceptance belongs to the text, and one prompt's
-        useless drafts say little about the next prompt's (on the demo pair τ at W=16 runs
-        from 1.1 to 14 across six stretches of standard-library code). So the request's
-        first speculative cycle, on that prior alone, may lose no more than half its probe
-        budget were every draft wrong, and when it falls well short of the prior, the
-        prior goes (`update`)."""
-        self.life_time += self.req_time
-        self.life_lost += self.req_lost
-        self.req_time = 0.0
-        self.req_lost = 0.0
-        self.req_tokens = None
-        self.req_done = False
-        self._coast = 0
-        seen = self.trials[1] if self.block > 1 else 0.0
-        if seen > REQUEST_MEMORY:
-            keep = REQUEST_MEMORY / seen
-            self.trials = [t * keep for t in self.trials]
-            self.hits = [h * keep for h in self.hits]
-            self._acc_version += 1
-        self.carried = seen > 0  # until this request's first speculative cycle
-        self.follow_up = 0  # what the last request's good probe promised was its text's
-        if self.probe_interval > self.base_probe and not self.floor.losing:
-            self.probe_interval = self.base_probe
-            self.since_probe = 0
-        elif self.probe_interval > self.base_probe and (
-            self.life_lost <= 1.5 * self.probe_budget * self.life_time
-        ):
-            # While speculation keeps losing on this device (measured), the interval keeps
-            # what probes grew it to, but a new text is looked at: its first probe comes
-            # within the base interval (as the request's budget affords it, `_probe`), not
-            # after the interval that earlier texts grew, which a short request never
-            # reaches (a chat of 96-token replies then stayed plain on texts whose drafts
-            # were right 13 times in 14, at 0.4x the speed it had before). Such looks spend
-            # at most 1.5 times the probe budget over the chooser's life: one a request cost
-            # short requests on a device where nothing pays 1.8% of their time.
-            self.since_probe = max(self.since_probe, self.probe_interval - self.base_probe)
-
     def choose(
         self,
         limit: int | None = None,
@@ -508,163 +426,3 @@ class WidthChooser:
                 # brings it nearer, so the decision stands until then.
                 self._coast = max(0, min(COAST, due - 1))
         return best, rates[best][1]
-
-    def coasting(self) -> bool:
-        """Plain until the next probe is due, or dormant and far from it, the last decision
-        stands for a few steps (what plain steps teach meanwhile cannot make speculation
-        win), capturing features or not as it said (`capture`), and a plain step pays
-        nothing for it (the full decision cost it ~50 us of host time): takes one such step
-        and says so, or says there is none left (`choose` decides anew)."""
-        if not self._coast:
-            return False
-        self._coast -= 1
-        self.since_probe += 1
-        self.req_time += self._coast_cost
-        return True
-
-    def _affordable(self, widths: list[int], limit: int, context: tuple[int, int]) -> bool:
-        """Whether a probe could fit the budget of a request of `limit` tokens by its
-        middle (one made later has too little left to win its cost back: a 64-token request
-        on the stock wheel captured features for it for 20 steps and probed with 15 tokens
-        left), woken on a window of context (`context`: what the draft is behind now)."""
-        safe = self.rates(optimistic=False)
-        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
-        loss = max(self.probe_loss(w), self.floor.cycle_loss())
-        loss += self.context_cost(min(context[0], self.window), context[1])
-        return self.budget() * (0.5 * limit * self.plain_cost() + loss) >= loss
-
-    def _probe(self, widths: list[int], limit: int | None, context: tuple[int, int]) -> int:
-        """The width of a probe due now, or 1 when it is put off (or, when it can no longer
-        pay back in what is left of the request, given up for the request); `context` the
-        `(rows, lazy)` it would first catch the draft's context up on."""
-        catch_up = self.context_cost(*context)
-        safe = self.rates(optimistic=False)
-        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
-        if self.follow_up:
-            w = max(w, min(self.follow_up, max(widths)))
-        # Everything it costs: the catch-up of the draft's context and the cycle's loss
-        # (as predicted, or as speculative cycles have lately really lost, if more).
-        loss = max(self.probe_loss(w), self.floor.cycle_loss()) + catch_up
-        left = None if limit is None else limit - w
-        if self._spec_seen and not self.follow_up and self.saving(left, perfect=True) <= loss:
-            # Even were every draft accepted from here on, it would not pay back (by costs
-            # measured: until one speculative cycle is, the calibration may be stale).
-            self.req_done = True
-            return 1
-        t1 = self.plain_cost()
-        b = self.budget()
-        short = self.req_lost + loss - b * (self.req_time + loss)
-        # A follow-up of a probe whose drafts were all accepted is not held back by the
-        # budget: by the latest evidence it loses nothing.
-        if short <= 0 or self.follow_up:
-            self.probing = True
-            self.probes += 1
-            self.since_probe = 0
-            self.req_lost += loss
-            return w
-        # This request cannot afford it yet: wait the steps that pay for it; none, when
-        # half of what is left is decoded first (too little would be left to win its cost
-        # back, `_affordable`). Capturing meanwhile, each step adds a row the probe must
-        # first catch up on (at a cost that may outgrow what the step adds to the budget:
-        # put off again and again, a 64-token request captured for 50 steps and never
-        # probed); else dormant meanwhile, awake a window before, the catch-up a window's.
-        wait = math.ceil(short / (b * t1))
-        if context[0] and wait > 1:  # capturing: rows pile up
-            base, row = loss - catch_up, self.context_cost(1)
-            net = b * t1 - (1.0 - b) * row
-            wait = math.ceil(short / net) if net > 0 else math.inf
-            if wait > self.window:
-                lw = base + self.context_cost(self.window, context[1])
-                wait = max(
-                    self.window + 1,
-                    math.ceil((self.req_lost + lw - b * (self.req_time + lw)) / (b * t1)),
-                )
-        if left is not None and 2 * wait >= left:  # not before half of what is left
-            self.req_done = True
-        self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
-        return 1
-
-    @property
-    def confirms(self) -> bool:
-        """Whether the speculative cycles it timed agree with the calibration (their decayed
-        log ratio to it, plain steps' scale applied, within a factor of 1.5)."""
-        return self._spec_seen > 0 and abs(self.disagreement) <= math.log(1.5)
-
-    @property
-    def looked(self) -> bool:
-        """Whether a speculative cycle's cost has been timed on this device, by this chooser
-        or (`learn_from`) another of the pair's: until then it is the calibration's word."""
-        return bool(self._spec_seen) or self._kin_seen
-
-    def budget(self) -> float:
-        """The share of the current request's time its probes may lose: `request_budget`,
-        less for a request of fewer than `budget_tokens` tokens (in proportion); at least
-        `first_look` until a speculative cycle has been timed (`looked`)."""
-        b = self.request_budget
-        if self.req_tokens is not None and self.budget_tokens > 0:
-            b *= min(1.0, self.req_tokens / self.budget_tokens)
-        return b if self.looked else max(b, self.first_look)
-
-    def update(self, width: int, accepted: int) -> None:
-        """Learn from a cycle that verified `width` tokens and accepted `accepted` drafts."""
-        if width <= 1:
-            return
-        self._coast = 0  # new evidence of acceptance: decided anew
-        if self.carried:
-            # The request's first speculative cycle: when it falls well short of what
-            # earlier requests' texts promised, this text is not theirs; what they taught
-            # goes (the prior remains), instead of a cycle of loss at a time.
-            self.carried = False
-            if accepted < 0.5 * (self.expected_tokens()[width - 1] - 1.0):
-                self.trials, self.hits = [0.0] * self.block, [0.0] * self.block
-        self._acc_version += 1
-        d = self.decay
-        self.trials = [t * d for t in self.trials]
-        self.hits = [h * d for h in self.hits]
-        for j in range(1, min(accepted + 1, width - 1) + 1):
-            self.trials[j] += 1.0
-            if j <= accepted:
-                self.hits[j] += 1.0
-        if accepted < width - 1:
-            self.follow_up = 0  # a rejected draft since: no follow-up promised
-        if self.probing:
-            self._probed(width, accepted == width - 1)
-
-    def update_rows(self, cycles: list[tuple[int, int]], chose: bool = True) -> None:
-        """Learn from one cycle of several rows, `(width, accepted)` each: every row's
-        acceptance, and (when this chooser `chose` the cycle's width) the probe's outcome
-        once, for the cycle: a follow-up only when every row's drafts were all accepted."""
-        probing, self.probing = self.probing, False
-        for width, accepted in cycles:
-            self.update(width, accepted)
-        self.probing = probing
-        if probing and chose and cycles:
-            self._probed(max(w for w, _ in cycles), all(n == w - 1 for w, n in cycles))
-
-    def _probed(self, width: int, all_accepted: bool) -> None:
-        """A probe of `width` ran: its interval grows while plain decoding wins, and a probe
-        whose drafts were all accepted, and that did not lose against plain decoding (where
-        a pass costs what its tokens do, all accepted still loses), is followed by one at
-        twice the width."""
-        rates = self.rates()
-        if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
-            self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
-        else:
-            self.probe_interval = self.base_probe
-        self.follow_up = 0
-        if all_accepted and width < self.block and self.floor.last >= 0.0:
-            self.follow_up = min(2 * width, self.block)
-            self.since_probe = self.probe_interval  # the next plain choice probes
-
-    def probe_loss(self, width: int) -> float:
-        """Seconds a probe of `width` is expected to lose against plain decoding, at the
-        current depth."""
-        curve = self.curve(optimistic=False)
-        return max(curve[width - 1] - self.expected_tokens()[width - 1] * curve[0], 0.0)
-
-    def probe_cap(self, width: int) -> int:
-        """The longest interval between probes of `width`: just long enough that what a
-        probe loses against plain decoding is at most `probe_budget` of the time between."""
-        loss = max(self.probe_loss(width), self.floor.cycle_loss()) + self.context_cost(self.window)
-        steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
-        return max(self.base_probe, min(steps, self.max_probe_interval))

@@ -1,0 +1,186 @@
+"""The width chooser's probes and their budgets (SPEC 5.4, docs/cost-model.md): when plain
+decoding wins, a speculative cycle is re-tried now and then, priced with everything it
+costs (its cycle's loss and the draft's catch-up), within `probe_budget` of the decoding
+time and `request_budget` of each request's (less for a short request, more for the first
+look at a calibration not yet confirmed). A mixin of `WidthChooser` (`adaptive.py`), whose
+constructor sets the fields it reads."""
+
+from __future__ import annotations
+
+import math
+
+# Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
+REQUEST_MEMORY = 4.0
+
+
+class Probes:
+    """When the next probe comes, at what width, and what each request may spend on them."""
+
+    def begin_request(self) -> None:
+        """A new request starts: its own probe budget starts empty, and what earlier
+        requests showed of the draft's acceptance stays only as a prior worth
+        `REQUEST_MEMORY` cycles, with probes at the base interval again. Costs belong to
+        the device and carry over whole; acceptance belongs to the text, and one prompt's
+        useless drafts say little about the next prompt's (on the demo pair τ at W=16 runs
+        from 1.1 to 14 across six stretches of standard-library code). So the request's
+        first speculative cycle, on that prior alone, may lose no more than half its probe
+        budget were every draft wrong, and when it falls well short of the prior, the
+        prior goes (`update`)."""
+        self.life_time += self.req_time
+        self.life_lost += self.req_lost
+        self.req_time = 0.0
+        self.req_lost = 0.0
+        self.req_tokens = None
+        self.req_done = False
+        self._coast = 0
+        seen = self.trials[1] if self.block > 1 else 0.0
+        if seen > REQUEST_MEMORY:
+            keep = REQUEST_MEMORY / seen
+            self.trials = [t * keep for t in self.trials]
+            self.hits = [h * keep for h in self.hits]
+            self._acc_version += 1
+        self.carried = seen > 0  # until this request's first speculative cycle
+        self.follow_up = 0  # what the last request's good probe promised was its text's
+        if self.probe_interval > self.base_probe and not self.floor.losing:
+            self.probe_interval = self.base_probe
+            self.since_probe = 0
+        elif self.probe_interval > self.base_probe and (
+            self.life_lost <= 1.5 * self.probe_budget * self.life_time
+        ):
+            # While speculation keeps losing on this device (measured), the interval keeps
+            # what probes grew it to, but a new text is looked at: its first probe comes
+            # within the base interval (as the request's budget affords it, `_probe`), not
+            # after the interval that earlier texts grew, which a short request never
+            # reaches (a chat of 96-token replies then stayed plain on texts whose drafts
+            # were right 13 times in 14, at 0.4x the speed it had before). Such looks spend
+            # at most 1.5 times the probe budget over the chooser's life: one a request cost
+            # short requests on a device where nothing pays 1.8% of their time.
+            self.since_probe = max(self.since_probe, self.probe_interval - self.base_probe)
+
+    def coasting(self) -> bool:
+        """Plain until the next probe is due, or dormant and far from it, the last decision
+        stands for a few steps (what plain steps teach meanwhile cannot make speculation
+        win), capturing features or not as it said (`capture`), and a plain step pays
+        nothing for it (the full decision cost it ~50 us of host time): takes one such step
+        and says so, or says there is none left (`choose` decides anew)."""
+        if not self._coast:
+            return False
+        self._coast -= 1
+        self.since_probe += 1
+        self.req_time += self._coast_cost
+        return True
+
+    def _affordable(self, widths: list[int], limit: int, context: tuple[int, int]) -> bool:
+        """Whether a probe could fit the budget of a request of `limit` tokens by its
+        middle (one made later has too little left to win its cost back: a 64-token request
+        on the stock wheel captured features for it for 20 steps and probed with 15 tokens
+        left), woken on a window of context (`context`: what the draft is behind now)."""
+        _, loss = self._probe_price(widths)
+        loss += self.context_cost(min(context[0], self.window), context[1])
+        return self.budget() * (0.5 * limit * self.plain_cost() + loss) >= loss
+
+    def _probe_price(self, widths: list[int], follow_up: int = 0) -> tuple[int, float]:
+        """A probe's width among `widths` (the best by rates not priced optimistically, or
+        the `follow_up` width promised) and what its cycle loses against plain decoding (as
+        predicted, or as speculative cycles have lately really lost, if more)."""
+        safe = self.rates(optimistic=False)
+        w = max((w for w in widths if w > 1), key=lambda w: safe[w][0])
+        if follow_up:
+            w = max(w, min(follow_up, max(widths)))
+        return w, max(self.probe_loss(w), self.floor.cycle_loss())
+
+    def _probe(self, widths: list[int], limit: int | None, context: tuple[int, int]) -> int:
+        """The width of a probe due now, or 1 when it is put off (or, when it can no longer
+        pay back in what is left of the request, given up for the request); `context` the
+        `(rows, lazy)` it would first catch the draft's context up on."""
+        catch_up = self.context_cost(*context)
+        # Everything it costs: the cycle's loss and the catch-up of the draft's context.
+        w, loss = self._probe_price(widths, self.follow_up)
+        loss += catch_up
+        left = None if limit is None else limit - w
+        if self._spec_seen and not self.follow_up and self.saving(left, perfect=True) <= loss:
+            # Even were every draft accepted from here on, it would not pay back (by costs
+            # measured: until one speculative cycle is, the calibration may be stale).
+            self.req_done = True
+            return 1
+        t1 = self.plain_cost()
+        b = self.budget()
+        short = self.req_lost + loss - b * (self.req_time + loss)
+        # A follow-up of a probe whose drafts were all accepted is not held back by the
+        # budget: by the latest evidence it loses nothing.
+        if short <= 0 or self.follow_up:
+            self.probing = True
+            self.probes += 1
+            self.since_probe = 0
+            self.req_lost += loss
+            return w
+        # This request cannot afford it yet: wait the steps that pay for it; none, when
+        # half of what is left is decoded first (too little would be left to win its cost
+        # back, `_affordable`). Capturing meanwhile, each step adds a row the probe must
+        # first catch up on (at a cost that may outgrow what the step adds to the budget:
+        # put off again and again, a 64-token request captured for 50 steps and never
+        # probed); else dormant meanwhile, awake a window before, the catch-up a window's.
+        wait = math.ceil(short / (b * t1))
+        if context[0] and wait > 1:  # capturing: rows pile up
+            base, row = loss - catch_up, self.context_cost(1)
+            net = b * t1 - (1.0 - b) * row
+            wait = math.ceil(short / net) if net > 0 else math.inf
+            if wait > self.window:
+                lw = base + self.context_cost(self.window, context[1])
+                wait = max(
+                    self.window + 1,
+                    math.ceil((self.req_lost + lw - b * (self.req_time + lw)) / (b * t1)),
+                )
+        if left is not None and 2 * wait >= left:  # not before half of what is left
+            self.req_done = True
+        self.since_probe = self.probe_interval - min(wait, self.max_probe_interval)
+        return 1
+
+    @property
+    def confirms(self) -> bool:
+        """Whether the speculative cycles it timed agree with the calibration (their decayed
+        log ratio to it, plain steps' scale applied, within a factor of 1.5)."""
+        return self._spec_seen > 0 and abs(self.disagreement) <= math.log(1.5)
+
+    @property
+    def looked(self) -> bool:
+        """Whether a speculative cycle's cost has been timed on this device, by this chooser
+        or (`learn_from`) another of the pair's: until then it is the calibration's word."""
+        return bool(self._spec_seen) or self._kin_seen
+
+    def budget(self) -> float:
+        """The share of the current request's time its probes may lose: `request_budget`,
+        less for a request of fewer than `budget_tokens` tokens (in proportion); at least
+        `first_look` until a speculative cycle has been timed (`looked`)."""
+        b = self.request_budget
+        if self.req_tokens is not None and self.budget_tokens > 0:
+            b *= min(1.0, self.req_tokens / self.budget_tokens)
+        return b if self.looked else max(b, self.first_look)
+
+    def _probed(self, width: int, all_accepted: bool) -> None:
+        """A probe of `width` ran: its interval grows while plain decoding wins, and a probe
+        whose drafts were all accepted, and that did not lose against plain decoding (where
+        a pass costs what its tokens do, all accepted still loses), is followed by one at
+        twice the width."""
+        rates = self.rates()
+        if max(rates, key=lambda w: rates[w][0]) == 1 or self.floor.losing:
+            self.probe_interval = min(2 * self.probe_interval, self.probe_cap(width))
+        else:
+            self.probe_interval = self.base_probe
+        self.follow_up = 0
+        if all_accepted and width < self.block and self.floor.last >= 0.0:
+            self.follow_up = min(2 * width, self.block)
+            self.since_probe = self.probe_interval  # the next plain choice probes
+
+    def probe_loss(self, width: int) -> float:
+        """Seconds a probe of `width` is expected to lose against plain decoding, at the
+        current depth."""
+        curve = self.curve(optimistic=False)
+        return max(curve[width - 1] - self.expected_tokens()[width - 1] * curve[0], 0.0)
+
+    def probe_cap(self, width: int) -> int:
+        """The longest interval between probes of `width`: just long enough that what a
+        probe loses against plain decoding is at most `probe_budget` of the time between."""
+        loss = max(self.probe_loss(width), self.floor.cycle_loss()) + self.context_cost(self.window)
+        steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
+        return max(self.base_probe, min(steps, self.max_probe_interval))
