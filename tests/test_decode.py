@@ -247,6 +247,50 @@ def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch)
     assert passes[: len(chunks) + 1] == chunks + [1], passes
 
 
+def test_the_first_token_does_not_wait_for_the_drafts_context(target, draft, monkeypatch):
+    """A speculating request's prefill evaluates the draft's context chunk by chunk (memory
+    stays bounded), all but the chunk that ends at the prompt's last token but one: that
+    one is left to the first draft pass, so the first token comes straight after the
+    target's prefill, as plain decoding's does (its TTFT). Output stays the target's."""
+    from dflash_mlx import Pair, stream_generate
+
+    model, tok = target
+    ids = tok.encode(" ".join(PROMPTS) * 3)
+    assert len(ids) > 40
+    made: dict[int, int] = {}  # id of a draft context array -> context rows it holds
+    evaluated: list[int] = []  # the context rows of each draft array evaluated so far
+    first = []
+    add, real_eval = DFlashDraft.add_context, mx.eval
+
+    def add_context(self, feats, state):
+        add(self, feats, state)
+        made.update((id(a), state.context_length) for a in state.arrays)
+
+    def spy(*args):
+        todo = list(args)
+        while todo:
+            a = todo.pop()
+            if isinstance(a, (list, tuple)):
+                todo.extend(a)
+            elif not first and id(a) in made:
+                evaluated.append(made[id(a)])
+        return real_eval(*args)
+
+    monkeypatch.setattr(DFlashDraft, "add_context", add_context)
+    monkeypatch.setattr(mx, "eval", spy)
+    got = []
+    for r in stream_generate(Pair(model, draft), tok, ids, max_tokens=20, verify_width=4,
+                             prefill_step=16):
+        first.append(True)
+        got += r.tokens
+    assert got == target_greedy(model, ids, 20)
+    whole = (len(ids) - 1) // 16 * 16  # the chunks before the one that ends at len - 1
+    assert evaluated and max(evaluated) == whole, (
+        f"before the first token the draft's context was evaluated up to {max(evaluated or [0])}"
+        f" rows; the chunks before the prompt's last token but one hold {whole}"
+    )
+
+
 def test_quantized_targets_default_to_the_capped_verify_width(models_dir, draft):
     from dflash_mlx import Pair
     from dflash_mlx.pair import QUANTIZED_VERIFY_CAP

@@ -258,7 +258,11 @@ def prefill(
                 req.draft.add_context(feats, req.state)
         done += n
         if done < total:
-            arrays = [c.state for c in req.cache] + (req.state.arrays if req.state else [])
+            arrays = [c.state for c in req.cache]
+            if req.state is not None and done < total - 1:
+                # The draft's context as of the prompt's last token but one stays unevaluated:
+                # the first token does not wait for it (the first draft pass computes it).
+                arrays += req.state.arrays
             mx.eval(arrays)
             mx.clear_cache()
             if progress is not None:
