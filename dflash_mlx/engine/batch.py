@@ -344,6 +344,11 @@ class BatchDecoder:
         one pass, (6) accept, (7) rewind each row to what it accepted, (8) learn, (9)
         commit and respond."""
         rows = [r for r in self.active if not r.done]
+        lazy = [r.req for r in rows if r.req.lazy_context]
+        if lazy:  # a prompt's last chunk of draft context, before anything this cycle times
+            mx.eval([a for req in lazy for a in req.state.arrays])
+            for req in lazy:
+                req.lazy_context = False
         ahead, self._ahead = self._ahead, None
         planned, self._planned = self._planned, None
         if ahead is not None:

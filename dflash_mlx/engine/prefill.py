@@ -64,6 +64,10 @@ class Request:
     # deferred window, with the chunk it was taken from; MLX computes them when the draft's
     # context is next evaluated, fed or not): the next draft pass pays for them.
     lazy_rows: int = 0
+    # The draft's context of the prompt's last chunk, left unevaluated so that the first
+    # token does not wait for it: the first cycle after the admission (whose time is mixed
+    # with the prefill's, never learnt from) evaluates it before anything else.
+    lazy_context: bool = False
     # Whether the latest committed cycle was speculative (its features are fed by the next
     # draft pass as part of it); else the next speculative cycle catches up first.
     speculating: bool = False
@@ -260,9 +264,9 @@ def prefill(
         if done < total:
             arrays = [c.state for c in req.cache]
             if req.state is not None and done < total - 1:
-                # The draft's context as of the prompt's last token but one stays unevaluated:
-                # the first token does not wait for it (the first draft pass computes it).
                 arrays += req.state.arrays
+            elif req.state is not None:  # see `Request.lazy_context`
+                req.lazy_context = True
             mx.eval(arrays)
             mx.clear_cache()
             if progress is not None:
