@@ -15,7 +15,9 @@ tokens and more that alone moves TTFT, which is why `dormant / plain` is shown t
 
 When dormant, prefill should cost what the target alone costs (issue 15: within 3%);
 when active, the draft's context (the prompt's last `draft_window - 1` positions, 255 on
-the demo pair) is built during prefill, and that is what the active column shows.
+the demo pair) is built during prefill, all but what the prompt's last chunk holds: that
+part is left to the first cycle, after the first token (issue 36), so that at prompts of
+one chunk the active column should show the target's own time too.
 The stock wheel is used unless `--openblas` (Debian's OpenBLAS preloaded).
 """
 
