@@ -250,8 +250,8 @@ def test_chunked_prefill_equals_the_target(models_dir, draft, name, monkeypatch)
 def test_the_first_token_does_not_wait_for_the_drafts_context(target, draft, monkeypatch):
     """A speculating request's prefill evaluates the draft's context chunk by chunk (memory
     stays bounded), all but the chunk that ends at the prompt's last token but one: that
-    one is left to the first draft pass, so the first token comes straight after the
-    target's prefill, as plain decoding's does (its TTFT). Output stays the target's."""
+    one is left to the first cycle, so the first token comes straight after the target's
+    prefill, as plain decoding's does (its TTFT). Output stays the target's."""
     from dflash_mlx import Pair, stream_generate
 
     model, tok = target

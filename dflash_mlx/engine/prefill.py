@@ -243,7 +243,8 @@ def prefill(
     position `capture_from` on (default `lo`): a chunk wholly before it takes no target
     features, one across it keeps the features from it on. With `defer` the features are
     kept unevaluated in `req.pending` instead: MLX computes them (and whatever target layers
-    only they need) when a probe feeds the draft, or never."""
+    only they need) when a probe feeds the draft, or never. The context of the chunk that
+    ends at the prompt's last token but one is left unevaluated (`Request.lazy_context`)."""
     total = len(req.prompt)
     start = lo if capture_from is None else capture_from
     tokens = mx.array(req.prompt[lo:hi], dtype=mx.int32)[None]
