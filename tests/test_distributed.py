@@ -208,6 +208,46 @@ def test_rank_0_failing_after_a_peer_vanished_names_the_peer():
     mine.close()
 
 
+@pytest.mark.parametrize("code,says", [(1, True), (2, True), (0, False), (130, False)])
+def test_a_failing_rank_whose_leader_vanished_names_rank_0(monkeypatch, code, says):
+    """Rank 0 killed mid-collective: rank 1's own collective may fail first, and rank 1 ends
+    as failing (telling rank 0, which is gone) before its watcher reads the closed
+    connection. The watcher still says that rank 0 ended: no abort came, and rank 1's
+    failure follows from rank 0's loss. A rank ending cleanly, or on Ctrl-C, says nothing."""
+    import queue
+    import threading
+
+    from dflash_mlx.distributed import control
+    from dflash_mlx.distributed.control import CLOSED, Channel
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    said: list[str] = []
+    monkeypatch.setattr(control, "say", lambda message, fresh_line=False: said.append(message))
+    monkeypatch.setattr(control.os, "_exit", exit_)
+    ch = Channel.__new__(Channel)  # rank 1's side of its connection to rank 0
+    ch.rank, ch.size, ch.said_bye, ch.aborted, ch.heard = 1, 2, set(), None, {}
+    ch.inbox, ch.ending, ch.failing, ch._lock = queue.Queue(), False, False, threading.Lock()
+    mine, theirs = socket.socketpair()
+    ch.leader = mine
+    theirs.close()  # rank 0 is gone, without a word
+    ch.close(code, "RuntimeError: [ring] the peer closed the connection")
+    if says:
+        with pytest.raises(Exited):
+            ch._watch_leader()
+        assert said == [
+            "error: rank 0 ended without a word (killed, or its machine is gone): rank 1 stops too"
+        ]
+    else:
+        ch._watch_leader()
+        assert said == [] and ch.inbox.get_nowait() is CLOSED
+    mine.close()
+
+
 def test_a_rank_ending_tells_the_others_its_exit_code():
     """How each way a rank's command ends is told to the others: a command's chosen exit
     (click's and typer's, distinct classes in typer >= 0.10), Ctrl-C, a bad argument, ours."""
@@ -485,6 +525,36 @@ def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_
     assert survivor_says in one_error(err), err
 
 
+@pytest.mark.slow
+def test_the_launchers_sigterm_before_the_loss_is_seen_waits_for_the_survivors_word():
+    """mlx.launch ends every rank (SIGTERM) once one has exited with an error, and on a loaded
+    machine that can reach the survivor before it has seen its peer go. Here it comes first
+    on purpose: rank 1 is sent SIGTERM, rank 0 is killed half a second later, and rank 1
+    still says that rank 0 ended (not ended by the signal at once, which would have rank 0
+    gone unexplained, or taken for the one that vanished)."""
+    proc = start(*exe(), *GENERATE, PROMPT)
+    survivor, victim = _rank_pid(proc, 1), _rank_pid(proc, 0)
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen, deadline = b"", time.monotonic() + TIMEOUT
+    while len(seen) < 40:
+        assert proc.poll() is None and time.monotonic() < deadline
+        seen += proc.stdout.read() or b""
+        time.sleep(0.1)
+    os.set_blocking(proc.stdout.fileno(), True)
+    os.kill(survivor, signal.SIGTERM)
+    time.sleep(0.5)
+    try:
+        os.kill(victim, signal.SIGKILL)
+    except ProcessLookupError:
+        raise AssertionError("rank 1 ended at once on SIGTERM: the launcher ended rank 0") from None
+    killed = time.monotonic()
+    _, _, err = finish(proc, timeout=30)
+    assert time.monotonic() - killed < 10, err
+    assert "Node with rank 0 exited with code -9" in err
+    assert "Node with rank 1 exited with code 1" in err, err
+    assert "rank 0 ended" in one_error(err), err
+
+
 # -- failures: every rank ends with one line, never a hang (slow) ------------------------------
 
 GENERATE = ["generate", "--demo", "--raw", "-n", "3000", "--verify-width", "4", "--shard", "tensor"]
@@ -514,8 +584,8 @@ def one_error(err: str) -> str:
     assert len(starts) == 1, err
     message = []
     for ln in lines[starts[0] :]:
-        if message and not ln:
-            break  # the launcher's own lines, taken out
+        if message and (not ln or re.search(r"^\[ring\]|closed by the peer|recv errors", ln)):
+            break  # the launcher's own lines, taken out; the ring backend's (its pieces too)
         message.append(ln)
     return " ".join(message)
 

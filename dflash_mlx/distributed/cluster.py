@@ -131,7 +131,38 @@ def start(shard: str) -> Cluster | None:
     _CLUSTER = Cluster(group, group.rank(), group.size(), shard, channel)
     _CLUSTER.stall = control.stall_timeout()
     channel.stalled = _stalled
+    _hold_sigterm(channel)
     return _CLUSTER
+
+
+def _hold_sigterm(channel: Channel) -> None:
+    """`mlx.launch` ends every rank (SIGTERM) once one has exited with an error, and on a
+    loaded machine it can do so before this rank's channel has said why (the rank that
+    vanished, rank 0's abort). A SIGTERM here leaves the rank running a few seconds more
+    (longer while its exit work runs), so that the channel or the rank's own ending has its
+    word; then it ends the rank as SIGTERM would have, with a line that says so. The handler
+    returns at once: the main thread may be the one that ends the rank."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def end_later() -> None:
+        start = time.monotonic()
+        while True:
+            limit = control.GRACE + control.ANSWER_GRACE + 1.0
+            if channel.ending:
+                limit = control.EXIT_WORK + 2.0
+            if time.monotonic() - start >= limit:
+                break
+            time.sleep(0.05)
+        control.say(f"error: rank {channel.rank} was ended by a signal (SIGTERM)")
+        os._exit(128 + signal.SIGTERM)
+
+    def on_term(signum, frame) -> None:
+        threading.Thread(target=end_later, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def finish(code: int, why: str = "") -> None:

@@ -134,11 +134,13 @@ def last_error() -> str:
     return " ".join(ln for ln in lines[starts[-1] :] if ln)
 
 
-def say(message: str) -> None:
-    """One line on this rank's real stderr (a rank other than 0 only when rank 0 cannot)."""
+def say(message: str, fresh_line: bool = False) -> None:
+    """One line on this rank's real stderr (a rank other than 0 only when rank 0 cannot);
+    `fresh_line`: on a line of its own even when another writer left one unfinished (the ring
+    backend writes its `[ring] Socket N was closed by the peer` in pieces once a peer is lost)."""
     fd = _QUIET.get("stderr", 2)
     try:
-        os.write(fd, (message.rstrip() + "\n").encode())
+        os.write(fd, (("\n" if fresh_line else "") + message.rstrip() + "\n").encode())
     except OSError:
         pass
 
@@ -198,6 +200,7 @@ class Channel:
         self.inbox: queue.Queue = queue.Queue()
         self.replies: dict[int, queue.Queue] = {}  # rank 0: what each other rank reported
         self.ending = False  # this rank is ending on its own (its own message goes out)
+        self.failing = False  # the others: this rank ended with an error (told rank 0)
         self.said_bye: set[int] = set()
         self.gone: set[int] = set()  # rank 0: the others whose connection has closed
         self.failures: list[str] = []  # rank 0: the other ranks' failures, as said
@@ -339,7 +342,9 @@ class Channel:
                 if self.aborted is not None:  # rank 0 said why, and has ended
                     self._exit_ready.wait(EXIT_WORK + 1.0)
                     os._exit(self.aborted)
-                if self.ending or 0 in self.said_bye:
+                # A failing rank whose failure rank 0 never answered (no abort): rank 0 went
+                # first, and this rank's failure (a collective that lost it) follows from it.
+                if (self.ending and not self.failing) or 0 in self.said_bye:
                     self.inbox.put(CLOSED)
                     return
                 say(
@@ -422,7 +427,7 @@ class Channel:
             if self.ending:
                 return
             self.ending = True
-        say(f"error: {message}")
+        say(f"error: {message}", fresh_line=bool(self.gone))
         if self.on_abort:
             for hook in self.on_abort:
                 try:
@@ -449,6 +454,7 @@ class Channel:
     def close(self, code: int, why: str = "") -> None:
         """This rank ends: the others hear `bye`, or (a failure) why."""
         self.ending = True
+        self.failing = code not in (0, 130)
         if self.rank == 0:
             self.send(("bye",) if code == 0 else ("abort", code))
         elif code == 0:
