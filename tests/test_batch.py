@@ -923,30 +923,37 @@ def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case,
             assert r.tokens == refs[i][: LENGTHS[i] - extra], f"row {i}, {extra} fewer"
 
 
-@pytest.mark.parametrize("others", [0, 1])
-def test_only_a_request_alone_prefills_a_dormant_draft_context(target, draft, others):
-    """A chooser that expects plain decoding: alone, the prompt's draft context is left
-    out but for a window (a dormant prefill); with another request waiting to join it, the
-    whole prompt's context is built, since their batch may speculate where the pair alone
-    would not."""
+@pytest.mark.parametrize("others,batch", [(0, None), (1, "priced"), (1, "speculates")])
+def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, draft, others, batch):
+    """A chooser that expects plain decoding (a stock CPU's curves, drafts right 9 times in
+    10): alone, the prompt's draft context is left out but for a window (a dormant
+    prefill). Joining another request, the batch it joins decides, at its size: priced by
+    the pair's curves it decodes plainly too, and the prefill is dormant (at c = 8 with
+    OpenBLAS, contexts built for a batch that never speculated cost 6% of its time); where
+    that batch's chooser expects to speculate (wide verifies nearly free), the whole
+    prompt's context is built."""
     from dflash_mlx.speed.adaptive import WidthChooser
 
-    from .test_adaptive import BLOCK, CPU
+    from .test_adaptive import BLAS, BLOCK, CPU
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
-    ch = WidthChooser(CPU, BLOCK, window=8, prior=0.05)
+    ch = WidthChooser(CPU, BLOCK, window=8, prior=0.9)
     assert ch.expects_plain(len(ids))
     pair = Pair(model, draft)
     pair.plan = lambda o: (BLOCK, BLOCK, ch)
     dec = BatchDecoder(pair, tok, max_batch=2)
+    if batch == "speculates":
+        dec.choosers[2] = (ch, WidthChooser(BLAS, BLOCK, window=8, prior=0.9))
     row = dec.submit(ids, GenerateOptions(max_tokens=4))
     for _ in range(others):
         dec.submit(ids, GenerateOptions(max_tokens=4))
     dec.step()  # its admission: prefill and first token
+    if batch is not None:
+        assert dec.choosers[2][1].expects_plain(len(ids)) is (batch == "priced")
     state = row.req.state
     seen = state.context_length + len(row.req.pending)
-    if not others:
+    if batch != "speculates":
         assert seen <= ch.window + 1, f"a dormant prefill kept {seen} positions"
     else:
         assert state.context_length >= len(ids) - 1, state.context_length
