@@ -501,6 +501,17 @@ def _rank_pid(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> int
     raise AssertionError(f"rank {rank} never started")
 
 
+def _mid_request(proc: subprocess.Popen) -> None:
+    """Wait until rank 0 has streamed some text (the launch is mid-request)."""
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen, deadline = b"", time.monotonic() + TIMEOUT
+    while len(seen) < 40:
+        assert proc.poll() is None and time.monotonic() < deadline
+        seen += proc.stdout.read() or b""
+        time.sleep(0.1)
+    os.set_blocking(proc.stdout.fileno(), True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim,survivor_says", [(1, "rank 1 ended"), (0, "rank 0 ended")])
 def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_says):
@@ -509,14 +520,7 @@ def test_a_rank_killed_mid_request_ends_the_others_within_10_s(victim, survivor_
         "--shard", "tensor", PROMPT,
     )  # fmt: skip
     pid = _rank_pid(proc, victim)
-    # Mid-request: rank 0 has streamed text.
-    os.set_blocking(proc.stdout.fileno(), False)
-    seen, deadline = b"", time.monotonic() + TIMEOUT
-    while len(seen) < 40:
-        assert proc.poll() is None and time.monotonic() < deadline
-        seen += proc.stdout.read() or b""
-        time.sleep(0.1)
-    os.set_blocking(proc.stdout.fileno(), True)
+    _mid_request(proc)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     _, _, err = finish(proc, timeout=30)  # mlx.launch itself exits 0 whatever its ranks did
@@ -534,13 +538,7 @@ def test_the_launchers_sigterm_before_the_loss_is_seen_waits_for_the_survivors_w
     gone unexplained, or taken for the one that vanished)."""
     proc = start(*exe(), *GENERATE, PROMPT)
     survivor, victim = _rank_pid(proc, 1), _rank_pid(proc, 0)
-    os.set_blocking(proc.stdout.fileno(), False)
-    seen, deadline = b"", time.monotonic() + TIMEOUT
-    while len(seen) < 40:
-        assert proc.poll() is None and time.monotonic() < deadline
-        seen += proc.stdout.read() or b""
-        time.sleep(0.1)
-    os.set_blocking(proc.stdout.fileno(), True)
+    _mid_request(proc)
     os.kill(survivor, signal.SIGTERM)
     time.sleep(0.5)
     try:

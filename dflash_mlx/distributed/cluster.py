@@ -149,12 +149,8 @@ def _hold_sigterm(channel: Channel) -> None:
 
     def end_later() -> None:
         start = time.monotonic()
-        while True:
-            limit = control.GRACE + control.ANSWER_GRACE + 1.0
-            if channel.ending:
-                limit = control.EXIT_WORK + 2.0
-            if time.monotonic() - start >= limit:
-                break
+        grace = control.GRACE + control.ANSWER_GRACE + 1.0
+        while time.monotonic() - start < (control.EXIT_WORK + 2.0 if channel.ending else grace):
             time.sleep(0.05)
         control.say(f"error: rank {channel.rank} was ended by a signal (SIGTERM)")
         os._exit(128 + signal.SIGTERM)

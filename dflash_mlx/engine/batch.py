@@ -236,19 +236,15 @@ class BatchDecoder:
         progress = between_chunks
         if row.prompt_cache is not None:
             progress = row.prompt_cache.watch(between_chunks)
-        # Alone, a request whose chooser expects to decode plainly prefills no draft context
-        # but a window (a dormant prefill); one that joins or awaits others prefills it all,
-        # since their batch may speculate where the pair alone would not (with a window
-        # only, its drafts miss and teach the pair's chooser that this text drafts badly).
-        alone = not self.active and not self.waiting
-        dormant = chooser if alone else None
-        if chooser is not None and not alone:
-            # Joining others: the batch it joins decides, priced at its size (at c = 8 with
-            # OpenBLAS a batch decodes plainly where each request alone would speculate,
-            # and the drafts' contexts built for it cost 6% of the batch's time).
-            size = min(self.max_batch, len(self.active) + len(self.waiting) + 1)
-            batch = bc.batch_chooser(self.choosers, size, chooser) if size > 1 else chooser
-            dormant = batch if batch.expects_plain(len(row.prompt)) else None
+        # Where the chooser that will decode it expects plain decoding, the prompt's draft
+        # context is only a deferred window (a dormant prefill): alone, the pair's chooser;
+        # joining or awaiting others, the batch's at the size it joins (at c = 8 with
+        # OpenBLAS a batch decodes plainly where each request alone would speculate, and
+        # the contexts built for it cost 6% of its time).
+        dormant = chooser
+        size = min(self.max_batch, len(self.active) + len(self.waiting) + 1)
+        if chooser is not None and size > 1:
+            dormant = bc.batch_chooser(self.choosers, size, chooser)
         with mx.stream(generation_stream):
             logits = prefill_prompt(req, opts.prefill_step, progress, dormant)
             anchor, lp = first_token(req, logits)
