@@ -2,7 +2,7 @@
 
     python benchmarks/long_context.py [--contexts 1k,3k,8k] [--prompts 3] [--tokens 64]
         [--policies default,w256s16,w1024,whole] [--finetuned DIR] [--width 8]
-        [--regime both|stock|openblas] [--repeats 1]
+        [--regime both|stock|openblas] [--repeats 1] [--peer PEER_VENV/bin/python]
 
 On the demo pair's target and its draft, with the draft's config declaring what `dflash-mlx
 train` now writes (`training_context: 256`, the length it was trained on) instead of a
@@ -21,6 +21,10 @@ a warm-up: mlx-lm's greedy decoding (the baseline), then each policy at the auto
 verifies are cheap), checking every output against mlx-lm's tokens. It prints per length
 and policy: τ and tok/s / mlx-lm at the automatic width (geometric mean over prompts, with
 its 95% interval), the share of tokens decoded plainly, τ and tok/s / mlx-lm at `--width`.
+
+`--peer PY` also runs bstnxbt's dflash-mlx (its defaults: a draft cache of 64 sink positions
+and a 1024-position window) on the same pair and prompts, in the venv PY belongs to
+(`peer_dflash_mlx.py` says how to make it), each prompt against mlx-lm in that process.
 
 Both regimes by default, each in its own process with a fresh calibration folder: MLX's
 stock wheel and Debian's OpenBLAS preloaded. Ratios, not absolute numbers, carry over.
@@ -56,6 +60,11 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--regime", choices=["both", "stock", "openblas"], default="both")
+    ap.add_argument(
+        "--peer",
+        type=Path,
+        help="the Python of a venv holding bstnxbt's dflash-mlx (see peer_dflash_mlx.py)",
+    )
     args = ap.parse_args()
     if args.regime == "both":
         for regime in ("stock", "openblas"):
@@ -214,6 +223,56 @@ def run(args) -> None:
                 flush=True,
             )
     print("every output equals mlx-lm's greedy tokens")
+    if args.peer:
+        peer(args, tok, files, target_dir, draft_dir)
+
+
+def peer(args, tok, files: list[str], target_dir: Path, draft_dir: Path) -> None:
+    """bstnxbt's dflash-mlx on the same pair and prompts, in its own venv's process (its
+    package is also named `dflash_mlx`), each prompt against mlx-lm in that process."""
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    # its loader reads these three from the top level (they are implied by our format)
+    cfg.update(
+        model_type="qwen3", tie_word_embeddings=True, block_size=cfg["dflash_config"]["block_size"]
+    )
+    peer_draft = draft_dir.parent / "peer-draft"
+    peer_draft.mkdir(exist_ok=True)
+    for f in draft_dir.iterdir():
+        if f.name != "config.json" and not (peer_draft / f.name).exists():
+            (peer_draft / f.name).symlink_to(f.resolve())
+    (peer_draft / "config.json").write_text(json.dumps(cfg, indent=1))
+    sets = {n: prompts(tok, files, n, args.prompts) for n in counts(args.contexts)}
+    prompts_file = draft_dir.parent / "peer-prompts.json"
+    prompts_file.write_text(json.dumps(sets))
+    runner = Path(__file__).parent / "peer_dflash_mlx.py"
+    rows: dict[int, list[dict]] = {}
+    for _ in range(args.repeats):
+        proc = subprocess.run(
+            [
+                str(args.peer),
+                str(runner),
+                str(target_dir),
+                str(peer_draft),
+                str(prompts_file),
+                str(args.tokens),
+            ],  # fmt: skip
+            capture_output=True,
+            text=True,
+            cwd=tempfile.gettempdir(),  # not this checkout: its dflash_mlx would shadow theirs
+        )
+        if proc.returncode:
+            sys.exit(f"the peer failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                rows.setdefault(r["context"], []).append(r)
+    print(f"{'context':>7} {'peer':<22} {'tau':>5} {'peer / mlx-lm':<20} {'same tokens':>11}")
+    for n_ctx, rs in rows.items():
+        tau = statistics.fmean(r["tau"] for r in rs)
+        same = all(r["same"] for r in rs)
+        ratios = [r["peer"] / r["mlx_lm"] for r in rs]
+        name = "bstnxbt 0.1.8 defaults"
+        print(f"{n_ctx:>7} {name:<22} {tau:5.2f} {paired(ratios):<20} {same!s:>11}")
 
 
 if __name__ == "__main__":
