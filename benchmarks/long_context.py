@@ -258,7 +258,9 @@ def peer(args, tok, files: list[str], target_dir: Path, draft_dir: Path) -> None
             ],  # fmt: skip
             capture_output=True,
             text=True,
-            cwd=tempfile.gettempdir(),  # not this checkout: its dflash_mlx would shadow theirs
+            # neither this checkout nor PYTHONPATH: our dflash_mlx would shadow theirs
+            cwd=tempfile.gettempdir(),
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
         )
         if proc.returncode:
             sys.exit(f"the peer failed ({proc.returncode}):\n{proc.stderr[-2000:]}")

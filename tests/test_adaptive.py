@@ -599,13 +599,24 @@ def decode_with(model, d, ids, n, chooser):
     return [t for c in cycles for t in c.tokens]
 
 
-@pytest.mark.parametrize("dormant, repeats", [(True, 12), (True, 3), (False, 12)])
+# The captured layers and the projection of a row of context at 1% of a plain step, as the
+# demo pair measures them with OpenBLAS (BLAS's estimate, `lazy` None, is 4%).
+BLAS_CHEAP_CONTEXT = CostCurves(BLAS.verify, BLAS.draft, lazy=0.005, context=0.005)
+
+
+@pytest.mark.parametrize(
+    "case, repeats",
+    [("plain", 12), ("plain", 3), ("speculates", 12), ("dear", 12)],
+)
 def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
-    target, draft, monkeypatch, dormant, repeats
+    target, draft, monkeypatch, case, repeats
 ):
     """A chooser that expects plain decoding: prefill projects nothing for the draft (the
     prompt's last `window` positions wait, unevaluated, for the first probe, which then
-    reads them); one that expects to speculate: prefill projects the whole prompt."""
+    reads them); one that expects to speculate: prefill projects the whole prompt, unless
+    (`dear`) the prompt's last chunk of context, which the first cycle would evaluate,
+    costs more than speculating saves over the request (15 tokens against 407 rows here):
+    then it is dormant too, and the first speculative cycle catches up on its window."""
     from mlx_lm.generate import generate_step
 
     from dflash_mlx.engine import batch
@@ -613,15 +624,17 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * repeats)
+    dormant = case != "speculates"
     ch = WidthChooser(
-        CPU if dormant else BLAS,
+        {"plain": CPU, "speculates": BLAS_CHEAP_CONTEXT, "dear": BLAS}[case],
         BLOCK,
         window=8,
-        prior=0.05 if dormant else 0.9,
+        prior=0.05 if case == "plain" else 0.9,
         request_budget=1.0,  # a probe within these few tokens
         budget_tokens=0,  # of any length
     )
-    assert ch.expects_plain(len(ids)) is dormant
+    assert ch.expects_plain(len(ids)) is (case == "plain")
+    assert ch.builds_context(len(ids), 15, len(ids) - 1) is (case == "speculates")
     events = []
     # Patched on the class: on the instance, monkeypatch's undo would leave the bound
     # method behind as an instance attribute, shadowing later tests' class patches.
@@ -649,7 +662,13 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
     passes = [n for what, n in events[:at] if what == "target"]
     during = [e for e in events[:at] if e[0] == "rows"]
     after = [n for what, n in events[at + 1 :] if what == "rows"]
-    if dormant:
+    if case == "dear":
+        assert during == [], f"a dormant prefill projected {during}"
+        # Split off its chunk, the window waits for the first cycle, which speculates (the
+        # chooser expects to) after catching up on the window and the prompt's last token.
+        assert passes == [len(ids) - 1 - ch.window, ch.window, 1], passes
+        assert after and after[0] == ch.window + 1, after
+    elif dormant:
         assert ch.probes >= 1, "no probe: the test shows nothing"
         assert during == [], f"a dormant prefill projected {during}"
         cut = len(ids) - 1 - ch.window

@@ -930,11 +930,11 @@ def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, dra
     prefill). Joining another request, the batch it joins decides, at its size: priced by
     the pair's curves it decodes plainly too, and the prefill is dormant (at c = 8 with
     OpenBLAS, contexts built for a batch that never speculated cost 6% of its time); where
-    that batch's chooser expects to speculate (wide verifies nearly free), the whole
-    prompt's context is built."""
+    that batch's chooser expects to speculate (wide verifies nearly free, the context cheap
+    to build), the whole prompt's context is built."""
     from dflash_mlx.speed.adaptive import WidthChooser
 
-    from .test_adaptive import BLAS, BLOCK, CPU
+    from .test_adaptive import BLAS_CHEAP_CONTEXT, BLOCK, CPU
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
@@ -944,10 +944,10 @@ def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, dra
     pair.plan = lambda o: (BLOCK, BLOCK, ch)
     dec = BatchDecoder(pair, tok, max_batch=2)
     if batch == "speculates":
-        dec.choosers[2] = (ch, WidthChooser(BLAS, BLOCK, window=8, prior=0.9))
-    row = dec.submit(ids, GenerateOptions(max_tokens=4))
+        dec.choosers[2] = (ch, WidthChooser(BLAS_CHEAP_CONTEXT, BLOCK, window=8, prior=0.9))
+    row = dec.submit(ids, GenerateOptions(max_tokens=16))
     for _ in range(others):
-        dec.submit(ids, GenerateOptions(max_tokens=4))
+        dec.submit(ids, GenerateOptions(max_tokens=16))
     dec.step()  # its admission: prefill and first token
     if batch is not None:
         assert dec.choosers[2][1].expects_plain(len(ids)) is (batch == "priced")

@@ -188,7 +188,8 @@ def test_a_batch_prices_and_pays_for_catching_its_rows_drafts_up(target, draft, 
 
     monkeypatch.setattr(WidthChooser, "choose", spy_choose)
     monkeypatch.setattr(WidthChooser, "observe_context", spy_context)
-    flat = CostCurves(VERIFY, DRAFT, context=1e-4)
+    # Context cheap to build (the prompts' is, in prefill: `builds_context`).
+    flat = CostCurves(VERIFY, DRAFT, context=1e-4, lazy=1e-4)
     base = WidthChooser(flat, BLOCK, window=8, request_budget=1.0, budget_tokens=0)
     dec = BatchDecoder(Pair(model, draft), tok, max_batch=2)
     for p in prompts:

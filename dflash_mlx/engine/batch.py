@@ -246,7 +246,9 @@ class BatchDecoder:
         if chooser is not None and size > 1:
             dormant = bc.batch_chooser(self.choosers, size, chooser)
         with mx.stream(generation_stream):
-            logits = prefill_prompt(req, opts.prefill_step, progress, dormant)
+            logits = prefill_prompt(
+                req, opts.prefill_step, progress, dormant, max(0, opts.max_tokens - 1)
+            )
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)

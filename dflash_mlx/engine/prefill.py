@@ -280,10 +280,13 @@ def prefill_prompt(
     step: int,
     progress: Callable[[int, int], None] | None,
     chooser: WidthChooser | None = None,
+    tokens: int | None = None,
 ) -> mx.array:
     """The prompt from where the reused caches end; logits of its last token.
 
-    When the `chooser` expects to decode plainly from here, the draft's context gets only
+    When the `chooser` expects to decode plainly from here, or to save less over the
+    request's `tokens` (None: unbounded) than its context's last chunk would cost the first
+    cycle (`WidthChooser.builds_context`), the draft's context gets only
     the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
     is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
     feeds them: prefill then costs what the target alone costs. The chunk the window starts
@@ -298,7 +301,10 @@ def prefill_prompt(
     if req.draft is not None:
         if req.state.keep is not None:
             cut = max(cut, total - req.state.keep)
-        if chooser is not None and chooser.expects_plain(total):
+        # Built, the context's chunk that ends before the last token is left for the first
+        # cycle to evaluate (`Request.lazy_context`): that many rows.
+        last = ((total - 2 - cut) % step) + 1 if total - 1 > cut else 0
+        if chooser is not None and not chooser.builds_context(total, tokens, last):
             cut = max(cut, total - 1 - chooser.window)
             dormant = True
     if dormant and (cut - req.reused) % step < SPLIT_BEFORE_WINDOW:

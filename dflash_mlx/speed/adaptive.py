@@ -220,15 +220,16 @@ class WidthChooser(Acceptance, Probes):
         plain = self.plain_cost() * (2.0 if doubt and not self.plain_measured else 1.0)
         return self.floor.settle(tokens, seconds, plain)
 
-    def saving(self, tokens: int | None, perfect: bool = False) -> float:
+    def saving(self, tokens: int | None, perfect: bool = False, depth: int | None = None) -> float:
         """Seconds speculating could save against plain decoding over the next `tokens`
         tokens (None: unbounded), at the best width as the acceptance stands (`perfect`:
-        were every draft accepted, the most any speculation could save)."""
+        were every draft accepted, the most any speculation could save), at `depth`
+        (default: the latest)."""
         if tokens is None:
             return math.inf
         if tokens <= 1:
             return 0.0
-        curve, plain = self.curve(optimistic=not perfect), self.plain_cost()
+        curve, plain = self.curve(depth, optimistic=not perfect), self.plain_cost(depth)
         exp = self.expected_tokens()
         top = min(tokens, self.draft_block or self.block)
         per_token = max(
@@ -363,6 +364,20 @@ class WidthChooser(Acceptance, Probes):
         dormant): then a prompt's draft context need not be built during prefill."""
         rates = self.rates(depth)
         return max(rates, key=lambda w: rates[w][0]) == 1
+
+    def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
+        """Whether a prompt's draft context is worth building in its prefill (else the
+        prefill is dormant): speculation is expected to win at `depth`, and to save more
+        over the request's `tokens` than the `rows` of context the first cycle then
+        evaluates cost (the prompt's last chunk: the target layers the draft reads and
+        their projection), as `choose` weighs waking a dormant draft. At 8k tokens the
+        demo draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
+        cycle whatever it decides (0.82-0.91x mlx-lm before this check)."""
+        if self.expects_plain(depth):
+            return False
+        if tokens is None or rows <= 0:
+            return True
+        return self.saving(tokens, depth=depth) > self.context_cost(rows, rows, depth)
 
     def choose(
         self,
