@@ -691,6 +691,26 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
         assert sum(n for _, n in during) >= len(ids) - 1, during
 
 
+def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
+    """Curves calibrated at 128 and 2048 tokens: where speculation pays and saves more
+    than the context costs, a prompt's context is built up to twice the deepest point; at
+    8k the costs are only extrapolated (on the demo pair a plain step priced at 11 ms took
+    9, and the context built on that cost a 64-token request 7-11 plain steps), so the
+    prefill is dormant, until plain steps timed at that depth say what they cost."""
+    deep = tuple(2.0 * v for v in BLAS.verify), BLAS.draft
+    curves_ = CostCurves(
+        BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,), lazy=0.001, context=0.001
+    )
+    ch = WidthChooser(curves_, BLOCK, prior=0.9)
+    assert ch.builds_context(3000, 256, 255)
+    assert not ch.builds_context(8192, 256, 255)
+    assert not ch.builds_context(8192, None, 0)
+    ch.observe(1, ch.plain_cost(8192), depth=8192)  # a plain step timed there, as priced
+    assert ch.builds_context(8192, 256, 255)
+    # What the context costs still counts: not worth it for a request of one token more.
+    assert not ch.builds_context(8192, 1, 255)
+
+
 def test_the_decode_loop_gives_the_chooser_the_context_depth_and_a_new_request(target, draft):
     model, tok = target
     ids = tok.encode("import os\nimport sys\n" * 10)

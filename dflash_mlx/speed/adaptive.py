@@ -66,6 +66,9 @@ FULL_BUDGET_TOKENS = 128
 # by one cycle (on stock-BLAS curves under OpenBLAS, where W=16 ran 3x plain, every
 # 96-token request stayed plain: its 2% could not pay the probe the stale curves priced).
 FIRST_LOOK = 0.1
+# A prompt's draft context is built in prefill only at depths its costs were measured at:
+# the calibration's, up to this many times its deepest, or where plain steps were timed.
+EXTRAPOLATED = 2.0
 
 
 class WidthChooser(Acceptance, Probes):
@@ -367,13 +370,21 @@ class WidthChooser(Acceptance, Probes):
 
     def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
         """Whether a prompt's draft context is worth building in its prefill (else the
-        prefill is dormant): speculation is expected to win at `depth`, and to save more
-        over the request's `tokens` than the `rows` of context the first cycle then
-        evaluates cost (the prompt's last chunk: the target layers the draft reads and
-        their projection), as `choose` weighs waking a dormant draft. At 8k tokens the
-        demo draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
-        cycle whatever it decides (0.82-0.91x mlx-lm before this check)."""
+        prefill is dormant, and a speculative cycle first catches up on a window): at
+        `depth` speculation is expected to win, on costs measured there (the calibration's
+        or a plain step's in its depth bucket, not only extrapolated `EXTRAPOLATED` times
+        beyond its deepest point, where its noise is multiplied), and to save more over the
+        request's `tokens` than the `rows` of context the first cycle then evaluates cost
+        (the prompt's last chunk: the target layers the draft reads and their projection),
+        as `choose` weighs waking a dormant draft. At 8k tokens the demo draft's last 255
+        rows cost 7-11 plain steps, paid in a 64-token request's first cycle whatever it
+        decides, on curves calibrated at 128 and 2048 tokens that priced a plain step there
+        at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
         if self.expects_plain(depth):
+            return False
+        deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
+        bucket = self._buckets.get(depth_bucket(depth))
+        if 0 < EXTRAPOLATED * deepest < depth and (bucket is None or not bucket.seen[1]):
             return False
         if tokens is None or rows <= 0:
             return True
