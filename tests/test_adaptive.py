@@ -711,6 +711,27 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     assert not ch.builds_context(8192, 1, 255)
 
 
+@pytest.mark.parametrize(
+    "depth, limit, speculates", [(3000, 16, True), (8192, 16, False), (8192, 4096, True)]
+)
+def test_speculation_expected_only_on_extrapolated_costs_is_tested_by_a_probe_or_not_at_all(
+    depth, limit, speculates
+):
+    """Curves calibrated at 128 and 2048 tokens: a request's first decision speculates
+    where its rates say so within twice the deepest point; far beyond it (8k) the rates
+    rest on extrapolated costs, and a request too short for a probe's budget decodes
+    plainly (on the demo pair such a first cycle cost a 64-token request 5%), while one
+    long enough to afford a probe still makes it."""
+    deep = tuple(2.0 * v for v in BLAS.verify), BLAS.draft
+    curves_ = CostCurves(BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,))
+    ch = WidthChooser(curves_, BLOCK, prior=0.9)
+    ch.begin_request()
+    assert ch.rates(depth)[1][0] < max(r for r, _ in ch.rates(depth).values())
+    # Woken from a dormant prefill: a window of 33 rows to catch up on first.
+    w, _ = ch.choose(limit=limit, depth=depth, context=(33, 33))
+    assert (w > 1) is speculates, w
+
+
 def test_the_decode_loop_gives_the_chooser_the_context_depth_and_a_new_request(target, draft):
     model, tok = target
     ids = tok.encode("import os\nimport sys\n" * 10)

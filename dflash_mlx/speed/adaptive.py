@@ -368,6 +368,15 @@ class WidthChooser(Acceptance, Probes):
         rates = self.rates(depth)
         return max(rates, key=lambda w: rates[w][0]) == 1
 
+    def extrapolated(self, depth: int) -> bool:
+        """Whether the costs at `depth` are only extrapolated: more than `EXTRAPOLATED`
+        times the calibration's deepest point, no plain step timed in its depth bucket."""
+        deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
+        if not 0 < EXTRAPOLATED * deepest < depth:
+            return False
+        bucket = self._buckets.get(depth_bucket(depth))
+        return bucket is None or not bucket.seen[1]
+
     def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
         """Whether a prompt's draft context is worth building in its prefill (else the
         prefill is dormant, and a speculative cycle first catches up on a window): at
@@ -380,11 +389,7 @@ class WidthChooser(Acceptance, Probes):
         rows cost 7-11 plain steps, paid in a 64-token request's first cycle whatever it
         decides, on curves calibrated at 128 and 2048 tokens that priced a plain step there
         at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
-        if self.expects_plain(depth):
-            return False
-        deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
-        bucket = self._buckets.get(depth_bucket(depth))
-        if 0 < EXTRAPOLATED * deepest < depth and (bucket is None or not bucket.seen[1]):
+        if self.expects_plain(depth) or self.extrapolated(depth):
             return False
         if tokens is None or rows <= 0:
             return True
@@ -412,6 +417,12 @@ class WidthChooser(Acceptance, Probes):
         if first and len(widths) > 1 and not self._affordable(widths, limit, context):
             self.req_done = True  # no probe fits its budget: nothing is built for one
         best = max(widths, key=lambda w: rates[w][0])
+        if best > 1 and self.req_done and self.extrapolated(self.depth):
+            # Speculation is expected only on costs extrapolated past the calibration (at
+            # 8k tokens on curves taken at 128 and 2048, such a first cycle, a catch-up
+            # priced at half what it took and one W=2 cycle, cost a 64-token request 5%),
+            # and a probe to test them does not fit this request's budget: plain.
+            best = 1
         self.probing = False
         if best > 1 and self.carried and limit is not None:
             # Nothing of this request's text seen yet, only earlier texts': were every draft
