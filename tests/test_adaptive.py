@@ -696,17 +696,20 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     than the context costs, a prompt's context is built up to twice the deepest point; at
     8k the costs are only extrapolated (on the demo pair a plain step priced at 11 ms took
     9, and the context built on that cost a 64-token request 7-11 plain steps), so the
-    prefill is dormant, until plain steps timed at that depth say what they cost."""
+    prefill of a request whose probe budget the context exceeds is dormant, until plain
+    steps timed at that depth say what they cost."""
     deep = tuple(2.0 * v for v in BLAS.verify), BLAS.draft
     curves_ = CostCurves(
-        BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,), lazy=0.001, context=0.001
+        BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,), lazy=0.01, context=0.002
     )
     ch = WidthChooser(curves_, BLOCK, prior=0.9)
-    assert ch.builds_context(3000, 256, 255)
-    assert not ch.builds_context(8192, 256, 255)
-    assert not ch.builds_context(8192, None, 0)
+    assert ch.builds_context(3000, 32, 255)
+    # The 255 rows cost more than the probe budget of a 32-token request (3%) there.
+    assert ch.context_cost(255, 255, 8192) > 0.03 * 32 * ch.plain_cost(8192)
+    assert not ch.builds_context(8192, 32, 255)
+    assert ch.builds_context(8192, 1024, 255), "a long reply can afford a wrong guess"
     ch.observe(1, ch.plain_cost(8192), depth=8192)  # a plain step timed there, as priced
-    assert ch.builds_context(8192, 256, 255)
+    assert ch.builds_context(8192, 32, 255)
     # What the context costs still counts: not worth it for a request of one token more.
     assert not ch.builds_context(8192, 1, 255)
 

@@ -380,20 +380,25 @@ class WidthChooser(Acceptance, Probes):
     def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
         """Whether a prompt's draft context is worth building in its prefill (else the
         prefill is dormant, and a speculative cycle first catches up on a window): at
-        `depth` speculation is expected to win, on costs measured there (the calibration's
-        or a plain step's in its depth bucket, not only extrapolated `EXTRAPOLATED` times
-        beyond its deepest point, where its noise is multiplied), and to save more over the
-        request's `tokens` than the `rows` of context the first cycle then evaluates cost
-        (the prompt's last chunk: the target layers the draft reads and their projection),
-        as `choose` weighs waking a dormant draft. At 8k tokens the demo draft's last 255
-        rows cost 7-11 plain steps, paid in a 64-token request's first cycle whatever it
-        decides, on curves calibrated at 128 and 2048 tokens that priced a plain step there
-        at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
-        if self.expects_plain(depth) or self.extrapolated(depth):
+        `depth` speculation is expected to win, and to save more over the request's
+        `tokens` than the `rows` of context the first cycle then evaluates cost (the
+        prompt's last chunk: the target layers the draft reads and their projection), as
+        `choose` weighs waking a dormant draft. Where those costs are only `extrapolated`
+        (their noise multiplied), the context must also cost less than the request's probe
+        budget (a long reply still gets the prompt's whole context). At 8k tokens the demo
+        draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
+        cycle whatever it decides, on curves calibrated at 128 and 2048 tokens that priced a
+        plain step there at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
+        if self.expects_plain(depth):
             return False
         if tokens is None or rows <= 0:
             return True
-        return self.saving(tokens, depth=depth) > self.context_cost(rows, rows, depth)
+        cost = self.context_cost(rows, rows, depth)
+        if self.extrapolated(depth) and cost > self.request_budget * tokens * self.plain_cost(
+            depth
+        ):
+            return False  # a wrong guess would cost more than the request's probe budget
+        return self.saving(tokens, depth=depth) > cost
 
     def choose(
         self,
