@@ -696,8 +696,8 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     than the context costs, a prompt's context is built up to twice the deepest point; at
     8k the costs are only extrapolated (on the demo pair a plain step priced at 11 ms took
     9, and the context built on that cost a 64-token request 7-11 plain steps), so the
-    prefill of a request whose probe budget the context exceeds is dormant, until plain
-    steps timed at that depth say what they cost."""
+    prefill of a request whose probe budget the context exceeds is dormant, until a plain
+    step and a speculative cycle timed at that depth say what they cost."""
     deep = tuple(2.0 * v for v in BLAS.verify), BLAS.draft
     curves_ = CostCurves(
         BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,), lazy=0.01, context=0.002
@@ -709,6 +709,8 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     assert not ch.builds_context(8192, 32, 255)
     assert ch.builds_context(8192, 1024, 255), "a long reply can afford a wrong guess"
     ch.observe(1, ch.plain_cost(8192), depth=8192)  # a plain step timed there, as priced
+    assert not ch.builds_context(8192, 32, 255), "the speculative widths are still guessed"
+    ch.observe(4, ch.cycle_cost(4, 8192), depth=8192)  # and a speculative cycle
     assert ch.builds_context(8192, 32, 255)
     # What the context costs still counts: not worth it for a request of one token more.
     assert not ch.builds_context(8192, 1, 255)

@@ -370,12 +370,15 @@ class WidthChooser(Acceptance, Probes):
 
     def extrapolated(self, depth: int) -> bool:
         """Whether the costs at `depth` are only extrapolated: more than `EXTRAPOLATED`
-        times the calibration's deepest point, no plain step timed in its depth bucket."""
+        times the calibration's deepest point, and not both a plain step and a speculative
+        cycle timed in its depth bucket (plain steps alone only scale the calibration's
+        extrapolated widths: at 8k the first ones, which grow the caches, read 12.6 ms where
+        later ones took 9, and a W=4 cycle on the prior lost 5% of a 64-token request)."""
         deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
         if not 0 < EXTRAPOLATED * deepest < depth:
             return False
         bucket = self._buckets.get(depth_bucket(depth))
-        return bucket is None or not bucket.seen[1]
+        return bucket is None or not bucket.seen[1] or not bucket.widths()
 
     def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
         """Whether a prompt's draft context is worth building in its prefill (else the
