@@ -88,6 +88,20 @@ def main() -> None:
     run(args)
 
 
+def greedy_mlx_lm(model, ids: list[int], n: int) -> tuple[float, list[int]]:
+    """mlx-lm's greedy decoding of `n` tokens after `ids`: tokens after the first per
+    second, and the tokens (also run by `peer_dflash_mlx.py`, in the peer's venv)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out, first = [], 0.0
+    for t, _ in generate_step(mx.array(ids), model, max_tokens=n, sampler=None):
+        if not out:
+            first = time.perf_counter()
+        out.append(int(t))
+    return (n - 1) / (time.perf_counter() - first), out
+
+
 def declared_pair(target_dir: Path, draft_dir: Path) -> tuple[Path, Path]:
     """The demo pair, its draft declaring `training_context: 256` instead of a sliding
     window, its target's context raised to 16384 (same weights, linked)."""
@@ -145,7 +159,6 @@ def paired(xs: list[float]) -> str:
 
 def run(args) -> None:
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
 
     from dflash_mlx import GenerateOptions, load_draft, load_pair, stream_generate
     from dflash_mlx.demo import SHIPPED, demo_pair
@@ -170,14 +183,6 @@ def run(args) -> None:
         flush=True,
     )
 
-    def mlx_lm(ids: list[int], n: int) -> tuple[float, list[int]]:
-        out, first = [], 0.0
-        for t, _ in generate_step(mx.array(ids), pair.model, max_tokens=n, sampler=None):
-            if not out:
-                first = time.perf_counter()
-            out.append(int(t))
-        return (n - 1) / (time.perf_counter() - first), out
-
     def engine(name: str, ids: list[int], n: int, width: int | None):
         p = pairs.get(name, pair)
         options = GenerateOptions(max_tokens=n, verify_width=width, **policy(name))
@@ -189,7 +194,7 @@ def run(args) -> None:
     warm = prompts(tok, files, 256, 1)[0]
     for name in names:
         engine(name, warm, 16, None)
-    mlx_lm(warm, 16)
+    greedy_mlx_lm(pair.model, warm, 16)
     print(
         f"{'context':>7} {'policy':<10} {'auto tau':>8} {'auto / mlx-lm':<20} "
         f"{'plain share':>11} {f'tau W={args.width}':>9} {f'W={args.width} / mlx-lm':<20}",
@@ -199,7 +204,7 @@ def run(args) -> None:
         rows = {m: {"tau": [], "x": [], "plain": [], "tau_w": [], "x_w": []} for m in names}
         for _ in range(args.repeats):
             for ids in prompts(tok, files, n_ctx, args.prompts):
-                base, ref = mlx_lm(ids, args.tokens)
+                base, ref = greedy_mlx_lm(pair.model, ids, args.tokens)
                 for name in names:
                     s, out = engine(name, ids, args.tokens, None)
                     if out != ref:

@@ -20,13 +20,12 @@ import json
 import sys
 import time
 
+from long_context import greedy_mlx_lm  # this folder's (stdlib imports only at its top)
+
 
 def main() -> None:
     target, draft, prompts_file, tokens = sys.argv[1:5]
     n = int(tokens)
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
     from dflash_mlx.engine.events import TokenEvent
     from dflash_mlx.runtime import stream_dflash_generate
     from dflash_mlx.runtime.bundle import load_runtime_bundle
@@ -34,14 +33,6 @@ def main() -> None:
 
     ctx = build_offline_runtime_context()
     b = load_runtime_bundle(model_ref=target, draft_ref=draft, verify_config=ctx.verify)
-
-    def mlx_lm(ids: list[int], k: int) -> tuple[float, list[int]]:
-        out, first = [], 0.0
-        for t, _ in generate_step(mx.array(ids), b.target_model, max_tokens=k, sampler=None):
-            if not out:
-                first = time.perf_counter()
-            out.append(int(t))
-        return (k - 1) / (time.perf_counter() - first), out
 
     def peer(ids: list[int], k: int) -> tuple[float, list[int], float]:
         out, first, cycles = [], 0.0, 0
@@ -69,11 +60,11 @@ def main() -> None:
 
     prompts = json.loads(open(prompts_file).read())
     warm = next(iter(prompts.values()))[0][:256]
-    mlx_lm(warm, 16)
+    greedy_mlx_lm(b.target_model, warm, 16)
     peer(warm, 16)
     for context, lists in prompts.items():
         for ids in lists:
-            base, ref = mlx_lm(ids, n)
+            base, ref = greedy_mlx_lm(b.target_model, ids, n)
             tps, out, tau = peer(ids, n)
             row = {
                 "context": int(context),

@@ -66,9 +66,6 @@ FULL_BUDGET_TOKENS = 128
 # by one cycle (on stock-BLAS curves under OpenBLAS, where W=16 ran 3x plain, every
 # 96-token request stayed plain: its 2% could not pay the probe the stale curves priced).
 FIRST_LOOK = 0.1
-# A prompt's draft context is built in prefill only at depths its costs were measured at:
-# the calibration's, up to this many times its deepest, or where plain steps were timed.
-EXTRAPOLATED = 2.0
 
 
 class WidthChooser(Acceptance, Probes):
@@ -367,41 +364,6 @@ class WidthChooser(Acceptance, Probes):
         dormant): then a prompt's draft context need not be built during prefill."""
         rates = self.rates(depth)
         return max(rates, key=lambda w: rates[w][0]) == 1
-
-    def extrapolated(self, depth: int) -> bool:
-        """Whether the costs at `depth` are only extrapolated: more than `EXTRAPOLATED`
-        times the calibration's deepest point, and not both a plain step and a speculative
-        cycle timed in its depth bucket (plain steps alone only scale the calibration's
-        extrapolated widths: at 8k the first ones, which grow the caches, read 12.6 ms where
-        later ones took 9, and a W=4 cycle on the prior lost 5% of a 64-token request)."""
-        deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
-        if not 0 < EXTRAPOLATED * deepest < depth:
-            return False
-        bucket = self._buckets.get(depth_bucket(depth))
-        return bucket is None or not bucket.seen[1] or not bucket.widths()
-
-    def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
-        """Whether a prompt's draft context is worth building in its prefill (else the
-        prefill is dormant, and a speculative cycle first catches up on a window): at
-        `depth` speculation is expected to win, and to save more over the request's
-        `tokens` than the `rows` of context the first cycle then evaluates cost (the
-        prompt's last chunk: the target layers the draft reads and their projection), as
-        `choose` weighs waking a dormant draft. Where those costs are only `extrapolated`
-        (their noise multiplied), the context must also cost less than the request's probe
-        budget (a long reply still gets the prompt's whole context). At 8k tokens the demo
-        draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
-        cycle whatever it decides, on curves calibrated at 128 and 2048 tokens that priced a
-        plain step there at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
-        if self.expects_plain(depth):
-            return False
-        if tokens is None or rows <= 0:
-            return True
-        cost = self.context_cost(rows, rows, depth)
-        if self.extrapolated(depth) and cost > self.request_budget * tokens * self.plain_cost(
-            depth
-        ):
-            return False  # a wrong guess would cost more than the request's probe budget
-        return self.saving(tokens, depth=depth) > cost
 
     def choose(
         self,

@@ -2,15 +2,22 @@
 decoding wins, a speculative cycle is re-tried now and then, priced with everything it
 costs (its cycle's loss and the draft's catch-up), within `probe_budget` of the decoding
 time and `request_budget` of each request's (less for a short request, more for the first
-look at a calibration not yet confirmed). A mixin of `WidthChooser` (`adaptive.py`), whose
-constructor sets the fields it reads."""
+look at a calibration not yet confirmed); and whether a prompt's draft context is worth
+building in prefill (`builds_context`), where costs only extrapolated past the calibration
+are a guess (`extrapolated`). A mixin of `WidthChooser` (`adaptive.py`), whose constructor
+sets the fields it reads."""
 
 from __future__ import annotations
 
 import math
 
+from .costs import depth_bucket
+
 # Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
 REQUEST_MEMORY = 4.0
+# Costs more than this many times the calibration's deepest point are only extrapolated
+# until a plain step and a speculative cycle were timed there (`Probes.extrapolated`).
+EXTRAPOLATED = 2.0
 
 
 class Probes:
@@ -184,3 +191,38 @@ class Probes:
         loss = max(self.probe_loss(width), self.floor.cycle_loss()) + self.context_cost(self.window)
         steps = math.ceil(loss / (self.probe_budget * self.plain_cost()))
         return max(self.base_probe, min(steps, self.max_probe_interval))
+
+    def extrapolated(self, depth: int) -> bool:
+        """Whether the costs at `depth` are only extrapolated: more than `EXTRAPOLATED`
+        times the calibration's deepest point, and not both a plain step and a speculative
+        cycle timed in its depth bucket (plain steps alone only scale the calibration's
+        extrapolated widths: at 8k the first ones, which grow the caches, read 12.6 ms where
+        later ones took 9, and a W=4 cycle on the prior lost 5% of a 64-token request)."""
+        deepest = self.costs.depths[-1]  # 0: curves that hold at every depth
+        if not 0 < EXTRAPOLATED * deepest < depth:
+            return False
+        bucket = self._buckets.get(depth_bucket(depth))
+        return bucket is None or not bucket.seen[1] or not bucket.widths()
+
+    def builds_context(self, depth: int, tokens: int | None, rows: int) -> bool:
+        """Whether a prompt's draft context is worth building in its prefill (else the
+        prefill is dormant, and a speculative cycle first catches up on a window): at
+        `depth` speculation is expected to win, and to save more over the request's
+        `tokens` than the `rows` of context the first cycle then evaluates cost (the
+        prompt's last chunk: the target layers the draft reads and their projection), as
+        `choose` weighs waking a dormant draft. Where those costs are only `extrapolated`
+        (their noise multiplied), the context must also cost less than the request's probe
+        budget (a long reply still gets the prompt's whole context). At 8k tokens the demo
+        draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
+        cycle whatever it decides, on curves calibrated at 128 and 2048 tokens that priced a
+        plain step there at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
+        if self.expects_plain(depth):
+            return False
+        if tokens is None or rows <= 0:
+            return True
+        cost = self.context_cost(rows, rows, depth)
+        if self.extrapolated(depth) and cost > self.request_budget * tokens * self.plain_cost(
+            depth
+        ):
+            return False  # a wrong guess would cost more than the request's probe budget
+        return self.saving(tokens, depth=depth) > cost
