@@ -326,6 +326,7 @@ def test_a_stretchs_plain_steps_each_count_towards_a_new_calibration(target, dra
     from dflash_mlx.speed.adaptive import CostCurves
 
     monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
+    monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 32)
     model, tok = target
     steep = CostCurves(tuple(float(w) for w in range(1, 17)), (0.0,) + (10.0,) * 15)
     pair = Pair(model, draft)
