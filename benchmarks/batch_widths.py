@@ -23,10 +23,10 @@ c, each method over mlx-lm, and `best W / mlx-lm` with the width that gave it, a
 the mean τ of the best width. Both regimes by default, each in its own process with a fresh
 `DFLASH_MLX_CACHE`; core pinning is left to the caller (`taskset -c 0 python ...`).
 
-Rows of one batch verify at their own widths (a row may verify fewer tokens), but the
-target's pass pads them to the widest row, so on a CPU a narrow row costs what the widest
-does: per-row widths cannot beat the best fixed width by more than the rows' spread in
-acceptance allows (τ per row is printed for the best width).
+A row of a batch may verify fewer tokens than the others, but the target's pass pads every
+row to the widest, so a narrow row saves nothing there; what a chooser can add over the
+best fixed width is varying it over time (`auto` at c = 1 does) or passes split by width
+(not built).
 """
 
 from __future__ import annotations
