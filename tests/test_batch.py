@@ -453,21 +453,11 @@ def test_batch_curves_price_the_whole_pass():
     assert four.draft == [0.0, 2.0, 2.4, 2.8]  # a draft pass per row
 
 
-def auto_rows(n: int, base, generated: list[int] | None = None) -> list:
-    """`n` automatic rows whose own chooser (alone) is `base`, as `learn` reads them, each
-    with `generated[i]` tokens so far (default none)."""
-    from types import SimpleNamespace
-
-    made = generated or [0] * n
+def auto_rows(n: int, base) -> list:
+    """`n` automatic rows whose own chooser (alone) is `base`, as `learn` reads them."""
     return [
-        batch_mod.Row(
-            [1],
-            GenerateOptions(max_tokens=128),
-            chooser=base,
-            fixed=None,
-            req=SimpleNamespace(generated=[0] * made[i]),
-        )
-        for i in range(n)
+        batch_mod.Row([1], GenerateOptions(), chooser=base, fixed=None, req=object())
+        for _ in range(n)
     ]
 
 
@@ -563,49 +553,6 @@ def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
     assert chooser.floor.losing
     assert chooser.choose(limit=100)[0] == 1
-
-
-def test_batched_speculation_is_settled_by_what_it_gave_the_slowest_row():
-    """A batch is answered when its slowest row is: a cycle at four plain passes' price
-    that gave three rows 15 tokens and the fourth, with as many tokens left, one token
-    lost for that fourth row (by the rows' mean it saved 7.5 passes; traced at c = 4, the
-    rows it sped up left the laggard to finish in smaller batches). A row with fewer tokens
-    left than the others does not hold the batch back."""
-    base = flat_chooser()
-    plain = base.plain_cost()
-    lagging = [(0, [5])] + [(14, [5] * 15)] * 3
-    chooser = batch_mod.batch_chooser({}, 4, base)
-    chooser.observe(1, plain)  # a plain batched pass, measured
-    rows = auto_rows(4, base)
-    for _ in range(3):
-        batch_mod.learn(chooser, rows, [(16, 16)] * 4, lagging, 16, 4 * plain)
-    assert chooser.floor.losing, "the laggard got a token for four plain passes"
-    assert chooser.choose(limit=100)[0] == 1
-    # The same cycles where the row that accepted nothing is nearly done (2 tokens left).
-    chooser = batch_mod.batch_chooser({}, 4, flat_chooser())
-    chooser.observe(1, plain)
-    rows = auto_rows(4, base, generated=[126, 0, 0, 0])
-    for _ in range(3):
-        batch_mod.learn(chooser, rows, [(16, 16)] * 4, lagging, 16, 4 * plain)
-    assert not chooser.floor.losing, "every row with the most left got 15 tokens"
-
-
-def test_a_shrinking_batch_keeps_its_finding_that_speculation_lost_but_not_alone():
-    """A batch whose speculation lost goes on losing-aware a row fewer (the rows left are
-    the laggards it lost on), but a batch shrunk to one row does not hand that finding to
-    the pair's own chooser, which every request alone goes on from."""
-    base = flat_chooser()
-    known: dict = {}
-    four = batch_mod.batch_chooser(known, 4, base)
-    four.observe(1, four.plain_cost())
-    rows = auto_rows(4, base)
-    batch_mod.learn(four, rows, [(16, 16)] * 4, [(0, [5])] * 4, 16, 50 * four.plain_cost())
-    assert four.floor.losing
-    three = batch_mod.batch_chooser(known, 3, base, last=four)
-    assert three is not four and three.floor.losing
-    assert three.choose(limit=100)[0] == 1
-    alone = batch_mod.batch_chooser(known, 1, base, last=three)
-    assert alone is base and not base.floor.losing
 
 
 def test_bad_batch_arguments_are_the_callers_errors(target, draft):

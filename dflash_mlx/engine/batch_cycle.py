@@ -110,9 +110,7 @@ def batch_chooser(
     `{size: (base, chooser)}`."""
     chooser = _size_chooser(known, size, base)
     if last is not None and last is not chooser:
-        # Not the losing floor into the pair's own chooser (a batch shrunk to one row),
-        # which every request alone goes on from.
-        chooser.carry(last, floor=size > 1)
+        chooser.carry(last)
     return chooser
 
 
@@ -420,19 +418,6 @@ def rewind(target, rows: list[Row], steps: list, results: list, cache: list, wid
                 commit_draft(r.req, s, n)
 
 
-def _slowest_tokens(rows: list[Row], results: list) -> int:
-    """What a cycle committed for the batch's slowest row: the least among the rows with the
-    most tokens still to make (before the cycle). Requests decoded together are answered
-    when their last token is, and the batch when its slowest row is: a cycle that gave
-    three rows 15 tokens and the fourth one token sped that fourth row up by one token, not
-    eleven (their mean), and the rows it sped up leave the rest to finish in smaller,
-    dearer batches (traced at c = 4: auto 0.72-0.83x forced plain while its speculative
-    cycles, by their mean, broke even)."""
-    left = [r.options.max_tokens - r.generated for r in rows]
-    most = max(left)
-    return min(len(new) for (_, new), n in zip(results, left) if n == most)
-
-
 def learn(
     chooser,
     rows: list[Row],
@@ -462,7 +447,8 @@ def learn(
             # or before it is, twice the calibration's price of it (which leaves out the
             # batch's own host work): while speculating at this size has lately lost, it
             # only probes.
-            chooser.settle(_slowest_tokens(rows, results), spent, doubt=not alone)
+            tokens = sum(len(new) for _, new in results) / len(rows)
+            chooser.settle(tokens, spent, doubt=not alone)
     if len(rows) > 1:
         # Every row's text at once: one row's short first cycle must not drop what the
         # others' texts taught (the batch would go plain on the prior alone).

@@ -33,7 +33,6 @@ are mixins of `WidthChooser`, each in its own module.
 
 from __future__ import annotations
 
-import copy
 import math
 
 from ..engine.tree import ShapeChooser
@@ -338,19 +337,15 @@ class WidthChooser(Acceptance, Probes):
             for b in self._buckets.values()
         )
 
-    def carry(self, other: WidthChooser, floor: bool = True) -> None:
+    def carry(self, other: WidthChooser) -> None:
         """Go on from `other`'s request as its own: the batch this chooser now decodes
         is the one `other` did, a row fewer (its time, its probes' losses, the plain steps
-        since its last probe, and with `floor`, a floor that says speculation lost)."""
+        since its last probe)."""
         self.req_time, self.req_lost = other.req_time, other.req_lost
         self.req_tokens = other.req_tokens
         self.since_probe = max(self.since_probe, other.since_probe)
         self.req_done = False
         self._coast = 0
-        if floor and other.floor.losing and not self.floor.losing:
-            # Its speculation lost a row ago: the rows left are those it lost on (a wave's
-            # laggards), so this size only probes too until a probe pays.
-            self.floor = copy.copy(other.floor)
 
     def learn_from(self, others: list[WidthChooser]) -> None:
         """Take the widest disagreement with the calibration that `others` measured on
