@@ -555,6 +555,31 @@ def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     assert chooser.choose(limit=100)[0] == 1
 
 
+def test_rows_left_alone_in_a_batch_go_on_with_their_own_texts_acceptance():
+    """Three rows whose drafts were all accepted and one whose drafts never were: pooled,
+    their acceptance promises 11+ tokens at W = 16. When the three have ended, the fourth
+    alone goes on from what its own text taught (it used to verify 16 tokens a cycle for
+    one each, on the demo pair 12 cycles at 4x a plain step's time, until the floor said
+    it was losing); rows that taught nothing leave the pool as it was."""
+    base = flat_chooser()
+    known: dict = {}
+    four = batch_mod.batch_chooser(known, 4, base)
+    rows = auto_rows(4, base)
+    for _ in range(10):
+        cycle = [(0, [5])] + [(15, [5] * 16)] * 3
+        batch_mod.learn(four, rows, [(16, 16)] * 4, cycle, 16, None)
+    assert base.expected_tokens()[15] > 6.0, "the pool, three texts in four drafting well"
+    alone = batch_mod.batch_chooser(known, 1, base, last=four, rows=rows[:1])
+    assert alone is base
+    assert base.expected_tokens()[15] < 1.5, "its own text: no draft ever accepted"
+    # A batch that loses a row none of whose cycles speculated keeps its pool.
+    base = flat_chooser()
+    for _ in range(30):
+        base.update(16, 15)
+    three = batch_mod.batch_chooser({}, 3, base, last=four, rows=auto_rows(3, base))
+    assert three.expected_tokens()[15] > 10.0
+
+
 def test_bad_batch_arguments_are_the_callers_errors(target, draft):
     from dflash_mlx import BadArgument
 

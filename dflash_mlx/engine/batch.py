@@ -418,7 +418,7 @@ class BatchDecoder:
         last = self._last_chooser
         if last is not None and self._last_size <= size:
             last = None  # a request joined (each chooser began anew) or nothing changed
-        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser, last)
+        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser, last, auto)
         self._last_chooser, self._last_size = chooser, size
         return chooser
 

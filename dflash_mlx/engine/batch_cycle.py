@@ -22,6 +22,7 @@ from mlx_lm.generate import generation_stream
 from .. import distributed
 from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
+from ..speed.acceptance import teach
 from ..speed.adaptive import WidthChooser
 from ..speed.costs import CostCurves
 from . import batch_draft
@@ -61,6 +62,7 @@ class Row:
     snapped: bool = False  # its recurrent state was kept after its last cycle (alone)
     seed: int | None = None  # its draws' seed (None: `options.seed`, else a random one)
     speculate: bool | None = None  # False: the target alone (None: when the pair can)
+    taught: tuple[list[float], list[float]] | None = None  # its text's acceptance, in a batch
 
     @property
     def generated(self) -> int:
@@ -99,6 +101,7 @@ def batch_chooser(
     size: int,
     base: WidthChooser,
     last: WidthChooser | None = None,
+    rows: list[Row] | None = None,
 ) -> WidthChooser:
     """The width chooser for cycles of `size` rows (alone: `base`, the pair's own). A batch's
     prices its own costs (`batch_curves`) but reads the acceptance `base` has learnt, and
@@ -106,8 +109,11 @@ def batch_chooser(
     them to cost against their calibration (`WidthChooser.learn_from`). `last`: the chooser
     of the batch's previous cycle, when the batch's size changed since (a row left): the
     batch's probe budget and its time since the last probe go on (`WidthChooser.carry`),
-    so that a batch shrinking row by row still probes. `known`: the decoder's,
-    `{size: (base, chooser)}`."""
+    so that a batch shrinking row by row still probes, and its acceptance is the `rows`
+    left's own (`Acceptance.resume_rows`). `known`: the decoder's, `{size: (base,
+    chooser)}`."""
+    if last is not None and rows:
+        base.resume_rows([r.taught for r in rows])
     chooser = _size_chooser(known, size, base)
     if last is not None and last is not chooser:
         chooser.carry(last)
@@ -454,11 +460,13 @@ def learn(
         # others' texts taught (the batch would go plain on the prior alone).
         for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
             c.pooled()
-    cycles = [
-        (w, min(n, w - 1))  # a grammar's forced run can go past the width (walks.py)
-        for r, (w, _), (n, _) in zip(rows, widths, results)
-        if r.fixed is None and w > 1 and r.error is None
-    ]
+    cycles = []
+    for r, (w, _), (n, _) in zip(rows, widths, results):
+        if r.fixed is None and w > 1 and r.error is None:
+            n = min(n, w - 1)  # a grammar's forced run can go past the width (walks.py)
+            cycles.append((w, n))
+            if len(rows) > 1:  # each row's own text, for when rows leave (`batch_chooser`)
+                r.taught = teach(r.taught, w, n, chooser.block, chooser.decay)
     # Every row's acceptance; the probe's outcome once, for the cycle (a batch's rows are
     # one probe, not one each); the pair's chooser, which every size reads, learns the
     # acceptance only (it did not choose this cycle).

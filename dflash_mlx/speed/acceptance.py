@@ -80,6 +80,21 @@ class Acceptance:
         if self.probing:
             self._probed(width, accepted == width - 1)
 
+    def resume_rows(self, taught: list[tuple[list[float], list[float]]]) -> None:
+        """A batch lost rows: from now on its acceptance is what the texts of the rows left
+        taught (`teach`, each row's own `(trials, hits)`, summed), not every row's pooled.
+        The rows that drafted well end first, so the pool would go on promising their
+        acceptance to the rows left (a wave's last row alone, on the demo pair, verified
+        16 tokens a cycle for 12 cycles, committing 0-1 each). Rows that taught nothing
+        yet leave the pool as it is."""
+        taught = [t for t in taught if t is not None and t[0][1] > 0]
+        if not taught:
+            return
+        self.trials = [sum(t[0][j] for t in taught) for j in range(self.block)]
+        self.hits = [sum(t[1][j] for t in taught) for j in range(self.block)]
+        self._acc_version += 1
+        self._coast = 0
+
     def update_rows(self, cycles: list[tuple[int, int]], chose: bool = True) -> None:
         """Learn from one cycle of several rows, `(width, accepted)` each: every row's
         acceptance, and (when this chooser `chose` the cycle's width) the probe's outcome
@@ -90,3 +105,22 @@ class Acceptance:
         self.probing = probing
         if probing and chose and cycles:
             self._probed(max(w for w, _ in cycles), all(n == w - 1 for w, n in cycles))
+
+
+def teach(
+    taught: tuple[list[float], list[float]] | None,
+    width: int,
+    accepted: int,
+    block: int,
+    decay: float,
+) -> tuple[list[float], list[float]]:
+    """One row's own acceptance `(trials, hits)` per position (as `Acceptance.update` keeps
+    the chooser's), after a cycle that verified `width` tokens and accepted `accepted`."""
+    trials, hits = taught if taught is not None else ([0.0] * block, [0.0] * block)
+    trials = [t * decay for t in trials]
+    hits = [h * decay for h in hits]
+    for j in range(1, min(accepted + 1, width - 1) + 1):
+        trials[j] += 1.0
+        if j <= accepted:
+            hits[j] += 1.0
+    return trials, hits
