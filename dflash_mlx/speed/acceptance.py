@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .probes import REQUEST_MEMORY
+
 if TYPE_CHECKING:
     from .adaptive import WidthChooser
 
@@ -82,16 +84,19 @@ class Acceptance:
 
     def resume_rows(self, taught: list[tuple[list[float], list[float]]]) -> None:
         """A batch lost rows: from now on its acceptance is what the texts of the rows left
-        taught (`teach`, each row's own `(trials, hits)`, summed), not every row's pooled.
-        The rows that drafted well end first, so the pool would go on promising their
-        acceptance to the rows left (a wave's last row alone, on the demo pair, verified
-        16 tokens a cycle for 12 cycles, committing 0-1 each). Rows that taught nothing
-        yet leave the pool as it is."""
+        taught (`teach`, each row's own `(trials, hits)`, summed) on top of the pool of
+        every text as a prior worth `REQUEST_MEMORY` cycles (as a request alone starts
+        from, `begin_request`). The rows that draft well end first, and the pool they made
+        would go on promising their acceptance to the rows left (a wave's last row alone,
+        on the demo pair, verified 16 tokens a cycle for 0-1 each, 12 cycles). Rows that
+        taught nothing yet leave the pool as it is."""
         taught = [t for t in taught if t is not None and t[0][1] > 0]
         if not taught:
             return
-        self.trials = [sum(t[0][j] for t in taught) for j in range(self.block)]
-        self.hits = [sum(t[1][j] for t in taught) for j in range(self.block)]
+        seen = self.trials[1]
+        keep = min(1.0, REQUEST_MEMORY / seen) if seen > 0 else 0.0
+        self.trials = [keep * x + sum(t[0][j] for t in taught) for j, x in enumerate(self.trials)]
+        self.hits = [keep * x + sum(t[1][j] for t in taught) for j, x in enumerate(self.hits)]
         self._acc_version += 1
         self._coast = 0
 
