@@ -23,6 +23,7 @@ from dflash_mlx.engine.sampling import PositionKeys, propose
 from dflash_mlx.engine.walks import draft_keys
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.speed import batch_choosers
 from dflash_mlx.speed.costs import CostCurves
 
 from .test_decode import target_greedy
@@ -477,12 +478,12 @@ def test_one_rows_short_first_cycle_keeps_the_batchs_pooled_acceptance():
         base.update(16, 15)  # texts whose drafts were all accepted
     base.begin_request()  # a row started alone: the evidence carried, its text unseen
     assert base.carried
-    chooser = batch_mod.batch_chooser({}, 4, base)
+    chooser = batch_choosers.batch_chooser({}, 4, base)
     rows = auto_rows(4, base)
     results = [(0, [5]), (15, [5] * 16), (15, [5] * 16), (15, [5] * 16)]
     batch_mod.learn(chooser, rows, [(16, 16)] * 4, results, 16, 1e-3)
     assert sum(base.hits) > 70, "the evidence carried from the texts before was dropped"
-    again = batch_mod.batch_chooser({4: (base, chooser)}, 4, base)
+    again = batch_choosers.batch_chooser({4: (base, chooser)}, 4, base)
     assert again.expected_tokens()[15] > 8
     assert again.choose(limit=100)[0] > 1
 
@@ -512,7 +513,7 @@ def test_a_batchs_probe_is_one_probe_not_one_a_row():
     # A verify of w tokens costs w plain steps: the batch's plain pass is what pays, and
     # each probe confirms it.
     base = WidthChooser(CostCurves([1e-3 * w for w in range(1, 17)], [1e-4] * 16), 16)
-    chooser = batch_mod.batch_chooser({}, 4, base)
+    chooser = batch_choosers.batch_chooser({}, 4, base)
     rows = auto_rows(4, base)
     chooser.probing, chooser.probe_interval = True, 8
     base.probing, base_interval = True, base.probe_interval
@@ -537,7 +538,7 @@ def test_batched_speculation_that_loses_against_plain_batches_only_probes():
     is not judged lost, one that lost far more is); none whose time includes its drafts
     catching up."""
     base = flat_chooser()
-    chooser = batch_mod.batch_chooser({}, 4, base)
+    chooser = batch_choosers.batch_chooser({}, 4, base)
     rows = auto_rows(4, base)
     lost = [(0, [5])] * 4  # a 16-wide pass committing a token a row
     plain = chooser.plain_cost()
@@ -563,14 +564,14 @@ def test_rows_left_alone_in_a_batch_go_on_with_their_own_texts_acceptance():
     it was losing); rows that taught nothing leave the pool as it was."""
     base = flat_chooser()
     known: dict = {}
-    four = batch_mod.batch_chooser(known, 4, base)
+    four = batch_choosers.batch_chooser(known, 4, base)
     rows = auto_rows(4, base)
     for _ in range(10):
         cycle = [(0, [5])] + [(15, [5] * 16)] * 3
         batch_mod.learn(four, rows, [(16, 16)] * 4, cycle, 16, None)
     pooled = base.expected_tokens()[15]
     assert pooled > 6.0, "the pool, three texts in four drafting well"
-    alone = batch_mod.batch_chooser(known, 1, base, last=four, rows=rows[:1])
+    alone = batch_choosers.batch_chooser(known, 1, base, last=four, rows=rows[:1])
     assert alone is base
     # Its own text's ten cycles on top of the pool as a prior worth a few cycles.
     assert base.acceptance()[0] < 0.5, "its own text: no first draft ever accepted"
@@ -579,7 +580,7 @@ def test_rows_left_alone_in_a_batch_go_on_with_their_own_texts_acceptance():
     base = flat_chooser()
     for _ in range(30):
         base.update(16, 15)
-    three = batch_mod.batch_chooser({}, 3, base, last=four, rows=auto_rows(3, base))
+    three = batch_choosers.batch_chooser({}, 3, base, last=four, rows=auto_rows(3, base))
     assert three.expected_tokens()[15] > 10.0
 
 

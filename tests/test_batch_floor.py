@@ -1,5 +1,5 @@
 """The batch's width choice on a fake clock (issue 35, the cells "alone" and "4 concurrent"):
-requests of different lengths decode together through `batch_cycle.batch_chooser` and
+requests of different lengths decode together through `batch_choosers.batch_chooser` and
 `batch_cycle.learn`, as `BatchDecoder` drives them, on a device whose passes cost what the
 test says. Where batched speculation cannot pay, the batch decodes within a few percent of
 plain batching; where it pays, near the best fixed width; a stale calibration is unlearnt."""
@@ -14,6 +14,7 @@ import pytest
 from dflash_mlx import GenerateOptions
 from dflash_mlx.engine import batch_cycle as bc
 from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
+from dflash_mlx.speed.batch_choosers import batch_chooser
 
 BLOCK = 16
 LENGTHS = [96, 40, 64, 24]  # tokens each request asks for: the batch shrinks as they end
@@ -74,7 +75,7 @@ def decode(
         size = len(rows)
         # As `BatchDecoder._chooser` does: a batch shrinking row by row goes on from the
         # last size's chooser.
-        chooser = bc.batch_chooser(known, size, base, last, rows)
+        chooser = batch_chooser(known, size, base, last, rows)
         last = chooser
         budget = max(r.left for r in rows)
         if fixed is None:

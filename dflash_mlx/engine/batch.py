@@ -16,7 +16,7 @@ a second joins and undone when one is left.
 
 Widths: a request that fixes its width keeps it; the others share a width chosen per
 cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs
-(`batch_cycle.batch_curves`: the calibrated target cost at all rows' tokens, a draft pass
+(`batch_choosers.batch_curves`: the calibrated target cost at all rows' tokens, a draft pass
 per row; then the wall time of the batched cycles it ran), so under load widths narrow, or
 go plain, where extra verified rows stop coming free. Alone, a row uses the pair's own
 chooser. The cycle's steps are `batch_cycle.py`'s.
@@ -41,10 +41,11 @@ from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
 from ..pair import Pair
 from ..speed.adaptive import WidthChooser
+from ..speed.batch_choosers import batch_chooser, batch_curves
 from . import batch_cycle as bc
 from . import plain
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
-from .batch_cycle import Row, batch_curves
+from .batch_cycle import Row
 from .bookkeeping import clear_cache_every, cut_at_eos, snapshot
 from .controls import Grammar, compile_grammar, read_logprobs
 from .decode import NOTHING_SAVED, Cycle, _Step, commit_draft, first_token
@@ -244,7 +245,7 @@ class BatchDecoder:
         dormant = chooser
         size = min(self.max_batch, len(self.active) + len(self.waiting) + 1)
         if chooser is not None and size > 1:
-            dormant = bc.batch_chooser(self.choosers, size, chooser)
+            dormant = batch_chooser(self.choosers, size, chooser)
         with mx.stream(generation_stream):
             logits = prefill_prompt(
                 req, opts.prefill_step, progress, dormant, max(0, opts.max_tokens - 1)
@@ -418,7 +419,7 @@ class BatchDecoder:
         last = self._last_chooser
         if last is not None and self._last_size <= size:
             last = None  # a request joined (each chooser began anew) or nothing changed
-        chooser = bc.batch_chooser(self.choosers, size, auto[0].chooser, last, auto)
+        chooser = batch_chooser(self.choosers, size, auto[0].chooser, last, auto)
         self._last_chooser, self._last_size = chooser, size
         return chooser
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .probes import REQUEST_MEMORY
-
 if TYPE_CHECKING:
     from .adaptive import WidthChooser
+
+# Cycles' worth of acceptance evidence a new request starts from (`Acceptance.as_prior`).
+REQUEST_MEMORY = 4.0
 
 
 class Acceptance:
@@ -70,13 +71,9 @@ class Acceptance:
             if accepted < 0.5 * (self.expected_tokens()[width - 1] - 1.0):
                 self.trials, self.hits = [0.0] * self.block, [0.0] * self.block
         self._acc_version += 1
-        d = self.decay
-        self.trials = [t * d for t in self.trials]
-        self.hits = [h * d for h in self.hits]
-        for j in range(1, min(accepted + 1, width - 1) + 1):
-            self.trials[j] += 1.0
-            if j <= accepted:
-                self.hits[j] += 1.0
+        self.trials, self.hits = teach(
+            (self.trials, self.hits), width, accepted, self.block, self.decay
+        )
         if accepted < width - 1:
             self.follow_up = 0  # a rejected draft since: no follow-up promised
         if self.probing:
@@ -93,12 +90,20 @@ class Acceptance:
         taught = [t for t in taught if t is not None and t[0][1] > 0]
         if not taught:
             return
-        seen = self.trials[1]
-        keep = min(1.0, REQUEST_MEMORY / seen) if seen > 0 else 0.0
-        self.trials = [keep * x + sum(t[0][j] for t in taught) for j, x in enumerate(self.trials)]
-        self.hits = [keep * x + sum(t[1][j] for t in taught) for j, x in enumerate(self.hits)]
+        self.as_prior()
+        self.trials = [x + sum(t[0][j] for t in taught) for j, x in enumerate(self.trials)]
+        self.hits = [x + sum(t[1][j] for t in taught) for j, x in enumerate(self.hits)]
         self._acc_version += 1
         self._coast = 0
+
+    def as_prior(self) -> None:
+        """What earlier texts taught, kept only as a prior worth `REQUEST_MEMORY` cycles."""
+        seen = self.trials[1] if self.block > 1 else 0.0
+        if seen > REQUEST_MEMORY:
+            keep = REQUEST_MEMORY / seen
+            self.trials = [t * keep for t in self.trials]
+            self.hits = [h * keep for h in self.hits]
+            self._acc_version += 1
 
     def update_rows(self, cycles: list[tuple[int, int]], chose: bool = True) -> None:
         """Learn from one cycle of several rows, `(width, accepted)` each: every row's

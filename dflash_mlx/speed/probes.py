@@ -13,8 +13,6 @@ import math
 
 from .costs import depth_bucket
 
-# Cycles' worth of acceptance evidence a new request starts from (see `begin_request`).
-REQUEST_MEMORY = 4.0
 # Costs more than this many times the calibration's deepest point are only extrapolated
 # until a plain step and a speculative cycle were timed there (`Probes.extrapolated`).
 EXTRAPOLATED = 2.0
@@ -40,13 +38,8 @@ class Probes:
         self.req_tokens = None
         self.req_done = False
         self._coast = 0
-        seen = self.trials[1] if self.block > 1 else 0.0
-        if seen > REQUEST_MEMORY:
-            keep = REQUEST_MEMORY / seen
-            self.trials = [t * keep for t in self.trials]
-            self.hits = [h * keep for h in self.hits]
-            self._acc_version += 1
-        self.carried = seen > 0  # until this request's first speculative cycle
+        self.as_prior()
+        self.carried = self.block > 1 and self.trials[1] > 0  # until its first speculative cycle
         self.follow_up = 0  # what the last request's good probe promised was its text's
         if self.probe_interval > self.base_probe and not self.floor.losing:
             self.probe_interval = self.base_probe
