@@ -834,3 +834,32 @@ def test_earlier_requests_acceptance_is_a_prior_a_few_cycles_outweigh():
     ch.begin_request()
     teach(ch, 1.0, cycles=2)  # two cycles of this prompt, every draft right
     assert ch.choose()[0] >= 8
+
+
+def test_a_probe_is_paid_for_as_if_its_drafts_were_all_wrong():
+    """Acceptance learnt on short prompts says little of a draft at depth (an unwindowed
+    draft at 1k tokens: right on short prompts, never at 1k). A 128-token request at depth
+    where every draft is wrong loses at most its budget to probes, however well earlier
+    texts drafted: a probe is priced at what it loses when it fails, not at what the
+    acceptance so far expects of it (which let the first request make three, 3.9%)."""
+    flat = curves(lambda w: 1.0 + 0.05 * w, lambda n: 0.1)
+    # At depth a wide verify is cheap and the draft's pass costs 1.5 plain steps.
+    deep = (tuple(1.0 + 0.1 * (w - 1) for w in range(1, BLOCK + 1)), (1.5,) * BLOCK)
+    c = CostCurves(flat.verify, flat.draft, depths=(0, 1024), deeper=(deep,))
+    ch = WidthChooser(c, BLOCK, request_budget=0.03)
+    ch.begin_request()
+    teach(ch, 0.6, cycles=40)  # short prompts draft fairly well
+    for _ in range(6):
+        ch.begin_request()
+        spent = lost = 0.0
+        for left in range(128, 0, -1):
+            w, n = ch.choose(limit=left, depth=1024)
+            seconds = deep[0][0] if w == 1 else deep[0][w - 1] + deep[1][n - 1]
+            ch.observe(w, seconds)
+            if w > 1:
+                ch.settle(1, seconds)
+                lost += seconds - deep[0][0]
+            ch.update(w, 0)
+            spent += seconds
+        assert lost <= 0.03 * spent + 1e-9, f"probes lost {lost / spent:.1%} of a request"
+    assert ch.probes >= 6, "each request still looks at its text"

@@ -173,10 +173,15 @@ class Probes:
             self.since_probe = self.probe_interval  # the next plain choice probes
 
     def probe_loss(self, width: int) -> float:
-        """Seconds a probe of `width` is expected to lose against plain decoding, at the
-        current depth."""
+        """Seconds a probe of `width` may lose against plain decoding at the current depth:
+        what it loses when every draft is wrong (its cycle less the one token it commits
+        whatever happens). A probe tests the acceptance, so the budget it is paid from
+        bounds that loss, not the loss the acceptance so far expects: on an unwindowed
+        draft at 1k tokens, acceptance learnt on short prompts priced each W=4 probe at
+        0.5 plain steps where it lost 1.5-2.7, and a 128-token request made three
+        (0.93x plain)."""
         curve = self.curve(optimistic=False)
-        return max(curve[width - 1] - self.expected_tokens()[width - 1] * curve[0], 0.0)
+        return max(curve[width - 1] - curve[0], 0.0)
 
     def probe_cap(self, width: int) -> int:
         """The longest interval between probes of `width`: just long enough that what a
