@@ -10,7 +10,7 @@ import dflash_mlx.speed.costs as costs
 from dflash_mlx.speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
 from dflash_mlx.speed.costs import Floor
 
-from .test_adaptive import BLAS, BLOCK, CPU, accepted_at, best_fixed_rate, true_cost
+from .test_adaptive import BLAS, BLOCK, CPU, accepted_at, best_fixed_rate, curves, true_cost
 
 
 def blind(ch: WidthChooser, truth, alpha: float, cycles: int, extra: float = 0.0):
@@ -40,6 +40,7 @@ def speed(log) -> float:
 
 def no_floor(monkeypatch):
     monkeypatch.setattr(costs.Floor, "losing", property(lambda self: False))
+    monkeypatch.setattr(costs.Floor, "net", property(lambda self: 0.0))
 
 
 def test_the_floor_settles_cycles_against_plain_decoding():
@@ -83,9 +84,9 @@ def test_host_work_the_model_does_not_see_is_found_out():
 
 def test_across_short_requests_a_losing_device_costs_at_most_the_probe_budget(monkeypatch):
     """Many short requests on a device where no width pays: the interval between probes
-    keeps growing from request to request (a new request does not reset it while the
-    floor says speculation loses), so their probes cost ~the probe budget overall, not
-    each request's own budget again and again."""
+    keeps growing from request to request (a new request does not reset it while what
+    speculation lately gave, as measured, is a loss), so their probes cost ~the probe
+    budget overall, not each request's own budget again and again."""
 
     def run():
         ch = WidthChooser(CPU, BLOCK)
@@ -101,6 +102,33 @@ def test_across_short_requests_a_losing_device_costs_at_most_the_probe_budget(mo
     assert with_floor >= 0.99, f"{1 - with_floor:.1%} lost to probes"
     no_floor(monkeypatch)
     assert run() < with_floor - 0.01, "without the floor each request probes afresh"
+
+
+def test_after_a_request_whose_probes_all_lost_the_next_requests_probe_less():
+    """256-token requests on a device where a wide verify costs half a step a token (so
+    drafts that were always right would pay, and probes are worth making) and no draft is
+    ever right. The first request's probes, all lost, are too few cycles for the floor to
+    call speculation `losing`; still, the next requests do not reset the interval and
+    spend their whole budget again (on the stock wheel each request spent its 3%, 0.96x
+    plain): each loses at most about one probe."""
+    sub = curves(lambda w: 1.0 + 0.5 * (w - 1), lambda n: 0.5 + 0.05 * n)
+    ch = WidthChooser(sub, BLOCK)
+    rates = []
+    for _ in range(8):
+        ch.begin_request()
+        tokens = seconds = 0.0
+        for left in range(256, 0, -1):
+            w, n = ch.choose(limit=left, depth=0)
+            cost = sub.verify[0] if w == 1 else true_cost(sub, w, n) + 0.5
+            ch.observe(w, cost)
+            if w > 1:
+                ch.settle(1, cost)
+                ch.update(w, 0)
+            tokens += 1
+            seconds += cost
+        rates.append(tokens / seconds * sub.verify[0])
+    assert rates[0] < 0.99, "the first request looks"
+    assert min(rates[1:]) >= 0.99, [round(r, 3) for r in rates]
 
 
 def test_speculation_resumes_when_the_text_turns_predictable():

@@ -41,7 +41,11 @@ class Probes:
         self.as_prior()
         self.carried = self.block > 1 and self.trials[1] > 0  # until its first speculative cycle
         self.follow_up = 0  # what the last request's good probe promised was its text's
-        if self.probe_interval > self.base_probe and not self.floor.losing:
+        if self.probe_interval > self.base_probe and self.floor.net >= 0.0:
+            # Speculation did not lose lately (as measured): probes at the base interval
+            # again. Not merely while too few cycles were measured to call it `losing`: on
+            # the stock wheel, where every probe lost, three failed probes a request were
+            # too few, and each request reset the interval and spent its 3% (0.96x plain).
             self.probe_interval = self.base_probe
             self.since_probe = 0
         elif self.probe_interval > self.base_probe and (
