@@ -207,6 +207,25 @@ def test_probes_are_made_at_a_width_that_could_win():
     assert speed(log) >= 1.2 / STOCK.verify[0], speed(log) * STOCK.verify[0]
 
 
+def test_the_first_look_at_a_calibration_times_the_cheapest_cycle():
+    """On curves read back from a cache (not yet confirmed here), the first probe only has
+    to time a cycle: it is the cheapest width, even where that width cannot win; once a
+    cycle is timed, probes are made at a width that could."""
+    ch = WidthChooser(STOCK, BLOCK, first_look=FIRST_LOOK)
+    ch.begin_request()
+    widths = []
+    for left in range(512, 0, -1):
+        w, n = ch.choose(limit=left, depth=0)
+        cost = STOCK.verify[0] if w == 1 else true_cost(STOCK, w, n)
+        ch.observe(w, cost)
+        if w > 1:
+            widths.append(w)
+            ch.settle(1, cost)
+            ch.update(w, 0)
+    assert widths[0] == 2, widths
+    assert len(widths) >= 2 and min(widths[1:]) >= 3, widths
+
+
 def test_speculation_resumes_when_the_text_turns_predictable():
     """A stretch where every draft is wrong turns speculation off; when drafts turn good
     again, a probe finds it and the chooser is back within 10% of the best fixed width."""

@@ -92,12 +92,18 @@ class Probes:
         width that cannot only loses, and shows nothing a wider cycle could use (on the
         stock wheel a W=2 cycle costs 2.1 plain steps; such probes, chosen on the poor
         acceptance earlier probes left, were all a 256-token request made: 0.98x plain,
-        where W=4 and wider pay on predictable texts)."""
-        safe = self.rates(optimistic=False)
+        where W=4 and wider pay on predictable texts). Until a speculative cycle has been
+        timed here (`looked`), the probe is the first look at a calibration that may be
+        stale: what it must show is what a cycle costs, which the cheapest width shows
+        for all (a W=3 look on cached stock-wheel curves cost a 64-token request 10%)."""
         curve = self.curve(optimistic=False)
         spec = [w for w in widths if w > 1]
-        useful = [w for w in spec if curve[w - 1] < w * curve[0]]
-        w = max(useful or spec, key=lambda w: safe[w][0])
+        if not self.looked:
+            w = min(spec, key=lambda w: curve[w - 1])
+        else:
+            safe = self.rates(optimistic=False)
+            useful = [w for w in spec if curve[w - 1] < w * curve[0]]
+            w = max(useful or spec, key=lambda w: safe[w][0])
         if follow_up:
             w = max(w, min(follow_up, max(widths)))
         return w, max(self.probe_loss(w), self.floor.cycle_loss())
