@@ -115,19 +115,8 @@ def test_after_a_request_whose_probes_all_lost_the_next_requests_probe_less():
     ch = WidthChooser(sub, BLOCK)
     rates, probes = [], []
     for _ in range(8):
-        ch.begin_request()
         made = ch.probes
-        tokens = seconds = 0.0
-        for left in range(256, 0, -1):
-            w, n = ch.choose(limit=left, depth=0)
-            cost = sub.verify[0] if w == 1 else true_cost(sub, w, n) + 0.5
-            ch.observe(w, cost)
-            if w > 1:
-                ch.settle(1, cost)
-                ch.update(w, 0)
-            tokens += 1
-            seconds += cost
-        rates.append(tokens / seconds * sub.verify[0])
+        rates.append(speed(request(ch, sub, 0.0, 256, extra=0.5)) * sub.verify[0])
         probes.append(ch.probes - made)
     assert probes[0] >= 1, "the first request looks"
     assert min(rates[1:]) >= 0.99, ([round(r, 3) for r in rates], probes)
@@ -136,50 +125,11 @@ def test_after_a_request_whose_probes_all_lost_the_next_requests_probe_less():
 # The demo pair's calibration on the stock wheel (in plain steps): a W=2 cycle costs 2.1
 # plain steps, so no W=2 cycle can win; W=4 costs 3.0 and W=16 8.7, which drafts that are
 # right often enough pay for.
-STOCK = CostCurves(
-    tuple(
-        v / 3.81
-        for v in (
-            3.81,
-            5.28,
-            6.56,
-            7.86,
-            8.67,
-            9.68,
-            10.86,
-            12.51,
-            13.5,
-            14.89,
-            15.59,
-            16.88,
-            18.01,
-            19.09,
-            20.24,
-            21.36,
-        )
-    ),
-    tuple(
-        v / 3.81
-        for v in (
-            0.0,
-            2.72,
-            3.2,
-            3.69,
-            4.24,
-            4.93,
-            5.59,
-            6.35,
-            7.08,
-            7.77,
-            8.38,
-            9.15,
-            9.8,
-            10.56,
-            11.02,
-            11.64,
-        )
-    ),
+STOCK_MS = (
+    "3.81 5.28 6.56 7.86 8.67 9.68 10.86 12.51 13.5 14.89 15.59 16.88 18.01 19.09 20.24 21.36",
+    "0 2.72 3.2 3.69 4.24 4.93 5.59 6.35 7.08 7.77 8.38 9.15 9.8 10.56 11.02 11.64",
 )
+STOCK = CostCurves(*(tuple(float(v) / 3.81 for v in ms.split()) for ms in STOCK_MS))
 
 
 def test_probes_are_made_at_a_width_that_could_win():
@@ -188,22 +138,7 @@ def test_probes_are_made_at_a_width_that_could_win():
     follows is found by a probe at a width that could win, and speculation pays on it."""
     ch = WidthChooser(STOCK, BLOCK)
     for alpha in (0.0, 0.0, 0.95):
-        ch.begin_request()
-        log, left = [], 512
-        while left > 0:
-            w, n = ch.choose(limit=left, depth=0)
-            if w == 1:
-                ch.observe(1, STOCK.verify[0])
-                log.append((1, STOCK.verify[0]))
-                left -= 1
-                continue
-            a = accepted_at(alpha, w)
-            seconds = true_cost(STOCK, w, n)
-            ch.observe(w, seconds)
-            ch.settle(a + 1, seconds)
-            ch.update(w, a)
-            log.append((a + 1, seconds))
-            left -= a + 1
+        log = request(ch, STOCK, alpha, 512)
     assert speed(log) >= 1.2 / STOCK.verify[0], speed(log) * STOCK.verify[0]
 
 
@@ -212,16 +147,8 @@ def test_the_first_look_at_a_calibration_times_the_cheapest_cycle():
     to time a cycle: it is the cheapest width, even where that width cannot win; once a
     cycle is timed, probes are made at a width that could."""
     ch = WidthChooser(STOCK, BLOCK, first_look=FIRST_LOOK)
-    ch.begin_request()
-    widths = []
-    for left in range(512, 0, -1):
-        w, n = ch.choose(limit=left, depth=0)
-        cost = STOCK.verify[0] if w == 1 else true_cost(STOCK, w, n)
-        ch.observe(w, cost)
-        if w > 1:
-            widths.append(w)
-            ch.settle(1, cost)
-            ch.update(w, 0)
+    request(ch, STOCK, 0.0, 512)
+    widths = ch.widths
     assert widths[0] == 2, widths
     assert len(widths) >= 2 and min(widths[1:]) >= 3, widths
 
@@ -253,20 +180,28 @@ def test_a_new_text_is_looked_at_while_the_floor_says_speculation_loses():
 
 
 def request(
-    ch: WidthChooser, truth, alpha: float, tokens: int, behind: tuple[int, int] = (0, 0)
+    ch: WidthChooser,
+    truth,
+    alpha: float,
+    tokens: int,
+    behind: tuple[int, int] = (0, 0),
+    extra: float = 0.0,
 ) -> list[tuple[int, float]]:
     """One request of `tokens` tokens on a fake clock, the chooser told what is left (and
     what the draft's context is `behind` until the first speculative cycle: a dormant
-    prefill's window)."""
+    prefill's window); speculative cycles cost `extra` more (host work). Records the plain
+    steps that captured features (`ch.captured`) and the speculative widths (`ch.widths`)."""
     ch.begin_request()
     log, left = [], tokens
-    ch.captured = 0
+    ch.captured, ch.widths = 0, []
     while left > 0:
         w, n = ch.choose(limit=left, depth=0, context=behind)
         behind = (0, 0) if w > 1 else behind
         ch.captured += w == 1 and ch.capture
         a = accepted_at(alpha, w) if w > 1 else 0
-        seconds = true_cost(truth, w, n)
+        seconds = true_cost(truth, w, n) + (extra if w > 1 else 0.0)
+        if w > 1:
+            ch.widths.append(w)
         ch.observe(w, seconds)
         if w > 1:
             ch.settle(a + 1, seconds)
