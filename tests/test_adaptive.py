@@ -693,7 +693,8 @@ def test_prefill_builds_no_draft_context_for_a_draft_expected_dormant(
 
 def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     """Curves calibrated at 128 and 2048 tokens: where speculation pays and saves more
-    than the context costs, a prompt's context is built up to twice the deepest point; at
+    than the context costs, a prompt's context is built up to twice the deepest point once
+    a speculative cycle was timed at that depth; at
     8k the costs are only extrapolated (on the demo pair a plain step priced at 11 ms took
     9, and the context built on that cost a 64-token request 7-11 plain steps), so the
     prefill of a request whose probe budget the context exceeds is dormant, until a plain
@@ -703,6 +704,8 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
         BLAS.verify, BLAS.draft, depths=(128, 2048), deeper=(deep,), lazy=0.01, context=0.002
     )
     ch = WidthChooser(curves_, BLOCK, prior=0.9)
+    assert not ch.builds_context(3000, 32, 255), "nothing timed at that depth yet"
+    ch.observe(4, ch.cycle_cost(4, 3000), depth=3000)  # a speculative cycle timed there
     assert ch.builds_context(3000, 32, 255)
     # The 255 rows cost more than the probe budget of a 32-token request (3%) there.
     assert ch.context_cost(255, 255, 8192) > 0.03 * 32 * ch.plain_cost(8192)
@@ -714,6 +717,32 @@ def test_a_context_is_built_in_prefill_only_on_costs_measured_near_its_depth():
     assert ch.builds_context(8192, 32, 255)
     # What the context costs still counts: not worth it for a request of one token more.
     assert not ch.builds_context(8192, 1, 255)
+
+
+def test_acceptance_learnt_on_shallow_texts_does_not_buy_a_deep_prompt_its_context():
+    """Drafts right 9 times in 10 on short prompts (speculative cycles timed at 128 tokens)
+    say nothing of a 1k-token prompt's: building its context is a bet the prompt's text
+    has not confirmed (the unwindowed demo draft at 1k committed one token in its first
+    cycle, whose 48 ms evaluating the context cost a 128-token request 10%). So the prompt's
+    last 511 rows, 15 plain steps' worth, are built only when a request's probe budget can
+    lose them (a long reply) or once a speculative cycle was timed at that depth."""
+    c = CostCurves(BLAS.verify, BLAS.draft, lazy=0.015, context=0.015)
+    ch = WidthChooser(c, BLOCK)
+    ch.begin_request()
+    for _ in range(40):  # short prompts: every cycle timed there, at its calibrated cost
+        ch.choose(limit=256, depth=128)
+        ch.observe(8, ch.cycle_cost(8, 128), depth=128)
+    teach(ch, 0.95, cycles=40)
+    ch.begin_request()
+    assert ch.carried and not ch.expects_plain(1024)
+    cost = ch.context_cost(511, 511, 1024)
+    assert cost > 10 * ch.plain_cost(1024)
+    assert ch.saving(127, depth=1024) > cost, "on its acceptance alone it would be built"
+    assert ch.builds_context(128, 127, 511), "where the acceptance was seen, it is built"
+    assert not ch.builds_context(1024, 127, 511)
+    assert ch.builds_context(1024, 1024, 511), "a long reply can afford a wrong guess"
+    ch.observe(8, ch.cycle_cost(8, 1024), depth=1024)  # a speculative cycle at 1k
+    assert ch.builds_context(1024, 127, 511)
 
 
 @pytest.mark.parametrize(

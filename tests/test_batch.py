@@ -960,7 +960,8 @@ def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, dra
     the pair's curves it decodes plainly too, and the prefill is dormant (at c = 8 with
     OpenBLAS, contexts built for a batch that never speculated cost 6% of its time); where
     that batch's chooser expects to speculate (wide verifies nearly free, the context cheap
-    to build), the whole prompt's context is built."""
+    to build, a speculative cycle timed at that depth), the whole prompt's context is
+    built."""
     from dflash_mlx.speed.adaptive import WidthChooser
 
     from .test_adaptive import BLAS_CHEAP_CONTEXT, BLOCK, CPU
@@ -973,7 +974,9 @@ def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, dra
     pair.plan = lambda o: (BLOCK, BLOCK, ch)
     dec = BatchDecoder(pair, tok, max_batch=2)
     if batch == "speculates":
-        dec.choosers[2] = (ch, WidthChooser(BLAS_CHEAP_CONTEXT, BLOCK, window=8, prior=0.9))
+        spec = WidthChooser(BLAS_CHEAP_CONTEXT, BLOCK, window=8, prior=0.9)
+        spec.observe(4, spec.cycle_cost(4, len(ids)), depth=len(ids))  # timed at that depth
+        dec.choosers[2] = (ch, spec)
     row = dec.submit(ids, GenerateOptions(max_tokens=16))
     for _ in range(others):
         dec.submit(ids, GenerateOptions(max_tokens=16))
