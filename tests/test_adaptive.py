@@ -745,6 +745,34 @@ def test_acceptance_learnt_on_shallow_texts_does_not_buy_a_deep_prompt_its_conte
     assert ch.builds_context(1024, 127, 511)
 
 
+def test_a_first_cycle_on_acceptance_from_other_texts_pays_its_catch_up_from_its_budget():
+    """A 128-token request whose prefill was dormant (its draft's context a 33-row window
+    behind), on acceptance only earlier texts showed: were every draft of its first cycle
+    wrong, that cycle and the catch-up before it lose at most half the request's probe
+    budget. Before, the catch-up was not counted: a W=6 first cycle within the half lost
+    as much again catching up (2.8% of the request at 1k tokens, the unwindowed demo
+    draft with OpenBLAS). With nothing to catch up the first cycle still speculates."""
+    c = CostCurves(BLAS.verify, BLAS.draft, lazy=0.05, context=0.05)  # a row: 0.1 steps
+    ch = WidthChooser(c, BLOCK)
+    ch.begin_request()
+    for _ in range(40):
+        ch.choose(limit=256, depth=128)
+        ch.observe(8, ch.cycle_cost(8, 128), depth=128)
+    teach(ch, 0.95, cycles=40)
+    for context in [(0, 0), (33, 33)]:
+        ch.begin_request()
+        assert ch.carried
+        w, _ = ch.choose(limit=127, depth=1024, context=context)
+        room = 0.5 * 0.03 * 127 * ch.plain_cost()
+        catch = ch.context_cost(*context) if any(context) else 0.0
+        if context == (0, 0):
+            assert w > 1, "nothing to catch up: the first cycle looks"
+        else:
+            assert catch > 0
+        lost = ch.cycle_cost(w) - ch.plain_cost() + catch if w > 1 else 0.0
+        assert lost <= room + 1e-12, f"W={w} risks {lost / room:.1f}x half the budget"
+
+
 @pytest.mark.parametrize(
     "depth, limit, speculates", [(3000, 16, True), (8192, 16, False), (8192, 4096, True)]
 )
