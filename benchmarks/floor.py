@@ -24,7 +24,9 @@ Prompts are stretches of the pair's held-out standard-library files. In each cel
 script alternates, after a warm-up, mlx-lm's greedy decoding (`generate_step`, the plain
 baseline), the engine's forced plain decoding (`verify_width=1`), the fixed widths
 (`--widths`, at short prompts) and the automatic width (the default), whose chooser is
-carried from request to request as a server carries it. Every output is checked against
+carried from request to request as a server carries it: for each prompt and repeat,
+mlx-lm, then the engine's methods in an order rotated from one prompt to the next, then
+mlx-lm again (the baseline is the geometric mean of its two runs). Every output is checked against
 mlx-lm's tokens. Speeds are tokens after the first per second (aggregate tokens per
 second of wall time, prefill included, for concurrent requests), TTFT is wall time from
 the call to the first token (the engine's own `Stats`); each ratio is a geometric
@@ -253,8 +255,12 @@ def child(args) -> None:
                 for rep in range(args.repeats):
                     for i, ids in enumerate(prompts):
                         k = (i + rep) % len(methods)
-                        tps, ref = mlx_lm(pair.model, ids, n, ttft["mlx-lm"])
-                        speed["mlx-lm"].append(tps)
+                        # mlx-lm before and after the group (its baseline their geometric
+                        # mean): a drift over the group's seconds moves it as it moves the
+                        # methods between, where one run before them all set every ratio
+                        # by the group's first seconds alone.
+                        first: list[float] = []  # the two runs' TTFT
+                        before, ref = mlx_lm(pair.model, ids, n, first)
                         for m in methods[k:] + methods[:k]:
                             w = 1 if m == "plain" else None if m == "auto" else int(m[2:])
                             out = generate(
@@ -269,8 +275,15 @@ def child(args) -> None:
                                 taus.append(out.stats.tau)
                                 probes.append(out.stats.probes)
                                 per_prompt.setdefault(i, []).append(
-                                    math.log(out.stats.generation_tps / tps)
+                                    math.log(out.stats.generation_tps)
                                 )
+                        tps, again = mlx_lm(pair.model, ids, n, first)
+                        if again != ref:
+                            sys.exit(f"{regime} {cal} {name} {n_ctx}/{n} mlx-lm: output differs")
+                        tps = math.sqrt(before * tps)
+                        speed["mlx-lm"].append(tps)
+                        ttft["mlx-lm"].append(math.sqrt(first[0] * first[1]))
+                        per_prompt[i][-1] -= math.log(tps)
                 base = speed["mlx-lm"]
                 fixed = [m for m in methods if m.startswith("W=")]
                 best = [max(speed[m][j] for m in fixed) for j in range(len(base))] if fixed else []
