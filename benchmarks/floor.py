@@ -26,8 +26,8 @@ baseline), the engine's forced plain decoding (`verify_width=1`), the fixed widt
 (`--widths`, at short prompts) and the automatic width (the default), whose chooser is
 carried from request to request as a server carries it: for each prompt and repeat,
 mlx-lm, then the engine's methods in an order rotated from one prompt to the next, then
-mlx-lm again (the baseline is the geometric mean of its two runs). Every output is checked against
-mlx-lm's tokens. Speeds are tokens after the first per second (aggregate tokens per
+mlx-lm again (the baseline is the geometric mean of its two runs). Every output is
+checked against mlx-lm's tokens. Speeds are tokens after the first per second (aggregate tokens per
 second of wall time, prefill included, for concurrent requests), TTFT is wall time from
 the call to the first token (the engine's own `Stats`); each ratio is a geometric
 mean paired by prompt and repeat with its 95% interval, and `worst` is the slowest

@@ -405,7 +405,7 @@ class WidthChooser(Acceptance, Probes):
             # is always safe enough to look.
             curve = self.curve()
             room = 0.5 * self.request_budget * limit * curve[0]
-            catch = self.context_cost(*context) if any(context) else 0.0
+            catch = self.context_cost(*context)  # 0.0 with nothing to catch up
             safe = [
                 w
                 for w in widths

@@ -234,18 +234,19 @@ class Probes:
         `tokens` than the `rows` of context the first cycle then evaluates cost (the
         prompt's last chunk: the target layers the draft reads and their projection), as
         `choose` weighs waking a dormant draft. The build is a bet on an acceptance that
-        nothing of the prompt's text has shown; where it rests on more than a guess about
-        this depth's costs and acceptance, it may lose all it costs. So where costs are
-        only `extrapolated` (their noise multiplied), or no speculative cycle was timed in
-        the depth's bucket (the acceptance was learnt on other contexts: shallower texts,
-        whose drafts the unwindowed demo draft got right 4 times in 5 at W=5, where at 1k
-        its first cycle committed one token), the context must also cost less than the
-        request's probe budget (a long reply still gets the prompt's whole context). At 1k
-        tokens such a build cost a 128-token request its first cycle, 48 ms against 3 ms
-        plain steps (0.87-0.90x mlx-lm, OpenBLAS); at 8k the demo draft's last 255 rows
-        cost 7-11 plain steps, paid in a 64-token request's first cycle whatever it
-        decides, on curves calibrated at 128 and 2048 tokens that priced a plain step there
-        at 11 ms where it took 9 (0.82-0.94x mlx-lm before this check)."""
+        nothing of the prompt's text has shown, and it may lose all it costs; so where
+        this depth's costs or acceptance are only guessed, that loss is bounded: where
+        costs are only `extrapolated` (their noise multiplied), or no speculative cycle
+        was timed in the depth's bucket (the acceptance was learnt on other contexts:
+        shallower texts, whose drafts the unwindowed demo draft got right 4 times in 5 at
+        W=5, where at 1k its first cycle committed one token), the context must also cost
+        less than the request's probe budget (a long reply still gets the prompt's whole
+        context). At 1k tokens such a build cost a 128-token request its first cycle,
+        48 ms against 3 ms plain steps (0.87-0.90x mlx-lm, OpenBLAS); at 8k the demo
+        draft's last 255 rows cost 7-11 plain steps, paid in a 64-token request's first
+        cycle whatever it decides, on curves calibrated at 128 and 2048 tokens that priced
+        a plain step there at 11 ms where it took 9 (0.82-0.94x mlx-lm before this
+        check)."""
         if self.expects_plain(depth):
             return False
         if tokens is None or rows <= 0:
