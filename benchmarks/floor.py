@@ -1,7 +1,8 @@
 """The never-slower floor in one table: every cell the promise covers, measured in one run.
 
     python benchmarks/floor.py [--contexts 128,1k,3k] [--replies 64,256] [--long-replies 128]
-                               [--files 3] [--repeats 2] [--widths 4,8,16] [--window 1024]
+                               [--files 3] [--short-files 8] [--repeats 2] [--widths 4,8,16]
+                               [--window 1024]
                                [--concurrent 4] [--regimes stock,openblas]
                                [--calibrations fresh,stale] [--strict]
 
@@ -31,11 +32,17 @@ checked against mlx-lm's tokens. Speeds are tokens after the first per second (a
 second of wall time, prefill included, for concurrent requests), TTFT is wall time from
 the call to the first token (the engine's own `Stats`); each ratio is a geometric
 mean paired by prompt and repeat with its 95% interval, and `worst` is the slowest
-prompt's own mean. The last column says whether the cell meets the issue's goal:
+prompt's own mean. Short prompts take `--short-files` files (a request there lasts a
+fraction of a second, within which this machine's speed moves by 3-4%: more requests, not
+longer ones, narrow its interval), long ones `--files`. The last column says whether the
+cell meets the issue's goal:
   * short prompts: auto >= 1.0x plain on the stock wheel (fresh), >= 0.97x the best fixed
     width with OpenBLAS (fresh), >= 0.95x the best fixed width on a stale calibration;
   * ~1k and ~3k prompts: auto >= 0.97x plain, worst prompt >= 0.90x;
   * concurrent: batched >= 1.5x serial and >= the fixed W=4 batch.
+Below the table, the cells where auto decoded plainly throughout (no probe, τ 1.00) pooled
+per regime: auto and forced plain against mlx-lm over all their requests, the plain path's
+speed measured to within a percent where one cell's interval spans several.
 `--strict` exits 1 when a cell misses its goal (a guard for the floor; the decisions behind
 each cell are tested on injected costs in tests/test_adaptive.py, test_floor.py,
 test_batch_floor.py and test_stretch.py). Ratios, not absolute numbers, carry over, and
@@ -77,6 +84,7 @@ def main() -> None:
     ap.add_argument("--replies", default="64,256", help="reply lengths at short prompts")
     ap.add_argument("--long-replies", default="128", help="reply lengths at long prompts")
     ap.add_argument("--files", type=int, default=3, help="held-out files (one prompt each)")
+    ap.add_argument("--short-files", type=int, default=8, help="files at short prompts")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--widths", default="4,8,16", help="fixed widths, at short prompts")
     ap.add_argument("--window", type=int, default=1024, help="the full+W draft's window")
@@ -147,7 +155,8 @@ def fmt(r) -> str:
 
 def report(rows: list[dict], args) -> int:
     print(
-        f"\n# The floor in one table ({args.files} prompts x {args.repeats} repeats a cell; "
+        f"\n# The floor in one table ({args.short_files} prompts at short prompts, "
+        f"{args.files} at long ones, x {args.repeats} repeats a cell; "
         "speed ratios, geometric means with 95% intervals)\n"
     )
     print(
@@ -174,7 +183,38 @@ def report(rows: list[dict], args) -> int:
         f"\n{len(rows) - missed} of {len(rows)} cells meet their goal; every output equalled "
         "mlx-lm's greedy tokens"
     )
+    pooled(rows)
     return missed
+
+
+def pooled(rows: list[dict]) -> None:
+    """The cells where auto decoded plainly throughout, pooled per regime: each request's
+    ratio to its own bracketed baseline, geometric means with 95% intervals."""
+
+    def mean(logs: list[float]) -> str:
+        m = statistics.fmean(logs)
+        h = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
+        return fmt((math.exp(m), math.exp(m - h), math.exp(m + h)))
+
+    print(
+        "\n| regime | plain cells | requests | auto / mlx-lm | forced plain / mlx-lm "
+        "| auto / forced plain |\n|---|---:|---:|---|---|---|"
+    )
+    for regime in dict.fromkeys(r["regime"] for r in rows):
+        cells = [
+            r
+            for r in rows
+            if r["regime"] == regime and "logs" in r and r["probes"] == 0 and r["tau"] <= 1.0
+        ]
+        if not cells:
+            continue
+        auto = [x for r in cells for x in r["logs"]["auto"]]
+        plain = [x for r in cells for x in r["logs"]["plain"]]
+        both = [a - b for a, b in zip(auto, plain)]
+        print(
+            f"| {regime} | {len(cells)} | {len(auto)} | {mean(auto)} | {mean(plain)} "
+            f"| {mean(both)} |"
+        )
 
 
 def child(args) -> None:
@@ -245,7 +285,7 @@ def child(args) -> None:
             short = n_ctx <= 256
             if window is not None and short:
                 continue  # a window wider than the prompt changes nothing
-            prompts = prompts_at(tok, files[: args.files], n_ctx)
+            prompts = prompts_at(tok, files[: args.short_files if short else args.files], n_ctx)
             methods = ["plain", *(f"W={w}" for w in widths if short), "auto"]
             for n in short_replies if short else long_replies:
                 speed = {m: [] for m in ["mlx-lm", *methods]}
@@ -303,6 +343,11 @@ def child(args) -> None:
                     "probes": statistics.fmean(probes),
                     "ttft_plain": paired(ttft["plain"], ttft["mlx-lm"]),
                     "ttft_auto": paired(ttft["auto"], ttft["mlx-lm"]),
+                    # each request's log ratio against its baseline (pooled below the table)
+                    "logs": {
+                        m: [math.log(a / b) for a, b in zip(speed[m], base)]
+                        for m in ("auto", "plain")
+                    },
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
