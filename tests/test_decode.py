@@ -726,6 +726,46 @@ def test_a_request_alone_chains_its_plain_passes_and_decodes_the_same(
         assert logprobs == want_lp and all(lp for lp in logprobs)
 
 
+def test_a_request_alone_has_its_first_decode_pass_in_flight_when_its_first_token_goes_out(
+    target, draft
+):
+    """As mlx-lm's loop launches its next step before it yields a token, a request alone
+    that decodes plainly launches the pass after its first token while that token is still
+    on the device: when the first response is handed out, the pass is in flight, and it is
+    the decode's first cycle. Not for a request with others waiting (the next step admits
+    them), nor where the first cycle speculates (its plan is kept for it instead)."""
+    from dflash_mlx import GenerateOptions, Pair
+    from dflash_mlx.engine.batch import BatchDecoder
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[1])
+    ref = target_greedy(model, ids, 12)
+    pair = Pair(model, draft)
+
+    dec = BatchDecoder(pair, tok, max_batch=2)
+    row = dec.submit(ids, GenerateOptions(max_tokens=12, verify_width=1))
+    (first,) = dec.step()
+    assert first[1].tokens == ref[:1]
+    assert dec._ahead is not None and dec._ahead.rows == [row], "no pass in flight"
+    launched = dec._ahead
+    got = [ref[0]] + [t for _, r in dec.step() for t in r.tokens]  # that pass committed
+    assert dec._ahead is not launched and len(got) > 1
+    while dec.busy:
+        got += [t for _, r in dec.step() for t in r.tokens]
+    assert got == ref
+
+    dec = BatchDecoder(pair, tok, max_batch=2)  # another request waits: admitted next
+    dec.submit(ids, GenerateOptions(max_tokens=12, verify_width=1))
+    dec.submit(ids, GenerateOptions(max_tokens=12, verify_width=1))
+    dec.step()
+    assert dec._ahead is None
+
+    dec = BatchDecoder(pair, tok, max_batch=2)  # the first cycle speculates: planned
+    row = dec.submit(ids, GenerateOptions(max_tokens=12, verify_width=4))
+    dec.step()
+    assert dec._ahead is None and dec._planned == ([id(row)], ([(4, 4)], [True]))
+
+
 def test_a_request_alone_settles_its_speculation_against_plain_decoding(target, draft, monkeypatch):
     """The floor under the width chooser (settling each speculative cycle against plain
     decoding as measured) and its pricing of the draft's catch-up hold for a request

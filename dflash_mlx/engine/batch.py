@@ -184,6 +184,7 @@ class BatchDecoder:
             self._fail(row, e, joined=False)
             return
         if row.done:
+            self._ahead = self._planned = None  # launched for a row that ended at once
             self._finish(row, joined=False)
             return
         self._join(row)
@@ -253,15 +254,37 @@ class BatchDecoder:
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)
+        row.anchor = anchor
+        if not self.active and not self.waiting:
+            self._launch_first(row)
         tok = anchor.item()
         if row.grammar is not None:
             row.grammar.consume([tok])
         req.generated.append(tok)
-        row.anchor = anchor
         cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
         self._respond(row, cyc)
         if tok in row.eos or opts.max_tokens <= 1:
             row.done = True
+
+    def _launch_first(self, row: Row) -> None:
+        """A request alone: the cycle after its first token planned, and when that cycle is
+        a plain pass, launched on the token while it is still on the device, before it is
+        read and handed out (`_ahead`), as mlx-lm's loop launches its next step before it
+        yields a token. The decode then starts with a pass in flight, not with its launch
+        (about 1 ms of host work on this CPU, 0.5% of a 64-token reply)."""
+        if distributed.current() is not None or row.req.keep_snapshots or row.cancelled:
+            return
+        if row.options.max_tokens < 2:
+            return
+        rows = [row]
+        auto = rows if row.fixed is None and row.req.draft is not None else []
+        widths, caps = bc.plan(rows, self._chooser(1, auto), ahead=1)
+        if bc.plain(self.pair.target, rows, widths):
+            launch = time.perf_counter()
+            nxt = bc.plain_pass(self.pair.target, rows, row.anchor, row.req.cache, caps, [0])
+            self._ahead = Ahead(rows, *nxt, caps, time.perf_counter() - launch)
+        else:
+            self._planned = ([id(row)], (widths, caps))
 
     def _join(self, row: Row) -> None:
         # A new request in the batch: what the batch's choosers decided about what was left
