@@ -730,9 +730,9 @@ def test_a_request_alone_has_its_first_decode_pass_in_flight_when_its_first_toke
     target, draft
 ):
     """As mlx-lm's loop launches its next step before it yields a token, a request alone
-    that decodes plainly launches the pass after its first token while that token is still
-    on the device: when the first response is handed out, the pass is in flight, and it is
-    the decode's first cycle. Not for a request with others waiting (the next step admits
+    that decodes plainly launches the pass after its first token as soon as that token is
+    read: when the first response is handed out, the pass is in flight, and it is the
+    decode's first cycle. Not for a request with others waiting (the next step admits
     them), nor where the first cycle speculates (its plan is kept for it instead)."""
     from dflash_mlx import GenerateOptions, Pair
     from dflash_mlx.engine.batch import BatchDecoder
