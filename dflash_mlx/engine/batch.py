@@ -254,13 +254,13 @@ class BatchDecoder:
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)
-        row.anchor = anchor
         tok = anchor.item()
-        if not self.active and not self.waiting:
-            self._launch_first(row)
         if row.grammar is not None:
             row.grammar.consume([tok])
         req.generated.append(tok)
+        row.anchor = anchor
+        if not self.active and not self.waiting:
+            self._launch_first(row)
         cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
         self._respond(row, cyc)
         if tok in row.eos or opts.max_tokens <= 1:
@@ -279,7 +279,7 @@ class BatchDecoder:
             return
         rows = [row]
         auto = rows if row.fixed is None and row.req.draft is not None else []
-        widths, caps = bc.plan(rows, self._chooser(1, auto), ahead=1)
+        widths, caps = bc.plan(rows, self._chooser(1, auto))  # as the first cycle plans
         if bc.plain(self.pair.target, rows, widths):
             launch = time.perf_counter()
             nxt = bc.plain_pass(self.pair.target, rows, row.anchor, row.req.cache, caps, [0])
