@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_window import prompts_at  # noqa: E402
+from never_slower import from_logs  # noqa: E402
 
 
 def interval(logs: list[float]) -> str:
-    m = statistics.fmean(logs)
-    h = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs))
-    return f"{math.exp(m):.3f} ({math.exp(m - h):.3f}-{math.exp(m + h):.3f}), n={len(logs)}"
+    m, lo, hi = from_logs(logs)
+    return f"{m:.3f} ({lo:.3f}-{hi:.3f}), n={len(logs)}"
 
 
 def main() -> None:
@@ -41,11 +41,11 @@ def main() -> None:
 
     from dflash_mlx import GenerateOptions, generate, load_pair
     from dflash_mlx.demo import SHIPPED, demo_pair
-    from dflash_mlx.engine.batch import BatchDecoder
+    from dflash_mlx.engine import plain
 
     n = args.tokens
     width = None if args.width == "auto" else int(args.width)
-    launch = BatchDecoder._launch_first
+    launch = plain.launch_first
     pair, tok = load_pair(*demo_pair())
     pair.costs()
     files = json.loads((SHIPPED / "BUILD.json").read_text())["target"]["held_out_files"]
@@ -62,11 +62,11 @@ def main() -> None:
         return (n - 1) / (time.perf_counter() - first)
 
     def ours(name: str, ids) -> float:
-        BatchDecoder._launch_first = launch if name == "with" else lambda self, row: None
+        plain.launch_first = launch if name == "with" else lambda dec, row: None
         try:
             out = generate(pair, tok, ids, GenerateOptions(max_tokens=n, verify_width=width))
         finally:
-            BatchDecoder._launch_first = launch
+            plain.launch_first = launch
         s = out.stats
         ttft[name].append(s.time_to_first_token)
         whole[name].append(s.time_to_first_token + (n - 1) / s.generation_tps)

@@ -67,7 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_window import OPENBLAS, counts, prompts_at  # noqa: E402
-from never_slower import nowindow_pair, paired  # noqa: E402
+from never_slower import from_logs, nowindow_pair, paired  # noqa: E402
 
 REGIMES = ("stock", "openblas")
 
@@ -195,9 +195,7 @@ def pooled(rows: list[dict]) -> None:
     ratio to its own bracketed baseline, geometric means with 95% intervals."""
 
     def mean(logs: list[float]) -> str:
-        m = statistics.fmean(logs)
-        h = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
-        return fmt((math.exp(m), math.exp(m - h), math.exp(m + h)))
+        return fmt(from_logs(logs))
 
     print(
         "\n| regime | plain cells | requests | auto / mlx-lm | forced plain / mlx-lm "

@@ -122,7 +122,11 @@ def earlier_package(rev: str):
 
 def paired(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Geometric mean of x/y and its 95% interval."""
-    logs = [math.log(x / y) for x, y in zip(xs, ys)]
+    return from_logs([math.log(x / y) for x, y in zip(xs, ys)])
+
+
+def from_logs(logs: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of ratios given as logs, and its 95% interval."""
     m = statistics.fmean(logs)
     h = 1.96 * statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0
     return math.exp(m), math.exp(m - h), math.exp(m + h)

@@ -260,32 +260,11 @@ class BatchDecoder:
         req.generated.append(tok)
         row.anchor = anchor
         if not self.active and not self.waiting:
-            self._launch_first(row)
+            plain.launch_first(self, row)
         cyc = Cycle([tok], 0, 0, req.reused, read_logprobs(lp, [0], [tok]), tree_note=req.tree_note)
         self._respond(row, cyc)
         if tok in row.eos or opts.max_tokens <= 1:
             row.done = True
-
-    def _launch_first(self, row: Row) -> None:
-        """A request alone: the cycle after its first token planned, and when that cycle is
-        a plain pass, launched on the token as soon as it is read, before it is handed out
-        (`_ahead`), as mlx-lm's loop launches its next step before it yields a token. The
-        decode then starts with a pass in flight, not with its launch. Launched before the
-        read, the pass delayed the first token on a CPU (one core runs both: TTFT 1.04x
-        mlx-lm's at 128-token prompts, 0.89x without it; 1.02x launched after)."""
-        if distributed.current() is not None or row.req.keep_snapshots or row.cancelled:
-            return
-        if row.options.max_tokens < 2:
-            return
-        rows = [row]
-        auto = rows if row.fixed is None and row.req.draft is not None else []
-        widths, caps = bc.plan(rows, self._chooser(1, auto))  # as the first cycle plans
-        if bc.plain(self.pair.target, rows, widths):
-            launch = time.perf_counter()
-            nxt = bc.plain_pass(self.pair.target, rows, row.anchor, row.req.cache, caps, [0])
-            self._ahead = Ahead(rows, *nxt, caps, time.perf_counter() - launch)
-        else:
-            self._planned = ([id(row)], (widths, caps))
 
     def _join(self, row: Row) -> None:
         # A new request in the batch: what the batch's choosers decided about what was left
