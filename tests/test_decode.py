@@ -480,6 +480,38 @@ def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, dr
     assert any(c.accepted >= 8 for c in cycles), "the reused context should draft right away"
 
 
+def test_a_dormant_prefills_window_is_not_computed_for_a_probe_that_never_comes(target, draft):
+    """Where speculation cannot pay, the prefill keeps the draft's context deferred
+    (`Request.pending`, unevaluated) for a probe. A request that makes none must leave it
+    unfed: fed as the draft went dormant, the first cycle computed it (21 ms a request at
+    1k tokens, 0.96x forced plain). The next turn feeds it at its place, before the gap."""
+    from dflash_mlx import PromptCache
+    from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
+
+    model, tok = target
+    turn1 = tok.encode(PROMPTS[0])
+    ref1 = target_greedy(model, turn1, 40)
+    d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: 0)
+    steep = CostCurves(tuple(1.0 + w for w in range(16)), (0.0,) + (0.1,) * 15)
+    ch = WidthChooser(steep, 16, request_budget=0.0, first_look=0.0, budget_tokens=0)
+    ch.observe = lambda *a, **k: None  # keep the synthetic costs
+    pc = PromptCache()
+    cycles = auto_decode(model, d, turn1, 40, ch, pc)
+    assert [t for c in cycles for t in c.tokens] == ref1
+    assert all(c.width <= 1 for c in cycles) and ch.probes == 0, "the test shows nothing"
+    kept = pc.state
+    assert kept.draft_end == len(turn1) + len(ref1) - 1, "the request should end dormant"
+    assert kept.draft.context_length == 0, "the deferred window was fed with no probe to read it"
+    assert sum(p.shape[1] for p in kept.pending) >= 1, "the deferred window was dropped"
+    turn2 = turn1 + ref1 + tok.encode(" print")
+    ref2 = target_greedy(model, turn2, 40)
+    d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99
+    ch2, _ = dormant_chooser(prior=0.9)
+    cycles = auto_decode(model, d, turn2, 40, ch2, pc)
+    assert [t for c in cycles for t in c.tokens] == ref2
+    assert any(c.accepted >= 8 for c in cycles), "the fed window stood at the wrong positions"
+
+
 def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, draft, monkeypatch):
     """On a CPU most of a pass runs inside its launch, and a plain step launches the next
     cycle before waiting: the chooser must still see each cycle's own cost. A fake clock
