@@ -518,6 +518,29 @@ def test_calibrated_costs_are_interpolated_between_depths():
         CostCurves(shallow, shallow, depths=(0, 5))
 
 
+def test_a_decision_asking_for_several_depths_prices_each_once(monkeypatch):
+    """A dormant decision asks for the latest depth, a probe's and the request's end: each
+    depth's calibrated costs, curve and rates are computed once while nothing they rest on
+    changed (one entry per memo recomputed them at each call: 72 us a decision, 49 with
+    one entry a depth), and again once the costs learnt have moved."""
+    shallow = tuple(float(w) for w in range(1, BLOCK + 1))
+    deep = tuple(3.0 * w for w in range(1, BLOCK + 1))
+    draft = (0.0,) + (0.5,) * (BLOCK - 1)
+    c = CostCurves(shallow, draft, depths=(0, 2048), deeper=((deep, draft),))
+    ch = WidthChooser(c, BLOCK)
+    seen = []
+    at = CostCurves.at
+    monkeypatch.setattr(CostCurves, "at", lambda self, d: seen.append(d) or at(self, d))
+    first = [(ch.curve(d), ch.rates(d)) for d in (100, 5000)]
+    for _ in range(5):
+        assert [(ch.curve(d), ch.rates(d)) for d in (100, 5000)] == first
+    assert seen == [100, 5000], "a depth's calibrated costs were computed again"
+    ch.observe(1, 2.0, depth=100)
+    assert ch.curve(100)[0] == pytest.approx(2.0), "the curve was not recomputed"
+    assert ch.curve(5000)[0] > first[1][0][0], "the deep curve was not recomputed"
+    assert seen == [100, 5000], "the calibration does not change with what is learnt"
+
+
 def test_online_costs_are_kept_per_depth_bucket():
     """Cycles measured deep in a context do not reprice short ones, and the reverse."""
     ch = WidthChooser(BLAS, BLOCK)

@@ -126,9 +126,13 @@ class WidthChooser(Acceptance, Probes):
         self.shapes = ShapeChooser()
         self._buckets: dict[int, _Bucket] = {}
         self._version = 0  # bumped when what the cost model sees changes
-        self._curve_memo: tuple | None = None
-        self._cal_memo: tuple | None = None
-        self._rates: tuple | None = None  # ((depth key, version, acceptance version), rates)
+        # Memos by depth key (`_depth_key`): a decision asks for several depths (the
+        # latest, a probe's, what is left of the request), each its own entry. The
+        # calibration's never change; the curves' and rates' hold for one `_version` (and
+        # acceptance version): ((versions), {(depth key, optimistic): value}).
+        self._cal_memo: dict[int, tuple[list[float], list[int]]] = {}
+        self._curve_memo: tuple[int, dict] = (-1, {})
+        self._rates: tuple[tuple[int, int], dict] = ((-1, -1), {})
         self._acc_version = 0
         self._plain_seen = 0  # plain observations since the curve was last recomputed
         self._plain_ratio = 0.0  # the plain steps' measured / calibrated cost then
@@ -168,15 +172,16 @@ class WidthChooser(Acceptance, Probes):
         """Calibrated seconds per cycle of each width at `depth` and the cheapest draft
         block for it (index w - 1)."""
         key = _depth_key(depth)
-        if self._cal_memo is not None and self._cal_memo[0] == key:
-            return self._cal_memo[1]
+        got = self._cal_memo.get(key)
+        if got is not None:
+            return got
         verify, draft = self.costs.at(depth)
         cost, blocks = [verify[0]], [0]
         for w in range(2, self.block + 1):
             n = self.draft_block or min(range(w, self.block + 1), key=lambda n: draft[n - 1])
             cost.append(verify[w - 1] + draft[n - 1])
             blocks.append(n)
-        self._cal_memo = (key, (cost, blocks))
+        self._cal_memo[key] = (cost, blocks)
         return cost, blocks
 
     def calibrated(self, depth: int) -> list[float]:
@@ -192,13 +197,16 @@ class WidthChooser(Acceptance, Probes):
         `optimistic`: widths beyond the only measured one follow the calibrated shape
         (what a probe is priced at: its loss is paid from a budget)."""
         depth = self.depth if depth is None else depth
-        key = (_depth_key(depth), self._version, optimistic)
-        if self._curve_memo is not None and self._curve_memo[0] == key:
-            return self._curve_memo[1]
+        if self._curve_memo[0] != self._version:
+            self._curve_memo = (self._version, {})
+        memo, key = self._curve_memo[1], (_depth_key(depth), optimistic)
+        got = memo.get(key)
+        if got is not None:
+            return got
         kin = self.kin if not self._spec_seen else 0.0
         cal = self.calibrated(depth)
         out = measured_curve(cal, self._buckets, depth_bucket(depth), optimistic, kin)
-        self._curve_memo = (key, out)
+        memo[key] = out
         return out
 
     def context_cost(self, rows: int, lazy: int = 0, depth: int | None = None) -> float:
@@ -257,16 +265,20 @@ class WidthChooser(Acceptance, Probes):
     ) -> dict[int, tuple[float, int]]:
         """Expected tokens per second and draft block for every width."""
         depth = self.depth if depth is None else depth
-        key = (_depth_key(depth), self._version, self._acc_version, optimistic)
-        if self._rates is not None and self._rates[0] == key:
-            return self._rates[1]
+        versions = (self._version, self._acc_version)
+        if self._rates[0] != versions:
+            self._rates = (versions, {})
+        memo, key = self._rates[1], (_depth_key(depth), optimistic)
+        got = memo.get(key)
+        if got is not None:
+            return got
         exp = self.expected_tokens()
         curve = self.curve(depth, optimistic)
         blocks = self._calibration(depth)[1]
         out = {1: (1.0 / curve[0], 0)}
         for w in range(2, (self.draft_block or self.block) + 1):
             out[w] = (exp[w - 1] / curve[w - 1], blocks[w - 1])
-        self._rates = (key, out)
+        memo[key] = out
         return out
 
     def observe(self, width: int, seconds: float, depth: int | None = None, times: int = 1) -> None:
