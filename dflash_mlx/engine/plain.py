@@ -93,7 +93,7 @@ def stretch(
         for b, r in enumerate(rows):
             if ahead.feats is not None and ahead.captures[b]:
                 # Its anchor's features, committed before the next pass follows the capture
-                # (`follow_capture`: a draft going dormant is fed what was committed).
+                # (`follow_capture`: a draft going dormant keeps them pending, before its gap).
                 r.req.pending.append(ahead.feats[b : b + 1, :1])
             if r.req.controls is not None:  # penalties see its token in the next pass
                 r.req.controls.commit(ahead.top[b : b + 1])
