@@ -31,12 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_window import prompts_at  # noqa: E402
-from never_slower import from_logs, nowindow_pair  # noqa: E402
-
-
-def interval(logs: list[float]) -> str:
-    m, lo, hi = from_logs(logs)
-    return f"{m:.3f} ({lo:.3f}-{hi:.3f}), n={len(logs)}"
+from never_slower import interval, nowindow_pair  # noqa: E402
 
 
 def counting(counts: collections.Counter) -> None:

@@ -22,12 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from draft_window import prompts_at  # noqa: E402
-from never_slower import from_logs  # noqa: E402
-
-
-def interval(logs: list[float]) -> str:
-    m, lo, hi = from_logs(logs)
-    return f"{m:.3f} ({lo:.3f}-{hi:.3f}), n={len(logs)}"
+from never_slower import interval  # noqa: E402
 
 
 def main() -> None:

@@ -132,6 +132,12 @@ def from_logs(logs: list[float]) -> tuple[float, float, float]:
     return math.exp(m), math.exp(m - h), math.exp(m + h)
 
 
+def interval(logs: list[float]) -> str:
+    """`from_logs` as text: mean (low-high), n."""
+    m, lo, hi = from_logs(logs)
+    return f"{m:.3f} ({lo:.3f}-{hi:.3f}), n={len(logs)}"
+
+
 def fmt(r: tuple[float, float, float]) -> str:
     return f"{r[0]:.2f} [{r[1]:.2f}-{r[2]:.2f}]"
 
