@@ -4,9 +4,11 @@ A Pair owns everything that belongs to that pairing, and nothing is stashed on t
 - the target adapter (hidden-state capture, caches, rewind) with its own recorder;
 - the draft's view of the target (`TargetHead`: the target's embedding and LM head), which
   every request's `DraftState` carries;
-- the calibration (measured cost curves, their file, when to measure again);
-- the width choosers carried across requests (one per fixed draft block), so what a
-  request learnt about acceptance and costs serves the next one.
+- the calibration (measured cost curves and their file, measured once per device and
+  conditions);
+- the width policies carried across requests (one per fixed draft block), so what a
+  request taught about acceptance and costs serves the next one, and the chain-or-tree
+  chooser.
 One draft used with two targets is two Pairs, and works. A Pair with no draft decodes with
 the target alone. `load_pair` loads both from Hub ids or folders.
 """
@@ -19,11 +21,13 @@ from pathlib import Path
 import mlx.nn as nn
 
 from .engine.tree import BRANCH as TREE_BRANCH
+from .engine.tree import ShapeChooser
 from .errors import BadArgument, ContextTooLong
 from .models.draft import DFlashDraft, DraftState, TargetHead
 from .models.target import TargetAdapter
 from .options import GenerateOptions
-from .speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
+from .speed.costs import CostCurves
+from .speed.policy import AutoPolicy
 
 # Fallback verify-width cap for quantized targets, before anything is measured on the
 # device (SPEC 5.4): wide verifies are slow with MLX's quantized matmul.
@@ -45,13 +49,14 @@ class Pair:
             t = self.target
             self.head = draft.head_for(t.embed_tokens, t.lm_head, t.embed_scale)
         self.calibration = Calibration(self) if draft is not None else None
-        # One chooser per fixed draft block (None: chosen per cycle), carried across requests.
-        self.choosers: dict[int | None, WidthChooser] = {}
-        self.recalibrated = False  # measured again this process (at most once)
-        # Whether `plan` measures what is due (curves missing for this device and
-        # conditions, a re-calibration the choosers ask for) inside the request it plans.
-        # A server turns it off and measures between requests (`calibration_due`,
-        # `calibrate`): its requests plan from the curves at hand, else the default width.
+        # One policy per fixed draft block (None: chosen per cycle), carried across requests.
+        self.policies: dict[int | None, AutoPolicy] = {}
+        self.shapes = ShapeChooser()  # chain or tree, where a request leaves it open
+        # Whether `plan` measures curves missing for this device and conditions inside the
+        # request it plans (announced by the CLI). A server turns it off and measures while
+        # idle (`calibration_due`, `calibrate`): its requests plan from the curves at hand,
+        # else the default width. Nothing is ever measured again while anyone waits: the
+        # policies learn costs from the passes they run.
         self.calibrate_in_plan = True
 
     def __repr__(self) -> str:
@@ -101,31 +106,20 @@ class Pair:
 
     @property
     def calibration_due(self) -> bool:
-        """Whether `calibrate` would measure: no curves yet for this device and conditions,
-        or measured costs that kept disagreeing with them (re-measured once per process)."""
-        if self.calibration is None:
-            return False
-        return self._recalibration_asked() or self.calibration.cached() is None
+        """Whether `calibrate` would measure: no curves yet for this device and conditions."""
+        return self.calibration is not None and self.calibration.cached() is None
 
     def calibrate(self, progress: Callable[[int, int], None] | None = None) -> CostCurves:
         """The cost curves, measured now if `calibration_due` (`progress` as in `costs`:
         what it raises abandons the measurement, which stays due)."""
-        refresh = self._recalibration_asked()
-        curves = self.costs(refresh=refresh, progress=progress)
-        self.recalibrated = self.recalibrated or refresh
-        return curves
-
-    def _recalibration_asked(self) -> bool:
-        # Measured costs that kept disagreeing with the calibration: measure it again (once
-        # per pair and process: a difference that persists is the engine's, not the device's).
-        return not self.recalibrated and any(c.recalibrate for c in self.choosers.values())
+        return self.costs(progress=progress)
 
     # -- planning a request ---------------------------------------------------------------
 
-    def plan(self, options: GenerateOptions) -> tuple[int, int, WidthChooser | None]:
-        """Verify width W, draft block L, and the chooser that picks them per cycle (auto).
+    def plan(self, options: GenerateOptions) -> tuple[int, int, AutoPolicy | None]:
+        """Verify width W, draft block L, and the policy that plans them per cycle (auto).
 
-        A seeded request gets a chooser of its own, fresh from the calibrated curves, so that
+        A seeded request gets a policy of its own, fresh from the calibrated curves, so that
         its widths follow from the request alone (the acceptance its own tokens show), never
         from what earlier requests taught or from wall-clock timings: seeds replay.
         """
@@ -178,18 +172,10 @@ class Pair:
         if curves is None:  # fall back to the fixed default
             return min(self.default_verify_width(), rows), rows, None
         if options.seed is not None:
-            # It times nothing (`first_look`: no cycle it runs would be the look).
-            return rows, rows, WidthChooser(curves, block, draft_block=fixed, first_look=0.0)
-        trusted = self.calibration.trusted
-        known = self.choosers.get(fixed)
-        if known is None or known.costs != curves:
-            # Curves measured in another process may be stale: its first probe looks.
-            look = 0.0 if trusted else FIRST_LOOK
-            known = self.choosers[fixed] = WidthChooser(
-                curves, block, draft_block=fixed, first_look=look
-            )
-        elif not trusted and known.confirms:
-            self.calibration.confirm()  # the next process need not look
+            return rows, rows, AutoPolicy(curves, block, draft_block=fixed)
+        known = self.policies.get(fixed)
+        if known is None or known.table.curves != curves:
+            known = self.policies[fixed] = AutoPolicy(curves, block, draft_block=fixed)
         return rows, rows, known
 
     def _curves_at_hand(self) -> CostCurves | None:
@@ -199,8 +185,9 @@ class Pair:
         return curves if curves is not None else self.calibration.latest
 
     def forget(self) -> None:
-        """Drop what requests taught the choosers (the calibration stays)."""
-        self.choosers.clear()
+        """Drop what requests taught the policies (the calibration stays)."""
+        self.policies.clear()
+        self.shapes = ShapeChooser()
 
 
 def check_context(prompt_tokens: int, limit: int | None, what: str = "the target's") -> None:

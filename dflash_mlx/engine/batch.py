@@ -14,12 +14,12 @@ with `on_output` set, their responses are handed out between the chunks too), th
 One row decodes on its own caches, as a request alone does; the batch cache is made when
 a second joins and undone when one is left.
 
-Widths: a request that fixes its width keeps it; the others share a width chosen per
-cycle by a `WidthChooser` for the batch's size, priced by what the whole pass costs
-(`batch_choosers.batch_curves`: the calibrated target cost at all rows' tokens, a draft pass
-per row; then the wall time of the batched cycles it ran), so under load widths narrow, or
-go plain, where extra verified rows stop coming free. Alone, a row uses the pair's own
-chooser. The cycle's steps are `batch_cycle.py`'s.
+Widths: a request that fixes its width keeps it; the others share a width the pair's policy
+(`speed.port.Policy`) plans per cycle for the whole batch, priced by what the whole pass
+costs (all rows' tokens through the target, a draft pass per row, as measured), so under
+load widths narrow, or go plain, where extra verified rows stop coming free. The cycle's
+steps are `batch_cycle.py`'s. Every pass, plan and lesson is an `Event` for an optional
+`trace`; `clock` may be a simulated device that charges each pass what its table says.
 Rows that verify trees (SPEC 7) do so in the same pass as the others' chains, each row
 masked as its shape says.
 Knows nothing about HTTP: `server/engine.py` and `batch_generate` drive it.
@@ -40,8 +40,7 @@ from .. import distributed
 from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
 from ..pair import Pair
-from ..speed.adaptive import WidthChooser
-from ..speed.batch_choosers import batch_chooser, batch_curves
+from ..speed.port import Ask, Policy
 from . import batch_cycle as bc
 from . import plain
 from .batch_cache import add_row, batchable, join, keep_rows, take_row
@@ -53,9 +52,10 @@ from .generate import GenerationResponse, Reply, batch_generate
 from .plain import Ahead
 from .prefill import open_request, prefill_prompt
 from .text import encode_prompt
+from .trace import Clock, Event
 from .tree import ShapeChooser, tree_mode
 
-__all__ = ["BatchDecoder", "Row", "batch_curves", "batch_generate"]
+__all__ = ["BatchDecoder", "Event", "Row", "batch_generate"]
 
 
 class _Cycles:
@@ -78,8 +78,10 @@ class BatchDecoder:
         self.waiting: deque[Row] = deque()
         self.active: list[Row] = []
         self.cache: list | None = None  # the batch's target cache (None: one row or none)
-        # Per batch size >= 2: (the pair's chooser it reads, the size's own chooser).
-        self.choosers: dict[int, tuple[WidthChooser, WidthChooser]] = {}
+        # Where every pass, plan and lesson goes as an `Event` (benchmarks, tests), and the
+        # clock cycles are timed by (None: the wall; else, e.g., a simulated device).
+        self.trace: Callable[[Event], None] | None = None
+        self.clock: Clock | None = None
         self._outbox: list[tuple[Row, GenerationResponse | BaseException]] = []
         self.sizes: dict[int, int] = {}  # batch size -> cycles run at it
         # Where the running rows' responses go as soon as a cycle between the chunks of an
@@ -93,8 +95,7 @@ class BatchDecoder:
         self._planned: tuple | None = None  # the next cycle's widths, decided in advance
         self._synced = 0.0  # when the last cycle's result reached the host
         self.chained = 0  # plain passes launched before the last result reached the host
-        self._last_chooser: WidthChooser | None = None  # the last cycle's, and its size
-        self._last_size = 0
+        self._stands = 0  # plain steps the latest plan still stands for
 
     # -- requests -------------------------------------------------------------------------
 
@@ -191,13 +192,15 @@ class BatchDecoder:
 
     def _prefill(self, row: Row) -> None:
         pair, opts = self.pair, row.options
-        width, rows, chooser = row.plan
-        row.fixed = None if chooser is not None else (width, rows)
-        row.rows, row.chooser = rows, chooser
+        width, rows, policy = row.plan
+        row.fixed = None if policy is not None else (width, rows)
+        row.rows, row.policy = rows, policy
         speculate = row.speculate
         if speculate is None:
-            speculate = pair.draft is not None and (width > 1 or chooser is not None)
-        draft = pair.draft if speculate and (width > 1 or chooser is not None) else None
+            speculate = pair.draft is not None and (width > 1 or policy is not None)
+        draft = pair.draft if speculate and (width > 1 or policy is not None) else None
+        if policy is not None and row.ticket is None:
+            row.ticket = policy.begin(opts.max_tokens)
         seed = row.seed if row.seed is not None else opts.seed
         if seed is None:
             seed = distributed.agree("seed", int.from_bytes(os.urandom(8), "little"))
@@ -208,18 +211,15 @@ class BatchDecoder:
         mx.reset_peak_memory()
         if row.reply is None:
             eos, n = row.eos, len(row.prompt)
-            row.reply = Reply(self.tokenizer, opts, n, eos, chooser, speculate, width)
+            ticket = row.ticket if draft is not None else None
+            row.reply = Reply(self.tokenizer, opts, n, eos, ticket, speculate, width)
         cached = row.prompt_cache is not None
         req = open_request(pair, draft, row.prompt, opts, seed, saved, row.grammar, cached)
         row.req = req
         why = batchable(req.cache) if self.max_batch > 1 else None
         if why is not None:
             raise NotImplementedError(f"this target cannot decode in a batch: {why}")
-        req.trees = tree_mode(req, opts, chooser, row.learn)
-        if chooser is not None and not self.active:
-            # Alone, a request starts as it does in `stream_generate`; joining others, the
-            # acceptance every row has taught stays (the batch's width rides on it).
-            chooser.begin_request()
+        req.trees = tree_mode(req, opts, pair.shapes if policy is not None else None, row.learn)
 
         last = [req.reused]
 
@@ -238,19 +238,17 @@ class BatchDecoder:
         progress = between_chunks
         if row.prompt_cache is not None:
             progress = row.prompt_cache.watch(between_chunks)
-        # Where the chooser that will decode it expects plain decoding, the prompt's draft
-        # context is only a deferred window (a dormant prefill): alone, the pair's chooser;
-        # joining or awaiting others, the batch's at the size it joins (at c = 8 with
-        # OpenBLAS a batch decodes plainly where each request alone would speculate, and
-        # the contexts built for it cost 6% of its time).
-        dormant = chooser
-        size = min(self.max_batch, len(self.active) + len(self.waiting) + 1)
-        if chooser is not None and size > 1:
-            dormant = batch_chooser(self.choosers, size, chooser)
+        # Where the policy plans a plain first cycle at the size the request joins, the
+        # prompt's draft context is only a deferred window (a dormant prefill).
+        window = None
+        if policy is not None and draft is not None:
+            size = min(self.max_batch, len(self.active) + len(self.waiting) + 1)
+            first = Ask(row.ticket, len(row.prompt) - 1, max(1, opts.max_tokens - 1))
+            if policy.plan([first], rows=size).widths[0] == 1:
+                window = policy.window
+        self._emit(Event("prefill", 1, len(row.prompt) - req.reused, len(row.prompt)))
         with mx.stream(generation_stream):
-            logits = prefill_prompt(
-                req, opts.prefill_step, progress, dormant, max(0, opts.max_tokens - 1)
-            )
+            logits = prefill_prompt(req, opts.prefill_step, progress, window)
             anchor, lp = first_token(req, logits)
             if req.controls is not None:
                 req.controls.commit(anchor)
@@ -267,12 +265,6 @@ class BatchDecoder:
             row.done = True
 
     def _join(self, row: Row) -> None:
-        # A new request in the batch: what the batch's choosers decided about what was left
-        # of the requests before (no probe can pay back any more, the probe budget spent)
-        # is no longer so. Their acceptance is read from the pair's chooser every cycle.
-        for _, chooser in self.choosers.values():
-            chooser.begin_request()
-        self._last_chooser = None
         if self.active:
             with mx.stream(generation_stream):
                 if self.cache is None:  # one row so far: its own caches become the batch's
@@ -376,61 +368,77 @@ class BatchDecoder:
         size = len(rows)
         if not size:
             return
-        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-        chooser = self._chooser(size, auto)
+        policy = self._policy(rows)
         if planned is not None and planned[0] == [id(r) for r in rows]:
             # Decided when the last cycle chained nothing, before its token was committed:
             # no row may verify more than it has tokens left now.
-            widths, captures = planned[1]
+            widths, captures, made = planned[1]
             widths = [
                 (max(1, min(w, r.options.max_tokens - r.generated)), length)
                 for r, (w, length) in zip(rows, widths)
             ]
         else:
-            widths, captures = bc.plan(rows, chooser)
+            widths, captures, made = self._plan(rows, policy)
         if bc.plain(self.pair.target, rows, widths):
-            self._plain_cycle(rows, chooser, captures=captures)
+            self._plain_cycle(rows, policy, captures=captures)
             return
-        caught_up = all(r.req.speculating for r in rows if r.req.draft is not None)
-        late, caught = bc.catch_up(rows, widths, captures)
-        if chooser is not None and any(late) and all(r.fixed is None and r.learn for r in rows):
-            # Priced for the next probes, and charged to the floor: time that committed nothing.
-            chooser.observe_context(*late, caught)
+        tic = self._now()
+        late = bc.catch_up(rows, widths, captures, self._emit)
+        caught = distributed.agree("catch-up", self._now() - tic) if any(late) else 0.0
         cache = self.cache if size > 1 else rows[0].req.cache
         target = self.pair.target
+        depth = max(len(r.prompt) + r.generated - 1 for r in rows)
         with mx.stream(generation_stream):
             drafted = bc.draft(rows, widths, captures)
+            block = max((length for w, length in widths if w > 1), default=1)
+            self._emit(Event("draft", sum(w > 1 for w, _ in widths), 0, depth, block))
             logits, feats, width, saved = bc.verify(target, rows, drafted, cache, captures)
+            self._emit(Event("verify", size, size * width, depth, width))
             steps, results = bc.decide(rows, drafted, logits, feats, width, saved, captures)
         bc.rewind(target, rows, steps, results, cache, width)
         spent = self._sync()
         if spent is not None:
             spent -= caught
         tree = size == 1 and steps[0].tree is not None
-        bc.learn(chooser, rows, widths, results, width, spent, caught_up, tree)
+        self._learn(policy, rows, widths, results, spent, made, 1, (*late, caught), tree)
         for r, s, (n, _) in zip(rows, steps, results):
             if isinstance(r.req.trees, ShapeChooser) and s.width >= 3 and spent is not None:
                 r.req.trees.observe(s.tree is not None, n + 1, spent)
         self.sizes[size] = self.sizes.get(size, 0) + 1
         self._commit_rows(rows, steps, results, size)
 
-    def _chooser(self, size: int, auto: list[Row]) -> WidthChooser | None:
-        """The width chooser of a cycle of `size` rows, `auto` the automatic ones (None:
-        none), carrying on from the last cycle's when the batch's size changed."""
-        if not auto:
-            return None
-        last = self._last_chooser
-        if last is not None and self._last_size <= size:
-            last = None  # a request joined (each chooser began anew) or nothing changed
-        chooser = batch_chooser(self.choosers, size, auto[0].chooser, last, auto)
-        self._last_chooser, self._last_size = chooser, size
-        return chooser
+    @staticmethod
+    def _policy(rows: list[Row]) -> Policy | None:
+        """The policy of `rows`' automatic ones (None: every row's width is fixed)."""
+        return next((r.policy for r in rows if r.fixed is None and r.req.draft is not None), None)
+
+    def _plan(self, rows: list[Row], policy: Policy | None, ahead: int = 0) -> tuple:
+        """`batch_cycle.plan`, its plan traced; a plain one stands for its `stands` steps."""
+        widths, captures, made = bc.plan(rows, policy, ahead)
+        if made is not None:
+            self._stands = made.stands if all(w == 1 for w, _ in widths) else 0
+            self._emit(Event("plan", len(rows), detail=made))
+        return widths, captures, made
+
+    def _learn(self, policy, rows, widths, results, spent, made, times, caught, tree=False):
+        record = bc.learn(policy, rows, widths, results, spent, made, times, caught, tree)
+        if record is not None:
+            self._emit(Event("learn", len(rows), detail=record))
+
+    def _emit(self, event: Event) -> None:
+        if self.clock is not None:
+            self.clock.charge(event)
+        if self.trace is not None:
+            self.trace(event)
+
+    def _now(self) -> float:
+        return self.clock.now() if self.clock is not None else time.perf_counter()
 
     def _sync(self) -> float | None:
         """A cycle's result reached the host: its seconds since the last cycle's sync, host
         work between them included (None for the first cycle after an admission: its time
         is mixed with the prefill's)."""
-        now = time.perf_counter()
+        now = self._now()
         spent = now - self._synced if self._synced else None
         self._synced = now
         return distributed.agree("cycle seconds", spent)  # rank 0's, across ranks
@@ -462,7 +470,7 @@ class BatchDecoder:
     def _plain_cycle(
         self,
         rows: list[Row],
-        chooser: WidthChooser | None,
+        policy: Policy | None,
         ahead: Ahead | None = None,
         index: list[int] | None = None,
         chain: bool = True,
@@ -473,7 +481,7 @@ class BatchDecoder:
         told of its token on the device, and, while every row stays plain, the next cycle's
         pass launched on those device tokens before this one's reach the host, as mlx-lm
         chains its steps. What a chained pass feeds a row that ends here is never read.
-        `chooser`: the batch's (None: looked up for these rows)."""
+        `policy`: the rows' (None: looked up for these rows)."""
         size = len(rows)
         target = self.pair.target
         cache = self.cache if size > 1 else rows[0].req.cache
@@ -481,6 +489,7 @@ class BatchDecoder:
             anchors = mx.concatenate([r.anchor for r in rows])
             at = [r.generated - 1 for r in rows]
             top, feats, lps = bc.plain_pass(target, rows, anchors, cache, captures, at)
+            self._emit_plain(rows)
         else:
             top, feats, lps, captures = ahead.top, ahead.feats, ahead.lps, ahead.captures
             if top.shape[0] != size:  # rows left since it was launched (the order stays)
@@ -498,26 +507,26 @@ class BatchDecoder:
             if size == 1 and r.req.keep_snapshots:  # before the next pass feeds
                 snapshot(r.req, len(r.req.prompt) + r.generated)
                 r.snapped = True
-        auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-        if chooser is None and auto:
-            chooser = self._chooser(size, auto)
+        if policy is None:
+            policy = self._policy(rows)
         if (
             chain
             and not self.waiting
             and all(r.options.max_tokens - r.generated >= 2 and not r.cancelled for r in rows)
         ):
-            widths, caps = bc.plan(rows, chooser, ahead=1)  # the next cycle's, decided now
+            widths, caps, made = self._plan(rows, policy, ahead=1)  # the next cycle's, now
             if bc.plain(target, rows, widths):
                 at = [r.generated for r in rows]
-                launch = time.perf_counter()
+                launch = self._now()
                 nxt = bc.plain_pass(target, rows, top, cache, caps, at)
-                built = distributed.agree("launch seconds", time.perf_counter() - launch)
+                self._emit_plain(rows, 1)
+                built = distributed.agree("launch seconds", self._now() - launch)
                 self._ahead = Ahead(rows, *nxt, caps, built)
             else:
-                self._planned = ([id(r) for r in rows], (widths, caps))
+                self._planned = ([id(r) for r in rows], (widths, caps, made))
         got = [[t] for t in top.tolist()]
-        if self._ahead is not None and plain.stretches(self, rows, lps, chooser):
-            plain.stretch(self, rows, got, chooser)  # more plain steps, each row's tokens
+        if self._ahead is not None and plain.stretches(self, rows, lps, policy):
+            plain.stretch(self, rows, got, policy)  # more plain steps, each row's tokens
         # On a CPU much of a pass runs inside its launch: each cycle is charged its own,
         # wherever it fell between host syncs.
         spent = self._sync()
@@ -528,10 +537,14 @@ class BatchDecoder:
         ran = len(got[0])  # plain steps (more than one: a stretch's)
         if spent is not None:
             spent /= ran
-        bc.learn(chooser, rows, [(1, 1)] * size, results, 1, spent, times=ran)
+        self._learn(policy, rows, [(1, 1)] * size, results, spent, None, ran, (0, 0, 0.0))
         self.sizes[size] = self.sizes.get(size, 0) + ran
         self.chained += ran - 1 + (self._ahead is not None)
         self._commit_rows(rows, steps, results, size, plain=True)
+
+    def _emit_plain(self, rows: list[Row], ahead: int = 0) -> None:
+        depth = max(len(r.prompt) + r.generated - 1 + ahead for r in rows)
+        self._emit(Event("plain", len(rows), len(rows), depth, 1))
 
     def _commit_row(
         self, r: Row, s: _Step, n: int, new: list[int], size: int, plain: bool = False
@@ -564,7 +577,7 @@ def speculative_decode(
     *,
     width: int | None = None,
     draft_block: int | None = None,
-    chooser: WidthChooser | None = None,
+    policy: Policy | None = None,
     seed: int | None = None,
     eos_ids: frozenset[int] = frozenset(),
     learn_costs: bool = True,
@@ -578,7 +591,7 @@ def speculative_decode(
     cycle (`speculate=False`, or a pair without a draft: the target alone).
 
     `width` is the verify width W (1 = plain decoding, no draft pass) and `draft_block` the
-    rows L >= W the draft runs; with a `chooser`, (W, L) are chosen each cycle instead, and
+    rows L >= W the draft runs; with a `policy`, (W, L) are planned each cycle instead, and
     it learns acceptance from every verify and, with `learn_costs`, the wall time of every
     cycle (default: `pair.plan(options)`). Random draws follow `seed` (default:
     `options.seed`, else 0) and the generated position (SPEC 4). Stops after EOS or
@@ -588,11 +601,11 @@ def speculative_decode(
     `controls.compile_grammar` for `options`' constraint) masks the target's logits.
     """
     if width is None:
-        width, draft_block, chooser = pair.plan(options)
+        width, draft_block, policy = pair.plan(options)
     assert 1 <= width and (options.tree or width <= max(draft_block, 1))
     row = Row(list(prompt), options, None, prompt_cache, progress)
     row.plan, row.grammar, row.eos, row.learn = (
-        (width, draft_block, chooser),
+        (width, draft_block, policy),
         grammar,
         eos_ids,
         learn_costs,

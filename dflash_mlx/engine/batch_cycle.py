@@ -1,8 +1,8 @@
 """One cycle of a batch (SPEC 8): choose -> draft -> one verify pass -> accept -> rewind.
 
 The steps of `decode.py`'s cycle, for every active row of a `batch.BatchDecoder` at once:
-`plan` picks each row's width (fixed rows keep theirs; the others share the width a
-`WidthChooser` for the batch's size picks, `speed.batch_choosers`), `draft` proposes (one
+`plan` picks each row's width (fixed rows keep theirs; the others share the width the
+pair's policy picks for the whole batch, `speed.port`), `draft` proposes (one
 draft pass for the rows that can share it, `batch_draft`; the single-request step for the
 others), `verify` runs the target once over every row's block (rows padded at their end),
 `accept` decides per row (greedy rows without processors together, one host read), and
@@ -12,24 +12,22 @@ error (`Row.error`) and rides along the pass empty; the others go on.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .. import distributed
 from ..cache.prompt_cache import PromptCache
 from ..options import GenerateOptions
-from ..speed.acceptance import teach
-from ..speed.adaptive import WidthChooser
+from ..speed.port import Ask, Plan, Policy, Record, Ticket
 from . import batch_draft
 from .batch_cache import keep, row_lengths
 from .bookkeeping import follow_capture
 from .decode import NO_DRAFTS, _Step, accept, commit_draft, result
 from .generate import Reply
 from .prefill import Request
+from .trace import Event
 from .tree import ShapeChooser, batch_mask, grammar_tree, node_outputs, propose_tree
 from .walks import make_drafts
 
@@ -46,41 +44,41 @@ class Row:
     reply: Reply | None = None
     req: Request | None = None
     fixed: tuple[int, int] | None = None  # (W, L) the request fixed; None: the batch's
-    plan: tuple[int, int, WidthChooser | None] | None = None  # `Pair.plan`, made at submit
+    plan: tuple[int, int, Policy | None] | None = None  # `Pair.plan`, made at submit
     rows: int = 1  # the draft block L of an automatic row
     grammar: Any = None
     eos: frozenset[int] = frozenset()
     anchor: mx.array | None = None  # the last committed token, on the device
-    chooser: WidthChooser | None = None  # an automatic row's width chooser when alone
+    policy: Policy | None = None  # an automatic row's width policy (the pair's)
+    ticket: Ticket | None = None  # its row in that policy
     lease: int = 0
     done: bool = False
     cancelled: bool = False
     error: BaseException | None = None  # what ended the row, if something failed
-    learn: bool = True  # its cycles' wall time teaches the chooser (not a seeded request's)
+    learn: bool = True  # its cycles' wall time teaches costs (not a seeded request's)
     cut: bool = False  # its last cycle fed tokens past an EOS (no recurrent snapshot then)
     snapped: bool = False  # its recurrent state was kept after its last cycle (alone)
     seed: int | None = None  # its draws' seed (None: `options.seed`, else a random one)
     speculate: bool | None = None  # False: the target alone (None: when the pair can)
-    taught: tuple[list[float], list[float]] | None = None  # its text's acceptance, in a batch
 
     @property
     def generated(self) -> int:
         return len(self.req.generated) if self.req is not None else 0
 
 
-def plan(rows: list[Row], chooser: WidthChooser | None, ahead: int = 0) -> tuple[list, list[bool]]:
-    """Each row's `(W, L)` this cycle, and whether its pass captures features for its draft
-    (`ahead`: planned a cycle ahead, before the last one's token is committed). The chooser
-    is told what a speculative cycle would first catch the rows' draft contexts up on
-    (`behind`, summed over the rows)."""
+def plan(
+    rows: list[Row], policy: Policy | None, ahead: int = 0
+) -> tuple[list, list[bool], Plan | None]:
+    """Each row's `(W, L)` this cycle, whether its pass captures features for its draft, and
+    the automatic rows' `Plan` (`ahead`: planned a cycle ahead, before the last one's token is
+    committed). The policy is asked about the automatic rows and priced at every row."""
     auto = [r for r in rows if r.fixed is None and r.req.draft is not None]
-    if chooser is not None:
-        budget = max(r.options.max_tokens - r.generated - ahead for r in auto)
-        depth = max(len(r.prompt) + r.generated - 1 + ahead for r in auto)  # the anchor's
-        # What a speculative cycle would first catch every row's draft context up on.
-        late = [behind(r.req) for r in auto]
-        context = (sum(n for n, _ in late), sum(z for _, z in late))
-        w_auto, l_auto = chooser.choose(limit=budget, depth=depth, context=context)
+    made = None
+    if policy is not None and auto:
+        made = policy.plan([ask(r, ahead) for r in auto], rows=len(rows))
+        for r in auto:
+            r.ticket.capture = made.capture
+    chosen = {id(r): (w, n) for r, w, n in zip(auto, made.widths, made.blocks)} if made else {}
     out = []
     for r in rows:
         if r.req.draft is None:
@@ -88,16 +86,23 @@ def plan(rows: list[Row], chooser: WidthChooser | None, ahead: int = 0) -> tuple
         elif r.fixed is not None:
             w, length = r.fixed
         else:
-            w, length = w_auto, l_auto
+            w, length = chosen[id(r)]
         left = r.options.max_tokens - r.generated - ahead
         # A tree's budget may exceed the block; a chain's is cut to it when drafted.
         block = length if length > 1 and not r.req.trees else w
         out.append((max(1, min(w, left, block)), length))
     captures = [
-        r.req.draft is not None and (r.fixed is not None or chooser is None or chooser.capture)
+        r.req.draft is not None and (r.fixed is not None or made is None or made.capture)
         for r in rows
     ]
-    return out, captures
+    return out, captures, made
+
+
+def ask(r: Row, ahead: int = 0) -> Ask:
+    """What the policy is told of row `r` (`ahead`: a cycle before its last token commits)."""
+    n, z = behind(r.req)
+    depth = len(r.prompt) + r.generated - 1 + ahead  # the anchor's
+    return Ask(r.ticket, depth, r.options.max_tokens - r.generated - ahead, n, z)
 
 
 def behind(req: Request) -> tuple[int, int]:
@@ -108,11 +113,11 @@ def behind(req: Request) -> tuple[int, int]:
     return (req.pending_rows, req.lazy_rows)
 
 
-def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> tuple[tuple[int, int], float]:
+def catch_up(rows: list[Row], widths: list, captures: list[bool], emit=None) -> tuple[int, int]:
     """Rows about to speculate after plain cycles feed their drafts' context first (all in
     one pass, `batch_draft.feed_rows`), apart from the cycle (so it is not taken for what
-    every cycle of the width costs): the `(rows, lazy)` caught up, summed over the rows, and
-    the seconds it took, for the chooser's pricing of probes (`observe_context`)."""
+    every cycle of the width costs): the `(rows, lazy)` caught up, summed over the rows
+    (`emit` is told of the pass)."""
     late = []
     for b, (r, (w, _)) in enumerate(zip(rows, widths)):
         if r.req.draft is None:
@@ -121,16 +126,18 @@ def catch_up(rows: list[Row], widths: list, captures: list[bool]) -> tuple[tuple
         if w > 1 and any(behind(r.req)):
             late.append(r)
     if not late:
-        return (0, 0), 0.0
+        return (0, 0)
     done = [behind(r.req) for r in late]
-    tic = time.perf_counter()
+    caught = (sum(n for n, _ in done), sum(z for _, z in done))
+    if emit is not None:
+        depth = max(len(r.prompt) + r.generated - 1 for r in late)
+        emit(Event("catch-up", len(late), caught[0], depth, caught[1]))
     with mx.stream(generation_stream):
         batch_draft.feed_rows([r.req for r in late])
         mx.eval([a for r in late for a in r.req.state.arrays])
     for r in late:
         r.req.lazy_rows = 0
-    seconds = distributed.agree("catch-up", time.perf_counter() - tic)  # rank 0's
-    return (sum(n for n, _ in done), sum(z for _, z in done)), seconds
+    return caught
 
 
 def plain(target, rows: list[Row], widths: list) -> bool:
@@ -344,52 +351,45 @@ def rewind(target, rows: list[Row], steps: list, results: list, cache: list, wid
 
 
 def learn(
-    chooser,
+    policy: Policy | None,
     rows: list[Row],
     widths: list,
     results: list,
-    width: int,
-    spent: float,
-    caught_up: bool = True,
-    tree: bool = False,
+    spent: float | None,
+    made: Plan | None = None,
     times: int = 1,
+    caught: tuple[int, int, float] = (0, 0, 0.0),
+    tree: bool = False,
 ):
-    """The chooser learns the pass's cost (when it chose every row's width and every row
-    learns costs: a seeded request does not) and each automatic row's acceptance (also into
-    the pair's chooser, which every size reads). `spent`: the cycle's seconds, host sync to
-    host sync (None: not measured). `caught_up`: every row's draft was up to date before
-    the cycle (it followed a speculative one), so its time is the cycle's own, not also a
-    catch-up's. `tree`: a row alone verified a tree, which the width chooser does not price
-    as a chain. `times`: plain steps the cycle ran (a stretch's), `spent` each."""
-    if chooser is None:
-        return
-    if spent is not None and all(r.fixed is None and r.learn for r in rows):
-        if not tree:
-            chooser.observe(width, spent, times=times)
-        alone = len(rows) == 1
-        if width > 1 and (alone or caught_up):
-            # Against plain decoding as measured now (a plain pass commits a token a row),
-            # or before it is, twice the calibration's price of it (which leaves out the
-            # batch's own host work): while speculating at this size has lately lost, it
-            # only probes.
-            tokens = sum(len(new) for _, new in results) / len(rows)
-            chooser.settle(tokens, spent, doubt=not alone)
-    if len(rows) > 1:
-        # Every row's text at once: one row's short first cycle must not drop what the
-        # others' texts taught (the batch would go plain on the prior alone).
-        for c in {id(x): x for x in (chooser, *(r.chooser for r in rows if r.chooser))}.values():
-            c.pooled()
-    cycles = []
-    for r, (w, _), (n, _) in zip(rows, widths, results):
-        if r.fixed is None and w > 1 and r.error is None:
-            n = min(n, w - 1)  # a grammar's forced run can go past the width (walks.py)
-            cycles.append((w, n))
-            if len(rows) > 1:  # each row's own text, for when rows leave (`batch_choosers`)
-                r.taught = teach(r.taught, w, n, chooser.block, chooser.decay)
-    # Every row's acceptance; the probe's outcome once, for the cycle (a batch's rows are
-    # one probe, not one each); the pair's chooser, which every size reads, learns the
-    # acceptance only (it did not choose this cycle).
-    chooser.update_rows(cycles)
-    bases = {id(r.chooser): r.chooser for r in rows if r.chooser not in (None, chooser)}
-    for base in bases.values():
-        base.update_rows(cycles, chose=False)
+    """The policy learns from the cycle: its automatic rows' acceptance, and (when it chose
+    every row's width and every row may teach costs: not a seeded request's) its seconds,
+    host sync to host sync (None: not measured), `times` plain steps `spent` each, after
+    catching `caught` = (rows, lazy, seconds) of draft context up. `tree`: a row alone
+    verified a tree, whose cost is not a chain's of its width."""
+    auto = [b for b, r in enumerate(rows) if r.fixed is None and r.req.draft is not None]
+    if policy is None or not auto:
+        return None
+    costs = all(r.fixed is None and r.learn for r in rows) and not tree
+    accepted = []
+    for b in auto:
+        w, n = widths[b][0], results[b][0]
+        ok = rows[b].error is None and w > 1
+        accepted.append(min(n, w - 1) if ok else 0)  # a grammar's forced run can go past W
+    depth = max(len(r.prompt) + r.generated - 1 for r in rows)
+    record = Record(
+        tuple(ask(rows[b]) for b in auto),
+        tuple(widths[b][0] if rows[b].error is None else 1 for b in auto),
+        tuple(accepted),
+        depth,
+        spent,
+        block=max(widths[b][1] for b in auto),
+        times=times,
+        rows=len(rows),
+        caught=caught[0],
+        lazy=caught[1],
+        caught_seconds=caught[2],
+        probe=made is not None and made.probe,
+        costs=costs,
+    )
+    policy.learn(record)
+    return record

@@ -144,23 +144,22 @@ class Reply:
         opts: GenerateOptions,
         prompt_tokens: int,
         eos: frozenset[int],
-        chooser: Any = None,
+        ticket: Any = None,
         speculate: bool = True,
         width: int | None = None,
     ):
         self.opts = opts
         self.eos = eos
-        self.chooser = chooser
+        self.ticket = ticket  # its row in the width policy (None: a fixed width)
         self.detok = tokenizer.detokenizer  # a copy of its own
         self.special = special_token_ids(tokenizer)  # never a reply's text
         self.matcher = StopMatcher(opts.stop)
         self.tic = self.gen_start = time.perf_counter()
         self.stats = Stats(
             prompt_tokens=prompt_tokens,
-            verify_width=None if chooser is not None else width,
+            verify_width=None if ticket is not None else width,
             draft="active" if speculate else None,
         )
-        self.probes = chooser.probes if chooser is not None else 0
         self.finish: str | None = None
 
     def feed(self, cyc: Cycle) -> GenerationResponse:
@@ -175,9 +174,9 @@ class Reply:
             self.gen_start = now
         else:
             stats.add(cyc.width, cyc.accepted, cyc.tree, cyc.batch, cyc.steps)
-            if self.chooser is not None:
-                stats.probes = self.chooser.probes - self.probes
-                stats.draft = "active" if self.chooser.capture else "dormant"
+            if self.ticket is not None:
+                stats.probes = self.ticket.probes
+                stats.draft = "active" if self.ticket.capture else "dormant"
         tokens = list(cyc.tokens)
         hit_eos = tokens[-1] in eos
         if hit_eos:

@@ -16,7 +16,7 @@ from .. import distributed
 from . import batch_cycle as bc
 
 if TYPE_CHECKING:
-    from ..speed.adaptive import WidthChooser
+    from ..speed.port import Policy
     from .batch import BatchDecoder
     from .batch_cycle import Row
 
@@ -39,11 +39,9 @@ class Ahead(NamedTuple):
     built: float  # seconds its launch took (charged to its own cycle, not the one before)
 
 
-def stretches(
-    dec: BatchDecoder, rows: list[Row], lps: list | None, chooser: WidthChooser | None
-) -> bool:
+def stretches(dec: BatchDecoder, rows: list[Row], lps: list | None, policy: Policy | None) -> bool:
     """Whether `dec`'s plain cycle of `rows` may run on as a stretch (`stretch`): rows that
-    decode with the target only, or whose width the `chooser` picks, with no grammar (whose
+    decode with the target only, or whose width the `policy` plans, with no grammar (whose
     masks must see each token on the host), logprobs or recurrent snapshots to keep per
     token, none cancelled, nothing waiting, on one process (ranks would have to agree on
     where each stretch ends). Penalties follow each pass on the device; a stop string cuts
@@ -53,7 +51,7 @@ def stretches(
     if lps is not None and any(lp is not None for lp in lps):
         return False
     return all(
-        (r.req.draft is None or (r.fixed is None and chooser is not None))
+        (r.req.draft is None or (r.fixed is None and policy is not None))
         and (r.req.controls is None or r.req.controls.grammar is None)
         and not r.req.keep_snapshots
         and not r.cancelled
@@ -62,21 +60,22 @@ def stretches(
 
 
 def stretch(
-    dec: BatchDecoder, rows: list[Row], got: list[list[int]], chooser: WidthChooser | None
+    dec: BatchDecoder, rows: list[Row], got: list[list[int]], policy: Policy | None
 ) -> None:
     """More plain steps of `rows` within `dec`'s cycle, appended to each row's tokens `got`
     (its cycle's own so far): each pass launched on the last one's device tokens before
     they are read (`dec._ahead`), and nothing else per token. A stretch ends at a row's EOS
     or budget, when a request arrives, a row is cancelled or `dec.interrupt` says so, and
     after `STRETCH_TOKENS` tokens or `STRETCH_SECONDS`.
-    Rows whose width the `chooser` picks run on while it coasts (each pass one of its
-    coasting steps) or, deciding anew each step, picks a plain step (which may capture
-    features for the drafts: each pass's go to them as it is read); when it picks
-    speculation the stretch ends with that plan for the next cycle (`dec._planned`). The
-    pass launched last stays launched for the next cycle."""
+    Rows whose width the `policy` plans run on while its last plan stands (`Plan.stands`
+    plain steps, capturing as it said) or, planned anew, while it plans a plain step
+    (which may capture features for the drafts: each pass's go to them as it is read); when
+    it plans speculation the stretch ends with that plan for the next cycle
+    (`dec._planned`). The pass launched last stays launched for the next cycle."""
     target = dec.pair.target
     cache = dec.cache if len(rows) > 1 else rows[0].req.cache
     coasts = any(r.req.draft is not None for r in rows)
+    capture = all(c for r, c in zip(rows, dec._ahead.captures) if r.req.draft is not None)
     k = len(got[0])  # tokens each row has so far
     base = [r.generated for r in rows]  # the generated index of each row's first
     cap = min(STRETCH_TOKENS, *(r.options.max_tokens - g for r, g in zip(rows, base)))
@@ -99,18 +98,21 @@ def stretch(
                 r.req.controls.commit(ahead.top[b : b + 1])
         at = [g + k for g in base]  # the generated index of what `ahead` computes
         if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
-            go = not coasts or chooser.coasting()
-            if go and coasts:  # the chooser's last decision stands, capture included
-                caps = [r.req.draft is not None and chooser.capture for r in rows]
-            if not go:  # the chooser decides anew, as the next cycle's plan would
-                widths, caps = bc.plan(rows, chooser, ahead=k + 1)
+            go = not coasts or dec._stands > 0
+            if go and coasts:  # the last plan stands, capture included
+                dec._stands -= 1
+                caps = [r.req.draft is not None and capture for r in rows]
+            if not go:  # planned anew, as the next cycle's plan would be
+                widths, caps, made = dec._plan(rows, policy, ahead=k + 1)
+                capture = made is None or made.capture
                 go = bc.plain(target, rows, widths)
                 if not go:
-                    dec._planned = ([id(r) for r in rows], (widths, caps))
+                    dec._planned = ([id(r) for r in rows], (widths, caps, made))
             if go:
-                launch = time.perf_counter()
+                launch = dec._now()
                 nxt = bc.plain_pass(target, rows, ahead.top, cache, caps, at)
-                built = time.perf_counter() - launch
+                dec._emit_plain(rows, k + 1)
+                built = dec._now() - launch
         for g, t in zip(got, ahead.top.tolist()):
             g.append(t)
         k += 1
@@ -130,12 +132,12 @@ def launch_first(dec: BatchDecoder, row: Row) -> None:
     if row.options.max_tokens < 2:
         return
     rows = [row]
-    auto = rows if row.fixed is None and row.req.draft is not None else []
-    widths, caps = bc.plan(rows, dec._chooser(1, auto))  # as the first cycle plans
+    widths, caps, made = dec._plan(rows, dec._policy(rows))  # as the first cycle plans
     target = dec.pair.target
     if bc.plain(target, rows, widths):
-        launch = time.perf_counter()
+        launch = dec._now()
         nxt = bc.plain_pass(target, rows, row.anchor, row.req.cache, caps, [0])
-        dec._ahead = Ahead(rows, *nxt, caps, time.perf_counter() - launch)
+        dec._emit_plain(rows)
+        dec._ahead = Ahead(rows, *nxt, caps, dec._now() - launch)
     else:
-        dec._planned = ([id(row)], (widths, caps))
+        dec._planned = ([id(row)], (widths, caps, made))

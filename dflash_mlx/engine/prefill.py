@@ -22,7 +22,6 @@ from .sampling import PositionKeys, SamplingParams
 
 if TYPE_CHECKING:
     from ..pair import Pair
-    from ..speed.adaptive import WidthChooser
     from .controls import Controls
 
 PREFILL_STEP = 512
@@ -279,15 +278,13 @@ def prefill_prompt(
     req: Request,
     step: int,
     progress: Callable[[int, int], None] | None,
-    chooser: WidthChooser | None = None,
-    tokens: int | None = None,
+    window: int | None = None,
 ) -> mx.array:
     """The prompt from where the reused caches end; logits of its last token.
 
-    When the `chooser` expects to decode plainly from here, or to save less over the
-    request's `tokens` (None: unbounded) than its context's last chunk would cost the first
-    cycle (`WidthChooser.builds_context`), the draft's context gets only
-    the prompt's last `chooser.window` positions (what a probe soon after reads; the rest
+    With a `window` (the width policy plans a plain first cycle: the draft is dormant), the
+    draft's context gets only the prompt's last `window` positions (what a probe soon after
+    reads; the rest
     is a gap, as in a dormant stretch), and even those are left unevaluated until a probe
     feeds them: prefill then costs what the target alone costs. The chunk the window starts
     in is split at it when `SPLIT_BEFORE_WINDOW` positions or more precede it there (a probe
@@ -301,11 +298,8 @@ def prefill_prompt(
     if req.draft is not None:
         if req.state.keep is not None:
             cut = max(cut, total - req.state.keep)
-        # Built, the context's chunk that ends before the last token is left for the first
-        # cycle to evaluate (`Request.lazy_context`): that many rows.
-        last = ((total - 2 - cut) % step) + 1 if total - 1 > cut else 0
-        if chooser is not None and not chooser.builds_context(total, tokens, last):
-            cut = max(cut, total - 1 - chooser.window)
+        if window is not None:
+            cut = max(cut, total - 1 - window)
             dormant = True
     if dormant and (cut - req.reused) % step < SPLIT_BEFORE_WINDOW:
         # The window cannot be split off its chunk cheaply, and left in it, its features

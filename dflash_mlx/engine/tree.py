@@ -43,7 +43,6 @@ from .walks import FORCED_BEYOND, draft_block
 
 if TYPE_CHECKING:
     from ..options import GenerateOptions
-    from ..speed.adaptive import WidthChooser
     from .prefill import Request
 
 # Children considered per node: the draft's ranked tokens at the next position.
@@ -221,16 +220,16 @@ class ShapeChooser:
 
 
 def tree_mode(
-    req: Request, options: GenerateOptions, chooser: WidthChooser | None, learn_costs: bool
+    req: Request, options: GenerateOptions, shapes: ShapeChooser | None, learn_costs: bool
 ) -> bool | ShapeChooser:
     """Whether this request's speculative cycles verify trees: `options.tree` True (always;
     where a tree cannot be verified, chains, and `req.tree_note` says why), False (never), or
-    None: a `ShapeChooser` picks per cycle from measured speed, where the width is chosen
-    too and costs are learnt (a seeded request verifies chains: its shapes must not follow
+    None: `shapes` (the pair's `ShapeChooser`) picks per cycle from measured speed, where the
+    width is chosen too and costs are learnt (a seeded request verifies chains: its shapes must not follow
     wall time)."""
     if options.tree is False or req.draft is None:
         return False
-    if options.tree is None and (chooser is None or not learn_costs):
+    if options.tree is None and (shapes is None or not learn_costs):
         return False
     why = req.target.tree_support(req.cache)
     if why is None and req.controls is not None and not req.controls.grammar_only:
@@ -242,7 +241,7 @@ def tree_mode(
         return False
     if options.tree:
         return True
-    return chooser.shapes
+    return shapes
 
 
 def propose_tree(

@@ -253,81 +253,47 @@ def calibration_depths(pair: Pair) -> tuple[int, ...]:
 
 class Calibration:
     """A pair's cost curves: read from the cache file (or measured and written there), then
-    remembered for this process, so that a request costs no fingerprinting. The file is
-    checked for a newer measurement (another process, or another pair of the same models,
-    re-calibrated): every request decides from the same curves a fresh process would read,
-    so that seeded requests replay across processes. `cached()` never measures."""
+    remembered for this process, so that a request costs no fingerprinting; the file is
+    checked for a newer measurement by another process. `cached()` never measures."""
 
     def __init__(self, pair: Pair):
         self.pair = pair
         # (mlx version, conditions) -> (curves, file, its stamp when read)
         self._known: dict[tuple, tuple[CostCurves, Path, tuple[int, int] | None]] = {}
         self.latest: CostCurves | None = None  # the curves last read or measured, if any
-        # Whether `latest` was measured in this process, or read from a file that a timed
-        # speculative cycle confirmed (`confirm`): else what it says of speculation may be
-        # stale (taken under other conditions), and the choosers look for themselves.
-        self.trusted = False
 
     def curves(
-        self,
-        *,
-        refresh: bool = False,
-        progress: Callable[[int, int], None] | None = None,
+        self, *, refresh: bool = False, progress: Callable[[int, int], None] | None = None
     ) -> CostCurves:
         """Cached curves for this pair on this device, mlx version and conditions, measured
-        when missing (or when `refresh`: e.g. the measured costs keep disagreeing with them).
-        `progress(done, total)` is called as the measurement goes; what it raises abandons
-        the measurement (nothing is written or remembered)."""
+        when missing (or `refresh`). `progress(done, total)` is called as the measurement
+        goes; what it raises abandons it (nothing is written or remembered)."""
         curves = None if refresh else self.cached()
         if curves is None:
             memo, key = self._memo(), calibration_key(self.pair)
             path = _cache_path(key)
             curves = measure(self.pair, progress=progress)
             _write(path, key, curves)
-            self._remember(memo, curves, path, trusted=True)
+            self._known[memo] = (curves, path, _stamp(path))
+            self.latest = curves
         return curves
 
     def cached(self) -> CostCurves | None:
-        """The curves `curves()` returns without measuring: this process's, or the cache
-        file's; None when they would have to be measured."""
+        """The curves `curves()` returns without measuring (None: they must be measured)."""
         memo = self._memo()
         known = self._known.get(memo)
         if known is not None and _stamp(known[1]) == known[2]:
             return known[0]
         key = calibration_key(self.pair)
         path = _cache_path(key)
-        data = _load(path)
-        curves = _parse(data, key)
+        curves = _read(path, key)
         if curves is not None:
-            kept = known is not None and known[0] == curves and self.trusted
-            self._remember(memo, curves, path, trusted=kept or bool(data.get("confirmed")))
+            self._known[memo] = (curves, path, _stamp(path))
+            self.latest = curves
         return curves
-
-    def confirm(self) -> None:
-        """A speculative cycle timed on this device agreed with the current curves: the
-        cache file says so, and later processes trust it (`trusted`) without a look."""
-        known = self._known.get(self._memo())
-        if known is None or self.trusted:
-            return
-        curves, path, _ = known
-        data = _load(path)
-        if _parse(data, data.get("key") if data else None) != curves:
-            return  # rewritten since: not what was confirmed
-        data["confirmed"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-        try:
-            path.write_text(json.dumps(data, indent=1))
-        except OSError:
-            pass  # an unwritable cache: this process trusts it, the next one looks again
-        self.trusted = True
-        self._known[self._memo()] = (curves, path, _stamp(path))
 
     def _memo(self) -> tuple:
         return (mx.__version__, tuple(sorted(conditions().items())))
-
-    def _remember(self, memo: tuple, curves: CostCurves, path: Path, trusted: bool) -> None:
-        self._known[memo] = (curves, path, _stamp(path))
-        self.latest = curves
-        self.trusted = trusted
 
     @property
     def path(self) -> Path:
@@ -337,60 +303,30 @@ class Calibration:
     def forget(self) -> None:
         """Read the file again at the next request (as a new process would)."""
         self._known.clear()
-        self.trusted = False
 
 
 def load_or_measure(
-    pair: Pair,
-    draft=None,
-    *,
-    refresh: bool = False,
-    progress: Callable[[int, int], None] | None = None,
+    pair: Pair, *, refresh: bool = False, progress: Callable[[int, int], None] | None = None
 ) -> CostCurves:
-    """The pair's curves (`pair.costs()`). The old form `load_or_measure(model, draft)` is
-    deprecated: it makes a Pair for this call (nothing remembered for the next one)."""
-    from ..pair import Pair
-
-    if not isinstance(pair, Pair):
-        import warnings
-
-        warnings.warn(
-            "load_or_measure(model, draft) is deprecated: use Pair(model, draft).costs()",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        pair = Pair(pair, draft)
+    """The pair's curves (`pair.costs()`)."""
     return pair.costs(refresh=refresh, progress=progress)
 
 
-def _read(path: Path, key: dict) -> CostCurves | None:
-    return _parse(_load(path), key)
-
-
-def _load(path: Path) -> dict | None:
-    """The cache file's contents (None: none, or unreadable)."""
+def _read(path: Path, key: dict | None) -> CostCurves | None:
+    """The curves a cache file holds for `key` (None: none, another key, or unreadable)."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _parse(data: dict | None, key: dict | None) -> CostCurves | None:
-    """The curves a cache file holds for `key` (None: other key, or unreadable: measure)."""
-    if data is None or data.get("key") != key:
-        return None
-    try:
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None
         return CostCurves(
             tuple(data["verify"]),
             tuple(data["draft"]),
             depths=tuple(data["depths"]),
             deeper=tuple((tuple(v), tuple(d)) for v, d in data["deeper"]),
-            # Absent from files written before they were measured: estimated.
             context=data.get("context"),
             lazy=data.get("lazy"),
         )
-    except (ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
