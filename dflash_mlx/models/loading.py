@@ -40,7 +40,7 @@ OPTIMIZED_BLAS = ("openblas", "mkl", "blis", "atlas")
 
 
 def _optimized_blas() -> bool:
-    from ..speed.calibrate import blas_library
+    from ..sysinfo import blas_library
 
     return any(name in (blas_library() or "").lower() for name in OPTIMIZED_BLAS)
 

@@ -12,10 +12,11 @@ prompt prefixes for every conversation, on disk across restarts. Requests arrive
 event loop and stream `GenerationResponse`s back to it. The worker is supervised: if it
 dies, waiting requests and new ones are refused (503, `/health` too) until a fresh worker
 has taken its place. No request waits for a calibration: the pair's cost curves are
-measured during the warm-up (before `ready`), and one due later (a re-calibration the
-width choosers ask for, new conditions) only while no request runs or waits, abandoned as
-soon as one arrives. Knows nothing about HTTP or OpenAI's formats: it takes token ids and a
-`GenerateOptions`, and serves one `Pair`.
+measured during the warm-up (before `ready`), and one due later (new conditions: another
+BLAS, the power source) only while no request runs or waits, logged, and abandoned as soon
+as one arrives; the width policy learns costs from the passes it runs meanwhile. Knows
+nothing about HTTP or OpenAI's formats: it takes token ids and a `GenerateOptions`, and
+serves one `Pair`.
 """
 
 from __future__ import annotations
@@ -366,9 +367,13 @@ class Engine:
             if between_requests:
                 progress(0, 0)
             if self.pair.calibration_due:
+                when = "while idle" if between_requests else "before serving"
+                log.info("calibrating the pair's costs %s (new conditions: %s)", when, _why())
+                tic = time.perf_counter()
                 self.pair.calibrate(progress=progress)
+                log.info("calibrated in %.1f s", time.perf_counter() - tic)
         except _Cancelled:
-            pass
+            log.info("calibration abandoned: a request arrived (it runs on the curves at hand)")
         except Exception as e:  # e.g. no writable cache
             self._calibrates = False  # not again: each try would measure for nothing
             log.warning(
@@ -437,3 +442,9 @@ class Engine:
             self._mean_seconds = 0.8 * self._mean_seconds + 0.2 * seconds
         if last is not None:
             log.info("%s", request_line(outcome, last, seconds))
+
+
+def _why() -> str:
+    from ..sysinfo import conditions
+
+    return ", ".join(f"{k} {v}" for k, v in conditions().items() if v) or "none named"

@@ -15,11 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +29,7 @@ from mlx.utils import tree_flatten
 from ..engine.batch_cache import keep
 from ..engine.sampling import SamplingParams, propose
 from ..paths import cache_dir
+from ..sysinfo import conditions, device_description
 from .costs import CostCurves
 
 if TYPE_CHECKING:
@@ -40,55 +37,6 @@ if TYPE_CHECKING:
 
 CONTEXT = 128  # tokens of context the shallowest passes are timed at
 DEPTHS = (CONTEXT, 2048, 8192)  # context depths calibrated (those within the model's context)
-_CONDITIONS_TTL = 30.0  # seconds a reading of the conditions is trusted
-_conditions: tuple[float, dict] | None = None
-
-
-def blas_library() -> str | None:
-    """The BLAS shared libraries mapped into this process (Linux) that MLX can call, e.g. an
-    LD_PRELOADed OpenBLAS: they change what wide passes cost on a CPU. NumPy's and SciPy's
-    private ILP64 builds (suffixed symbols, loaded whenever numpy is imported) are not."""
-    try:
-        with open("/proc/self/maps") as f:
-            libs = {line.split()[-1] for line in f if "blas" in line.lower() and "/" in line}
-    except OSError:
-        return None
-    names = {os.path.basename(p) for p in libs}
-    names = {n for n in names if "openblas64" not in n and "scipy_openblas" not in n}
-    return ",".join(sorted(names)) or None
-
-
-def _power_source() -> str | None:
-    """macOS: "AC Power" or "Battery Power" (Low Power Mode, throttling follow it)."""
-    if sys.platform != "darwin":
-        return None
-    try:
-        out = subprocess.run(
-            ["pmset", "-g", "ps"], capture_output=True, text=True, timeout=2
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    first = out.splitlines()[0] if out else ""
-    return first.split("'")[1] if first.count("'") >= 2 else None
-
-
-def conditions() -> dict:
-    """What the calibration was measured under besides the device and the models (read at
-    most every 30 seconds)."""
-    global _conditions
-    now = time.monotonic()
-    if _conditions is None or now - _conditions[0] > _CONDITIONS_TTL:
-        _conditions = (now, {"blas": blas_library(), "power": _power_source()})
-    return _conditions[1]
-
-
-def device_description() -> str:
-    dev = mx.default_device()
-    desc = f"{dev.type}"
-    if mx.metal.is_available():
-        info = mx.metal.device_info()
-        desc += f" {info.get('architecture', '')} {info.get('memory_size', '')}"
-    return f"{desc} {platform.system()} {platform.machine()} {os.cpu_count()} cpus"
 
 
 def _fingerprint(module: nn.Module, extra: dict) -> dict:

@@ -57,11 +57,17 @@ class Choice:
 
 
 def choose(
-    costs: list[float], rows: list[Estimate], catch: float, bank: float, looked: bool
+    costs: list[float],
+    rows: list[Estimate],
+    catch: float,
+    bank: float,
+    looked: bool,
+    wake: float | None = None,
 ) -> Choice:
     """The rule. `costs[w - 1]`: seconds of a cycle of width w over all `rows` (w = 1: a plain
     step); `catch`: seconds to catch the rows' draft contexts up first (0 if current);
-    `bank`: seconds probes may still lose; `looked`: a speculative cycle was timed here."""
+    `bank`: seconds probes may still lose; `looked`: a speculative cycle was timed here;
+    `wake`: what a probe's catch-up costs (default `catch`)."""
     n, plain = len(rows), costs[0]
     step = plain / n  # plain seconds per token
     left = min(r.left for r in rows)
@@ -80,7 +86,8 @@ def choose(
     # accepted), and over the tokens left could win back what it loses were they all wrong;
     # until a speculative cycle was timed here, the cheapest width looks (the calibration may
     # be stale). The best by the estimate among them.
-    loss = {w: costs[w - 1] - plain + catch for w in range(2, len(costs) + 1)}
+    wake = catch if wake is None else wake
+    loss = {w: costs[w - 1] - plain + wake for w in range(2, len(costs) + 1)}
     full = {w: sum(min(w, r.left) for r in rows) for w in loss}
     useful = [
         w for w in loss if loss[w] < (left - w) * n / full[w] * (full[w] * step - costs[w - 1])
@@ -146,9 +153,13 @@ class AutoPolicy:
     def plan(self, asks: list[Ask], rows: int = 0) -> Plan:
         depth = max(a.depth for a in asks)
         costs = self.costs(max(rows, len(asks)), depth)
-        catch = self.table.catch_up(sum(a.behind for a in asks), sum(a.lazy for a in asks), depth)
+        lazy = sum(a.lazy for a in asks)
+        catch = self.table.catch_up(sum(a.behind for a in asks), lazy, depth)
+        # A probe wakes a dormant draft on a window of context, captured just before it: priced
+        # so, the bank is not outrun by the rows captured while it fills.
+        wake = self.table.catch_up(len(asks) * self.window, lazy, depth)
         est = [self.estimate(a) for a in asks]
-        c = choose(costs, est, catch, self.bank, self.table.looked)
+        c = choose(costs, est, catch, self.bank, self.table.looked, wake)
         widths = tuple(max(1, min(c.width, a.left)) for a in asks)
         blocks = (self.block_for(c.width, depth) if c.width > 1 else 1,) * len(asks)
         # Plain steps keep the draft's context current only within a window before a probe;
