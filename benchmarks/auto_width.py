@@ -129,7 +129,7 @@ def run(args) -> None:
     calibrated = Pair(model, base)
 
     if args.calibrate_to:
-        from dflash_mlx.speed.calibrate import cache_path
+        from dflash_mlx.calibration import cache_path
 
         calibrated.costs()  # measured under stock BLAS, into this process's cache
         Path(args.calibrate_to).write_text(cache_path(calibrated).read_text())
@@ -137,7 +137,7 @@ def run(args) -> None:
     if args.curves:
         import json
 
-        from dflash_mlx.speed.calibrate import cache_path, calibration_key
+        from dflash_mlx.calibration import cache_path, calibration_key
 
         # The stock-BLAS curves planted in this run's calibration cache under this run's own
         # key: what the pairs read as their calibration, stale, until the product's own

@@ -93,7 +93,7 @@ def priced(profile, events) -> float:
 
 
 def calibrate(names: list[str]) -> None:
-    from dflash_mlx.speed.calibrate import cache_path
+    from dflash_mlx.calibration import cache_path
 
     regime = "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "stock"
     CURVES.mkdir(exist_ok=True)
@@ -107,7 +107,7 @@ def calibrate(names: list[str]) -> None:
 
 def profiles_for(names: list[str], pair_name: str):
     from dflash_mlx.bench.profiles import Profile, m5
-    from dflash_mlx.speed.calibrate import _read
+    from dflash_mlx.calibration import _read
 
     out = []
     for name in names:
@@ -192,7 +192,8 @@ def report(cells: list[dict]) -> None:
     """Per profile: cells where auto >= 0.95x the best of plain and every fixed width, and,
     where no width beats plain, >= 0.98x plain."""
     print(
-        "\n| profile | cells | auto >= 0.95x best | no width beats plain: auto >= 0.98x plain | worst auto/best |"
+        "\n| profile | cells | auto >= 0.95x best | no width beats plain: auto >= 0.98x plain "
+        "| worst auto/best |"
     )
     print("|---|---:|---:|---:|---:|")
     for prof in dict.fromkeys(r["profile"] for r in cells):

@@ -38,7 +38,7 @@ class Pair:
     """A target model and (optionally) a DFlash draft built for it."""
 
     def __init__(self, model: nn.Module, draft: DFlashDraft | None = None):
-        from .speed.calibrate import Calibration
+        from .calibration import Calibration
 
         self.model = model
         self.draft = draft

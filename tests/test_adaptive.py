@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 import dflash_mlx
-import dflash_mlx.speed.calibrate as calibrate
+import dflash_mlx.calibration as calibrate
 from dflash_mlx import Pair
 from dflash_mlx.speed.adaptive import FIRST_LOOK, CostCurves, WidthChooser
 

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_mlx.cli.main import app
-from dflash_mlx.speed import calibrate
+from dflash_mlx import calibration as calibrate
 
 
 @pytest.fixture

@@ -181,7 +181,7 @@ def test_half_precision_weights_run_in_float32_on_a_cpu_with_openblas(
 ):
     """MLX's CPU matmul has no BLAS path for bf16: with an optimized BLAS loaded such pairs
     are computed in float32; with the stock wheel's reference BLAS they are not."""
-    from dflash_mlx.speed import calibrate
+    from dflash_mlx import calibration as calibrate
 
     monkeypatch.setattr(calibrate, "blas_library", lambda: "libblas.so.3,libopenblasp-r0.3.21.so")
     target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")

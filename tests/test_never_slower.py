@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import dflash_mlx.speed.calibrate as calibrate
+import dflash_mlx.calibration as calibrate
 from dflash_mlx import GenerateOptions, Pair
 from dflash_mlx.engine.batch import speculative_decode
 from dflash_mlx.speed.adaptive import CostCurves, WidthChooser

@@ -164,7 +164,7 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
         assert dflash_mlx.server.context_length(model) == Pair(model).context_limit
     with pytest.warns(DeprecationWarning, match="Pair"):
         assert dflash_mlx.models.target.TargetAdapter.of(model).model is model
-    calibrate = importlib.import_module("dflash_mlx.speed.calibrate")
+    calibrate = importlib.import_module("dflash_mlx.calibration")
     with pytest.warns(DeprecationWarning, match="costs"):
         assert calibrate.load_or_measure(model, draft) == Pair(model, draft).costs()
     chat = importlib.import_module("dflash_mlx.chat.session")

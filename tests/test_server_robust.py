@@ -21,7 +21,7 @@ import pytest
 
 from dflash_mlx.server import create_server
 from dflash_mlx.server.engine import EngineClosed, EngineDown, QueueFull
-from dflash_mlx.speed import calibrate
+from dflash_mlx import calibration as calibrate
 from dflash_mlx.speed.adaptive import WidthChooser
 from dflash_mlx.speed.costs import CostCurves
 

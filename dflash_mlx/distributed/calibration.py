@@ -12,7 +12,7 @@ def lockstep_calibration(pair: Any) -> None:
     missing: a measurement runs sharded passes, which every rank must run)."""
     if current() is None or pair.calibration is None:
         return
-    from ..speed.calibrate import Calibration
+    from ..calibration import Calibration
 
     class LockstepCalibration(Calibration):
         """Rank 0's curves, read from its file (keyed also by the sharding) or measured
@@ -23,7 +23,7 @@ def lockstep_calibration(pair: Any) -> None:
         frozen = False
 
         def _key(self) -> dict:
-            from ..speed.calibrate import calibration_key
+            from ..calibration import calibration_key
 
             c = current()
             return {**calibration_key(self.pair), "shard": [c.shard, c.size] if c else None}
@@ -31,7 +31,7 @@ def lockstep_calibration(pair: Any) -> None:
         def cached(self):
             if self.latest is not None:
                 return self.latest
-            from ..speed.calibrate import _cache_path, _read
+            from ..calibration import _cache_path, _read
 
             curves = None
             if speaks():
@@ -44,7 +44,7 @@ def lockstep_calibration(pair: Any) -> None:
         def curves(self, *, refresh: bool = False, progress=None):
             curves = None if refresh and not self.frozen else self.cached()
             if curves is None:
-                from ..speed.calibrate import _cache_path, _write, measure
+                from ..calibration import _cache_path, _write, measure
 
                 curves = measure(self.pair, progress=progress)
                 if speaks():
@@ -62,7 +62,7 @@ def lockstep_calibration(pair: Any) -> None:
 
         @property
         def path(self):
-            from ..speed.calibrate import _cache_path
+            from ..calibration import _cache_path
 
             return _cache_path(self._key())
 

@@ -225,8 +225,8 @@ def tree_mode(
     """Whether this request's speculative cycles verify trees: `options.tree` True (always;
     where a tree cannot be verified, chains, and `req.tree_note` says why), False (never), or
     None: `shapes` (the pair's `ShapeChooser`) picks per cycle from measured speed, where the
-    width is chosen too and costs are learnt (a seeded request verifies chains: its shapes must not follow
-    wall time)."""
+    width is chosen too and costs are learnt (a seeded request verifies chains: its shapes
+    must not follow wall time)."""
     if options.tree is False or req.draft is None:
         return False
     if options.tree is None and (shapes is None or not learn_costs):

@@ -26,14 +26,14 @@ import mlx.nn as nn
 import mlx_lm
 from mlx.utils import tree_flatten
 
-from ..engine.batch_cache import keep
-from ..engine.sampling import SamplingParams, propose
-from ..paths import cache_dir
-from ..sysinfo import conditions, device_description
-from .costs import CostCurves
+from .engine.batch_cache import keep
+from .engine.sampling import SamplingParams, propose
+from .paths import cache_dir
+from .speed.costs import CostCurves
+from .sysinfo import conditions, device_description
 
 if TYPE_CHECKING:
-    from ..pair import Pair
+    from .pair import Pair
 
 CONTEXT = 128  # tokens of context the shallowest passes are timed at
 DEPTHS = (CONTEXT, 2048, 8192)  # context depths calibrated (those within the model's context)
