@@ -123,18 +123,35 @@ class Shape:
     block: int
     depth: int
 
-    @property
-    def key(self) -> tuple[bool, int, int]:
-        return self.width > 1, self.rows * self.width, depth_bucket(self.depth)
+
+def _update(table: dict, key, old: float, seen: float, times: int = 1) -> None:
+    """A measured ratio into `table[key]`: at most `SPREAD` x off `old`, a decayed mean."""
+    new = min(max(seen, old / SPREAD), old * SPREAD)
+    table[key] = new if key not in table else old + (1 - (1 - SMOOTHING) ** times) * (new - old)
+
+
+def _nearest(table: dict, rows: int, tokens: int, bucket: int) -> float | None:
+    """The entry of the shape nearest (depth first, then tokens, a wider one dearer)."""
+
+    def distance(k: tuple[int, int, int]) -> tuple[int, float]:
+        up = math.log2(k[1] / tokens)
+        return abs(k[2] - bucket), abs(up) + (0.5 if up > 0 else 0.0) + abs(math.log2(k[0] / rows))
+
+    return table[min(table, key=distance)] if table else None
 
 
 class CostTable:
-    """Seconds a cycle costs here now: the calibration, times what passes of its shape (or the
-    nearest shape measured) took against it."""
+    """Seconds a cycle costs here now. Plain steps: the calibration times what plain steps of
+    as many rows (or the nearest measured) took against it: how fast the device runs now
+    (a busy machine, another BLAS). Speculative cycles: that, times how much dearer than the
+    calibration says, relative to plain steps then, their shape (or the nearest, narrower
+    first: a wider width is found out by trying it) was measured: so what load does to
+    every pass is learnt from the plain steps alone."""
 
     def __init__(self, curves: CostCurves):
         self.curves = curves
-        self.ratio: dict[tuple[bool, int, int], float] = {}  # measured / calibrated, by key
+        self.plain: dict[tuple[int, int, int], float] = {}  # (rows, rows, bucket) -> ratio
+        self.relative: dict[tuple[int, int, int], float] = {}  # (rows, tokens, bucket)
         self.catch_ratio: float | None = None
 
     def calibrated(self, shape: Shape) -> float:
@@ -142,46 +159,44 @@ class CostTable:
         spent = c.target(shape.rows * shape.width, d)
         return spent + (c.drafting(shape.rows, shape.block, d) if shape.width > 1 else 0.0)
 
-    def scale(self, key: tuple[bool, int, int]) -> float:
-        """The ratio of the nearest shape measured: the same kind first, then fewer tokens
-        before more (a wider width is priced as the narrower one measured: found out by
-        trying it), then the nearest depth. 1.0 before anything is measured."""
-        if key in self.ratio:
-            return self.ratio[key]
-        if not self.ratio:
-            return 1.0
-        spec, tokens, bucket = key
+    def speed(self, rows: int, depth: int) -> float:
+        """Measured / calibrated seconds of plain steps of `rows` rows near `depth` (1.0
+        before any is measured)."""
+        got = _nearest(self.plain, rows, rows, depth_bucket(depth))
+        return 1.0 if got is None else got
 
-        def distance(k: tuple[bool, int, int]) -> tuple:
-            up = math.log2(k[1] / tokens)
-            return (k[0] != spec, abs(k[2] - bucket), abs(up) + (0.5 if up > 0 else 0.0))
-
-        return self.ratio[min(self.ratio, key=distance)]
+    def scale(self, shape: Shape) -> float:
+        plain = self.speed(shape.rows, shape.depth)
+        if shape.width == 1:
+            return plain
+        tokens, bucket = shape.rows * shape.width, depth_bucket(shape.depth)
+        rel = _nearest(self.relative, shape.rows, tokens, bucket)
+        return plain * (1.0 if rel is None else rel)
 
     def cost(self, shape: Shape) -> float:
-        return self.scale(shape.key) * self.calibrated(shape)
+        return self.scale(shape) * self.calibrated(shape)
 
     def catch_up(self, rows: int, lazy: int, depth: int) -> float:
         if rows <= 0 and lazy <= 0:
             return 0.0
-        ratio = self.catch_ratio if self.catch_ratio is not None else self.scale((False, 1, 0))
-        return ratio * self.curves.catch_up(rows, lazy, depth)
+        ratio = self.catch_ratio if self.catch_ratio is not None else 1.0
+        return ratio * self.speed(1, depth) * self.curves.catch_up(rows, lazy, depth)
 
     def learn(self, shape: Shape, seconds: float, times: int = 1) -> None:
         """`times` cycles of `shape` took `seconds` each (sync to sync)."""
         if not seconds > 0 or times < 1:
             return
-        key, cal = shape.key, self.calibrated(shape)
-        old = self.scale(key)
-        new = min(max(seconds / cal, old / SPREAD), old * SPREAD)
-        if key not in self.ratio:
-            self.ratio[key] = new
+        seen, bucket = seconds / self.calibrated(shape), depth_bucket(shape.depth)
+        if shape.width == 1:
+            key = (shape.rows, shape.rows, bucket)
+            _update(self.plain, key, self.speed(shape.rows, shape.depth), seen, times)
         else:
-            weight = 1.0 - (1.0 - SMOOTHING) ** times
-            self.ratio[key] = old + weight * (new - old)
+            key = (shape.rows, shape.rows * shape.width, bucket)
+            plain = self.speed(shape.rows, shape.depth)
+            _update(self.relative, key, self.scale(shape) / plain, seen / plain, times)
 
     def learn_catch_up(self, rows: int, lazy: int, depth: int, seconds: float) -> None:
-        predicted = self.curves.catch_up(rows, lazy, depth)
+        predicted = self.speed(1, depth) * self.curves.catch_up(rows, lazy, depth)
         if seconds > 0 and predicted > 0:
             old = self.catch_ratio if self.catch_ratio is not None else 1.0
             new = min(max(seconds / predicted, old / SPREAD), old * SPREAD)
@@ -190,4 +205,4 @@ class CostTable:
     @property
     def looked(self) -> bool:
         """Whether a speculative cycle has been timed (else its price is the calibration's)."""
-        return any(k[0] for k in self.ratio)
+        return bool(self.relative)
