@@ -132,7 +132,15 @@ def drive(policy, cost, accept, tokens: int, *, depth: int = 100, ticket=None) -
     return log
 
 
-def rate(log) -> float:
-    """Tokens per second of a `drive` log."""
-    made = sum((n + 1) * times if w > 1 else times for w, _, n, _, times in log)
-    return made / sum(s * times for *_, s, times in log)
+def rate(log, skip: int = 0) -> float:
+    """Tokens per second of a `drive` log, after its first `skip` tokens."""
+    made = spent = 0.0
+    for w, _, n, s, times in log:
+        if w == 1:
+            steps = max(0, times - skip)
+            made, spent, skip = made + steps, spent + steps * s, max(0, skip - times)
+        elif skip > 0:
+            skip = max(0, skip - n - 1)
+        else:
+            made, spent = made + n + 1, spent + s
+    return made / spent

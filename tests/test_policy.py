@@ -11,7 +11,6 @@ import pytest
 
 from dflash_mlx.speed.costs import CostCurves
 from dflash_mlx.speed.policy import PROBE_SHARE, AutoPolicy, Estimate, choose
-from dflash_mlx.speed.port import Ask, Record
 
 from .sim import SimClock, curves, decode, drive, plans, records, tokens
 
@@ -23,9 +22,7 @@ try:  # hypothesis drives the random inputs where it is installed (and shrinks a
 
     def forall(test):
         run = given(st.randoms(use_true_random=False))(test)
-        return settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)(
-            run
-        )
+        return settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None)(run)
 
 except ImportError:  # a seeded loop
 
@@ -310,7 +307,9 @@ def test_the_engine_on_a_device_where_verifies_are_free_speculates_wide(target, 
     ids, ref = greedy
     free = curves(lambda w: PLAIN, lambda n: 0.0)
     right = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99)
-    cycles, events = decode(Pair(model, right), ids, 120, AutoPolicy(free, BLOCK), clock=SimClock(free))
+    cycles, events = decode(
+        Pair(model, right), ids, 120, AutoPolicy(free, BLOCK), clock=SimClock(free)
+    )
     assert tokens(cycles) == ref
     widths = [c.width for c in cycles[1:]]
     assert min(widths[:-1]) >= 8 and not any(p.probe for p in plans(events)), widths
