@@ -63,29 +63,32 @@ def prompts(tok, n: int, c: int) -> list[list[int]]:
         if len(ids) < n + 16:
             ids = (ids * (-(-(n + 16) // len(ids))))[: n + 16]
         k = len(out) // len(files)  # a second prompt of one file starts elsewhere
-        end = max(n, len(ids) // 2 - k * 97)
+        end = max(n, len(ids) // 2 - k * (n // 2 + 97))
         out.append(ids[end - n : end])
     return out
 
 
-def run(pair, tok, ids: list[list[int]], tokens: int, width: int | None, clock=None):
-    """One batch: (generated tokens after the first of each, the trace, the rows' stats)."""
+def run(pair, tok, batches: list[list[list[int]]], tokens: int, width: int | None, clock=None):
+    """Batches one after another, each its prompts at once: (generated tokens after the
+    first of each, the trace, the rows' stats)."""
     from dflash_mlx import GenerateOptions
     from dflash_mlx.engine.batch import BatchDecoder
 
-    dec = BatchDecoder(pair, tok, max_batch=len(ids))
-    events = []
-    dec.trace, dec.clock = events.append, clock
+    events, made, stats = [], 0, []
     opts = GenerateOptions(max_tokens=tokens, verify_width=width)
-    rows = [dec.submit(p, opts) for p in ids]
-    last = {}
-    while dec.busy:
-        for row, out in dec.step():
-            if isinstance(out, BaseException):
-                raise out
-            last[id(row)] = out
-    made = sum(r.generated - 1 for r in rows)
-    return made, events, [last[id(r)].stats for r in rows]
+    for ids in batches:
+        dec = BatchDecoder(pair, tok, max_batch=len(ids))
+        dec.trace, dec.clock = events.append, clock
+        rows = [dec.submit(p, opts) for p in ids]
+        last = {}
+        while dec.busy:
+            for row, out in dec.step():
+                if isinstance(out, BaseException):
+                    raise out
+                last[id(row)] = out
+        made += sum(r.generated - 1 for r in rows)
+        stats += [last[id(r)].stats for r in rows]
+    return made, events, stats
 
 
 def priced(profile, events) -> float:
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="128,1k,3k")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=3, help="batches of c requests a cell")
     ap.add_argument("--widths", default="2,3,4,6,8,12,16")
     ap.add_argument("--calibrate", action="store_true", help="measure this regime's curves")
     ap.add_argument("--json", type=Path, help="write every cell's figures here")
@@ -147,7 +151,8 @@ def main() -> None:
         policies = {}
         for n_ctx in counts(args.contexts):
             for c in counts(args.concurrency):
-                ids = prompts(tok, n_ctx, c)
+                every = prompts(tok, n_ctx, c * args.batches)
+                ids = [every[i * c : (i + 1) * c] for i in range(args.batches)]
                 fixed = {}
                 for w in [1, *widths]:
                     fixed[w] = run(pair, tok, ids, args.tokens, w)

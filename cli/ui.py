@@ -117,9 +117,12 @@ def calibrate(pair, verify_width: int | None, console: Console | None = None) ->
     """Measure the pair's cost curves now, when a request with `verify_width` would (an
     automatic width and none cached for this device): a line saying what runs, a bar, then
     how long it took. Nothing when they are cached, fixed or without a draft. A cache that
-    cannot be written is a note: requests then use the draft's default width."""
+    cannot be written is a note: requests then use the draft's default width. Later
+    requests of the pair never measure (a chat's next turn, a bench's next prompt): they
+    plan from the curves at hand, and the width policy learns from the passes it runs."""
     import time
 
+    pair.calibrate_in_plan = False
     if pair.draft is None or verify_width is not None or not pair.calibration_due:
         return
     console = console or _err()

@@ -9,9 +9,10 @@ machine is not. Profiles:
 - `m5`: a 27B 4-bit target on an Apple M5 Max with MLX's matmuls (TensorFold's Qwen3.8-27B
   recipe: a forward over 1 / 2 / 4 / 8 / 16 rows takes 32.9 / 35.2 / 49.2 / 86.8 / 112.6
   ms), a draft pass costing a tenth of a target pass over its rows (5 draft layers against
-  64, the shared LM head), depth read at the bandwidth the 1-row pass implies (about 15 GB
-  of weights in 32.9 ms: ~450 GB/s) over a hybrid stack's KV cache (16 attention layers x 4
-  KV heads x 256 dims x K and V in fp16: 64 KiB a token): 0.14 us per token of context;
+  64, the shared LM head; a context row a quarter of that), depth read at the bandwidth the
+  1-row pass implies (about 15 GB of weights in 32.9 ms: ~450 GB/s) over a hybrid stack's
+  KV cache (16 attention layers x 4 KV heads x 256 dims x K and V in fp16: 64 KiB a
+  token): 0.14 us per token of context;
 - `m5-fewrows`: the same with a kernel built for few rows (TensorFold's: 16 rows cost 1.15x
   one), MLX's slope beyond 16.
 """
@@ -28,6 +29,9 @@ M5_ROWS = (1, 2, 4, 8, 16)
 M5_MS = (32.9, 35.2, 49.2, 86.8, 112.6)
 M5_DEPTH_US = 0.14  # per token of context, per target pass
 M5_DRAFT_SHARE = 0.1
+# A context row the draft takes costs a quarter of a drafted row: its features projected and
+# each draft layer's K and V, not the attention, MLP or LM head (about 13 of 60 h^2 a layer).
+CONTEXT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,10 @@ class Profile:
         if k == "catch-up":  # context rows projected in one pass, lazy rows' captured layers
             if self.curves is not None:
                 return self.curves.catch_up(event.tokens, event.block, d)
-            return self.draft_share * self.target(event.tokens, d) + self.lazy(d) * event.block
+            return (
+                CONTEXT_SHARE * self.draft_share * self.target(event.tokens, d)
+                + self.lazy(d) * event.block
+            )
         return 0.0
 
     def as_curves(self, block: int, depths: tuple[int, ...] = (128, 2048, 8192)) -> CostCurves:
@@ -85,7 +92,7 @@ class Profile:
             return verify, (0.0,) + tuple(self.draft(1, n, d) for n in range(2, block + 1))
 
         (v, dr), *deeper = [at(d) for d in depths]
-        row = self.draft_share * self.target(16, 0) / 16  # one context row, in a pass of many
+        row = CONTEXT_SHARE * self.draft_share * self.target(16, 0) / 16  # one context row
         return CostCurves(v, dr, depths, tuple(deeper), context=row, lazy=self.lazy(0))
 
 
