@@ -102,18 +102,30 @@ def records(events) -> list:
     return [e.detail for e in events if e.kind == "learn"]
 
 
-def drive(policy, cost, accept, tokens: int, *, depth: int = 100, ticket=None) -> list[tuple]:
+def drive(
+    policy,
+    cost,
+    accept,
+    tokens: int,
+    *,
+    depth: int = 100,
+    ticket=None,
+    behind: tuple[int, int] = (0, 0),
+    catch=None,
+) -> list[tuple]:
     """Run `policy` as the engine does for one request of `tokens` tokens, without models:
     a cycle of width W drafting a block of L costs `cost(W, L)` seconds (W = 1: a plain
     step; a plain plan that stands runs its steps as one stretch) and accepts
-    `accept(cycle, W)` drafts (at most W - 1). Returns a log of `(W, probe, accepted,
-    seconds, times)` per cycle."""
+    `accept(cycle, W)` drafts (at most W - 1). The draft's context is `behind` = (rows,
+    lazy) until the first speculative cycle catches it up, in `catch(rows, lazy)` seconds.
+    Returns a log of `(W, probe, accepted, seconds, times)` per cycle (a speculative
+    cycle's seconds include its catch-up)."""
     from dflash_mlx.speed.port import Ask, Record
 
     ticket = ticket if ticket is not None else policy.begin(tokens)
     log, done = [], 0
     while done < tokens:
-        ask = Ask(ticket, depth + done, tokens - done)
+        ask = Ask(ticket, depth + done, tokens - done, *behind)
         plan = policy.plan([ask])
         w, block = plan.widths[0], plan.blocks[0]
         if w == 1:
@@ -125,9 +137,22 @@ def drive(policy, cost, accept, tokens: int, *, depth: int = 100, ticket=None) -
             continue
         seconds = cost(w, block)
         n = max(0, min(accept(len(log), w), w - 1))
-        record = Record((ask,), (w,), (n,), depth + done, seconds, block=block, probe=plan.probe)
+        caught = catch(*behind) if any(behind) and catch is not None else 0.0
+        record = Record(
+            (ask,),
+            (w,),
+            (n,),
+            depth + done,
+            seconds,
+            block=block,
+            caught=behind[0],
+            lazy=behind[1],
+            caught_seconds=caught,
+            probe=plan.probe,
+        )
         policy.learn(record)
-        log.append((w, plan.probe, n, seconds, 1))
+        log.append((w, plan.probe, n, seconds + caught, 1))
+        behind = (0, 0)
         done += n + 1
     return log
 
