@@ -8,6 +8,11 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import generate, load
 from dflash_mlx.models.draft import DFlashDraft
+from dflash_mlx.speed.costs import CostCurves
+from dflash_mlx.speed.policy import AutoPolicy
+from dflash_mlx.speed.port import Plan
+
+from .sim import SimClock, decode, plans, records, tokens
 
 PROMPTS = [
     "def add(a, b):",
@@ -51,6 +56,30 @@ class ScriptedDraft(DFlashDraft):
             want.append(t)
         self.calls += 1
         return (mx.eye(vocab)[mx.array(want)] * 30.0)[:rows]
+
+
+class PlainButWarm:
+    """A width policy (`speed.port.Policy`) that plans a plain step every cycle, keeping the
+    draft's context current (features captured at every plain pass, as before a probe)."""
+
+    window = 0
+
+    def __init__(self, block: int):
+        self.block = block
+
+    def begin(self, tokens):
+        from dflash_mlx.speed.port import Ticket
+
+        return Ticket([0.0] * self.block, [0.0] * self.block, tokens)
+
+    def plan(self, asks, rows=0):
+        return Plan((1,) * len(asks), (1,) * len(asks), capture=True)
+
+    def learn(self, record):
+        pass
+
+    def forget(self):
+        pass
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3-4bit", "qwen35"])
@@ -292,7 +321,7 @@ def test_the_first_token_does_not_wait_for_the_drafts_context(target, draft, mon
         f"before the first token the draft's context was evaluated up to {max(before or [0])}"
         f" rows; the chunks before the prompt's last token but one hold {whole}"
     )
-    # The first cycle evaluates the rest before it runs (so that no cycle the chooser
+    # The first cycle evaluates the rest before it runs (so that no cycle the policy
     # learns from pays for the prompt's context).
     assert evaluated and evaluated[0] == len(ids), evaluated
 
@@ -319,72 +348,36 @@ def test_automatic_width_is_lossless(any_target, draft):
         assert out.verify_width is None
 
 
-def simulated_device(monkeypatch, pair, cost) -> list[tuple[int, float]]:
-    """The engine's clock reads simulated time, never the wall: each target pass after the
-    prompt's advances it by `cost(W)` seconds for the pass's width W (W = 1: a plain step),
-    so the width chooser learns exactly these costs, however busy the machine is.
-    Returns the passes charged, `(W, seconds)`."""
-    import types
-
-    import dflash_mlx.engine.batch as batch
-    import dflash_mlx.engine.batch_cycle as batch_cycle
-    import dflash_mlx.engine.plain as plain
-
-    now, charged = [0.0], []
-    fake = types.SimpleNamespace(perf_counter=lambda: now[0])
-    for module in (batch, batch_cycle, plain):  # the cycle's launches, the clock charging them
-        monkeypatch.setattr(module, "time", fake)
-    real_forward, real_prefill, decoding = pair.target.forward, batch.prefill_prompt, []
-
-    def prefill(*args, **kwargs):
-        logits = real_prefill(*args, **kwargs)
-        decoding.append(True)
-        return logits
-
-    def forward(tokens, cache, capture_ids):
-        if decoding:  # after the prompt's prefill
-            now[0] += cost(tokens.shape[1])
-            charged.append((tokens.shape[1], cost(tokens.shape[1])))
-        return real_forward(tokens, cache, capture_ids)
-
-    monkeypatch.setattr(batch, "prefill_prompt", prefill)
-
-    monkeypatch.setattr(pair.target, "forward", forward)  # this pair's adapter alone
-    return charged
-
-
-def flat_curves(block: int):
-    """A calibration that says speculation is free: every verify costs a plain step's
-    millisecond and the draft nothing (it never says W = 1 pays)."""
-    from dflash_mlx.speed.adaptive import CostCurves
-
-    return CostCurves((1e-3,) * block, (0.0,) * block)
+def flat_curves(block: int, step: float = 1e-3):
+    """A calibration that says speculation is free: every verify costs a plain step and the
+    draft nothing (it never says W = 1 pays)."""
+    return CostCurves((step,) * block, (0.0,) * block)
 
 
 @pytest.mark.parametrize("device", ["steep", "flat"])
-def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(
-    target, draft, monkeypatch, device
-):
+def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(target, draft, device):
     """The random draft is never right. Its calibration says speculation costs nothing;
     the (simulated) device says a cycle of W tokens costs 1 + (W - 1) / 2 plain steps: the
-    chooser learns that from the cycles it runs and decodes plainly, probing now and then.
+    policy learns that from the cycles it runs and decodes plainly, probing now and then.
     On a device where speculation really is free, it keeps speculating: the fallback comes
     from the costs, not from the draft alone."""
-    from dflash_mlx import Pair, stream_generate
+    from dflash_mlx import Pair
 
     model, tok = target
-    pair = Pair(model, draft)
     block = draft.config.block_size
-    monkeypatch.setattr(pair, "costs", lambda **_: flat_curves(block))
     steep = device == "steep"
-    charged = simulated_device(
-        monkeypatch, pair, lambda w: 1e-3 * (1 + (w - 1) / 2 if steep else 1)
+    truth = CostCurves(
+        tuple(1e-3 * (1 + (w - 1) / 2 if steep else 1) for w in range(1, block + 1)),
+        (0.0,) * block,
     )
     ids = tok.encode(PROMPTS[1])
-    got = list(stream_generate(pair, tok, ids, max_tokens=120))[1:]
-    # A plain response of k tokens: k plain steps (a stretch's), each a pass.
-    widths = [w for r in got for w in ([1] * len(r.tokens) if r.width == 1 else [r.width])]
-    assert len(widths) == 119 and [w for w, _ in charged] == widths, "every cycle was charged"
+    policy = AutoPolicy(flat_curves(block), block)
+    cycles, events = decode(Pair(model, draft), ids, 120, policy, clock=SimClock(truth))
+    assert tokens(cycles) == target_greedy(model, ids, 120)
+    # A plain cycle of k tokens: k plain steps (a stretch's), each a pass.
+    widths = [w for c in cycles[1:] for w in ([1] * c.steps if c.width == 1 else [c.width])]
+    passes = [e for e in events if e.kind in ("plain", "verify")]
+    assert len(passes) >= len(widths), "every cycle was charged"
     plain = sum(w == 1 for w in widths)
     if steep:
         assert plain >= 0.8 * len(widths), f"a never-right draft kept being verified: {widths}"
@@ -394,46 +387,31 @@ def test_automatic_width_falls_back_to_plain_decoding_for_a_useless_draft(
         assert 1 not in widths[:-1], f"free speculation was given up: {widths}"
 
 
-def dormant_chooser(**kw):
-    """A chooser on flat synthetic costs (wide verifies nearly free, so right drafts pay)
-    that probes often enough for a short test and goes dormant between probes."""
-    from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
-
-    costs = CostCurves(tuple(1.0 + 0.05 * w for w in range(16)), (0.0,) + (0.1,) * 15)
-    args = dict(probe_interval=4, max_probe_interval=16, window=4, budget_tokens=0) | kw
-    ch = WidthChooser(costs, 16, **args)
-    ch.observe = lambda *a, **k: None  # keep the synthetic costs: the test is about flow
-    ch.observe_context = lambda *a, **k: None
-    log = []
-    choose = ch.choose
-
-    def logged(limit=None, depth=None, context=(0, 0)):
-        w, rows = choose(limit, depth, context)
-        log.append((w, ch.capture))
-        return w, rows
-
-    ch.choose = logged
-    return ch, log
+# Wide verifies nearly free, so right drafts pay; a probe loses about a fifth of a plain
+# step, so that probes come every ten plain steps or so, and the draft sleeps between.
+DORMANT = CostCurves(
+    tuple(1.0 + 0.05 * w for w in range(16)), (0.0,) + (0.1,) * 15, context=0.01, lazy=0.01
+)
 
 
-def auto_decode(model, d, ids, n, chooser, prompt_cache=None):
-    """`model`: a target model, or a Pair (then `d` must be its draft)."""
-    from dflash_mlx import GenerateOptions, Pair
-    from dflash_mlx.engine.batch import speculative_decode
+def dormant_policy(window: int = 4, costs: CostCurves = DORMANT) -> AutoPolicy:
+    """A policy on synthetic costs (the simulated device's, `auto_decode`) that probes
+    often enough for a short test and goes dormant between probes (a `window` shorter
+    than the plain steps between them)."""
+    policy = AutoPolicy(costs, 16)
+    policy.window = window
+    return policy
+
+
+def auto_decode(model, d, ids, n, policy, prompt_cache=None):
+    """`model`: a target model, or a Pair (then `d` must be its draft). Decodes on a device
+    whose passes cost what the policy's curves say: (cycles, events)."""
+    from dflash_mlx import Pair
 
     pair = model if isinstance(model, Pair) else Pair(model, d)
     assert pair.draft is d
-    return list(
-        speculative_decode(
-            pair,
-            ids,
-            GenerateOptions(max_tokens=n, seed=0),
-            width=16,
-            draft_block=16,
-            chooser=chooser,
-            prompt_cache=prompt_cache,
-        )
-    )
+    clock = SimClock(policy.table.curves)
+    return decode(pair, ids, n, policy, clock=clock, prompt_cache=prompt_cache)
 
 
 def test_a_dormant_draft_wakes_on_a_window_of_context_and_stays_lossless(target, draft):
@@ -445,13 +423,13 @@ def test_a_dormant_draft_wakes_on_a_window_of_context_and_stays_lossless(target,
     ref = target_greedy(model, ids, n)
     wake = len(ids) + 80
     d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if d.pos >= wake else 0)
-    ch, log = dormant_chooser()
-    cycles = auto_decode(model, d, ids, n, ch)
-    assert [t for c in cycles for t in c.tokens] == ref
-    before = log[:60]  # all before the drafts turn right
-    assert any(not capture for _, capture in before), "plain steps kept capturing features"
-    assert any(w > 1 for w, _ in before), "speculation was never probed"
-    assert all(capture for w, capture in log if w > 1), "a draft pass ran without features"
+    cycles, events = auto_decode(model, d, ids, n, dormant_policy())
+    assert tokens(cycles) == ref
+    woke = next(i for i, e in enumerate(events) if e.kind == "learn" and e.detail.accepted[0] >= 8)
+    before = plans(events[:woke])  # all before the drafts turn right
+    assert any(not p.capture for p in before), "plain steps kept capturing features"
+    assert any(p.probe for p in before), "speculation was never probed"
+    assert all(p.capture for p in plans(events) if max(p.widths) > 1), "a draft without features"
     late = [c for c in cycles if c.width > 1 and c.accepted >= 8]
     assert len(late) >= 3, "right drafts did not wake the draft up"
 
@@ -464,19 +442,18 @@ def test_a_dormant_request_leaves_a_prompt_cache_the_next_turn_reuses(target, dr
     ref1 = target_greedy(model, turn1, 60)
     d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: 0)
     pc = PromptCache()
-    ch, log = dormant_chooser()
-    out1 = [t for c in auto_decode(model, d, turn1, 60, ch, pc) for t in c.tokens]
-    assert out1 == ref1 and not log[-1][1], "the request should end dormant"
+    cycles, events = auto_decode(model, d, turn1, 60, dormant_policy(), pc)
+    out1 = tokens(cycles)
+    assert out1 == ref1 and not plans(events)[-1].capture, "the request should end dormant"
     kept = pc.state
     assert kept.draft_end == len(turn1) + len(out1) - 1, "the dormant stretch: a gap"
     assert kept.draft.context_length >= len(turn1), "the prompt's context was kept"
     turn2 = turn1 + out1 + tok.encode(" print")
     ref2 = target_greedy(model, turn2, 40)
     d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99
-    ch2, _ = dormant_chooser(prior=0.9)
-    cycles = auto_decode(model, d, turn2, 40, ch2, pc)
+    cycles, _ = auto_decode(model, d, turn2, 40, dormant_policy(), pc)
     assert cycles[0].reused == len(turn1) + len(out1) - 1
-    assert [t for c in cycles for t in c.tokens] == ref2
+    assert tokens(cycles) == ref2
     assert any(c.accepted >= 8 for c in cycles), "the reused context should draft right away"
 
 
@@ -486,19 +463,17 @@ def test_a_dormant_prefills_window_is_not_computed_for_a_probe_that_never_comes(
     unfed: fed as the draft went dormant, the first cycle computed it (21 ms a request at
     1k tokens, 0.96x forced plain). The next turn feeds it at its place, before the gap."""
     from dflash_mlx import PromptCache
-    from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
 
     model, tok = target
     turn1 = tok.encode(PROMPTS[0])
     ref1 = target_greedy(model, turn1, 40)
     d = ScriptedDraft(draft, turn1 + ref1 + [0] * 32, right=lambda c: 0)
     steep = CostCurves(tuple(1.0 + w for w in range(16)), (0.0,) + (0.1,) * 15)
-    ch = WidthChooser(steep, 16, request_budget=0.0, first_look=0.0, budget_tokens=0)
-    ch.observe = lambda *a, **k: None  # keep the synthetic costs
     pc = PromptCache()
-    cycles = auto_decode(model, d, turn1, 40, ch, pc)
-    assert [t for c in cycles for t in c.tokens] == ref1
-    assert all(c.width <= 1 for c in cycles) and ch.probes == 0, "the test shows nothing"
+    cycles, events = auto_decode(model, d, turn1, 40, dormant_policy(costs=steep), pc)
+    assert tokens(cycles) == ref1
+    assert all(c.width <= 1 for c in cycles), "the test shows nothing"
+    assert not any(p.probe for p in plans(events)), "the test shows nothing"
     kept = pc.state
     assert kept.draft_end == len(turn1) + len(ref1) - 1, "the request should end dormant"
     assert kept.draft.context_length == 0, "the deferred window was fed with no probe to read it"
@@ -506,46 +481,29 @@ def test_a_dormant_prefills_window_is_not_computed_for_a_probe_that_never_comes(
     turn2 = turn1 + ref1 + tok.encode(" print")
     ref2 = target_greedy(model, turn2, 40)
     d.script, d.right = turn2 + ref2 + [0] * 32, lambda c: 99
-    ch2, _ = dormant_chooser(prior=0.9)
-    cycles = auto_decode(model, d, turn2, 40, ch2, pc)
-    assert [t for c in cycles for t in c.tokens] == ref2
+    cycles, _ = auto_decode(model, d, turn2, 40, dormant_policy(), pc)
+    assert tokens(cycles) == ref2
     assert any(c.accepted >= 8 for c in cycles), "the fed window stood at the wrong positions"
 
 
-def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, draft, monkeypatch):
+def test_each_cycle_is_charged_what_it_cost_wherever_its_launch_fell(target, draft):
     """On a CPU most of a pass runs inside its launch, and a plain step launches the next
-    cycle before waiting: the chooser must still see each cycle's own cost. A fake clock
-    that only moves in target passes (1 + W units for W tokens) makes costs exact."""
-    import types
-
-    import dflash_mlx.engine.batch as batch
-    import dflash_mlx.engine.batch_cycle as batch_cycle
-    import dflash_mlx.engine.plain as plain
+    cycle before waiting: the policy must still learn each cycle's own cost. A simulated
+    device whose target passes cost 1 + W units for W tokens (drafting and catching up
+    nothing) makes costs exact."""
     from dflash_mlx import Pair
 
     model, tok = target
-    clock = [0.0]
-    fake = types.SimpleNamespace(perf_counter=lambda: clock[0])
-    for module in (batch, batch_cycle, plain):  # the cycle's launches, the clock charging them
-        monkeypatch.setattr(module, "time", fake)
     ids = tok.encode(PROMPTS[1])
     ref = target_greedy(model, ids, 80)
-    # Stretches of right and of wrong drafts: chained probes, runs of speculative cycles,
-    # and plain steps after either.
+    # Stretches of right and of wrong drafts: probes, runs of speculative cycles, and plain
+    # steps after either.
     d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 20) % 2 else 0)
-    ch, log = dormant_chooser(probe_interval=3, max_probe_interval=6, request_budget=1.0)
-    seen = []
-    ch.observe = lambda w, seconds, times=1: seen.extend([(w, seconds)] * times)
-    pair = Pair(model, d)
-    real_forward = pair.target.forward
-
-    def forward(tokens, cache, capture_ids):
-        clock[0] += 1.0 + tokens.shape[1]
-        return real_forward(tokens, cache, capture_ids)
-
-    monkeypatch.setattr(pair.target, "forward", forward)  # this pair's adapter alone
-    cycles = auto_decode(pair, d, ids, 80, ch)
-    assert [t for c in cycles for t in c.tokens] == ref
+    units = CostCurves(tuple(1.0 + w for w in range(1, 17)), (0.0,) * 16, context=0.0, lazy=0.0)
+    policy = AutoPolicy(units, 16)
+    cycles, events = decode(Pair(model, d), ids, 80, policy, clock=SimClock(units))
+    assert tokens(cycles) == ref
+    seen = [(max(r.widths), r.seconds) for r in records(events) if r.seconds is not None]
     kinds = {(a > 1, b > 1) for (a, _), (b, _) in zip(seen, seen[1:])}
     assert kinds == {(False, False), (False, True), (True, False), (True, True)}, kinds
     assert all(s == 1.0 + w for w, s in seen), [x for x in seen if x[1] != 1.0 + x[0]]
@@ -719,30 +677,21 @@ def test_a_request_alone_chains_its_plain_passes_and_decodes_the_same(
         "sampled": GenerateOptions(max_tokens=24, temperature=0.8, seed=5, verify_width=1),
         "penalised": GenerateOptions(max_tokens=24, repetition_penalty=1.3, verify_width=1),
         "logprobs": GenerateOptions(max_tokens=24, logprobs=3, verify_width=1),
-        # Automatic width on a draft the chooser keeps dormant-free: plain cycles capture.
+        # Automatic width on a draft the policy keeps dormant-free: plain cycles capture.
         "capturing": GenerateOptions(max_tokens=24),
         "recurrent-cached": GenerateOptions(max_tokens=24, verify_width=1),
     }[kind]
     pair = Pair(model, draft)
-    if kind == "capturing":
-        # Automatic width kept plain, with the draft's context kept warm (features captured
-        # at every plain pass, as before a probe).
-        from dflash_mlx.speed.adaptive import CostCurves, WidthChooser
-
-        block = draft.config.block_size
-
-        class PlainButWarm(WidthChooser):
-            def choose(self, limit=None, depth=None, context=(0, 0)):
-                self.capture = True
-                return 1, block
-
-        curves = CostCurves(tuple(1e-3 * w for w in range(1, block + 1)), (1e-3,) * block)
-        monkeypatch.setattr(pair, "plan", lambda o: (block, block, PlainButWarm(curves, block)))
+    block = draft.config.block_size
 
     def run():
         dec = batch_mod.BatchDecoder(pair, tok, max_batch=1)
         cache = PromptCache() if kind == "recurrent-cached" else None
         row = dec.submit(ids, opts, prompt_cache=cache)
+        if kind == "capturing":
+            # Automatic width kept plain, with the draft's context kept warm (features
+            # captured at every plain pass, as before a probe).
+            row.plan = (block, block, PlainButWarm(block))
         out = [r for r in dec.run(row)]
         if kind == "capturing":  # each plain pass fed the draft its features
             assert out[-1].stats.draft == "active" and out[-1].stats.plain_tokens >= 20
@@ -795,39 +744,50 @@ def test_a_request_alone_has_its_first_decode_pass_in_flight_when_its_first_toke
     dec = BatchDecoder(pair, tok, max_batch=2)  # the first cycle speculates: planned
     row = dec.submit(ids, GenerateOptions(max_tokens=12, verify_width=4))
     dec.step()
-    assert dec._ahead is None and dec._planned == ([id(row)], ([(4, 4)], [True]))
+    assert dec._ahead is None and dec._planned == ([id(row)], ([(4, 4)], [True], None))
 
 
-def test_a_request_alone_settles_its_speculation_against_plain_decoding(target, draft, monkeypatch):
-    """The floor under the width chooser (settling each speculative cycle against plain
-    decoding as measured) and its pricing of the draft's catch-up hold for a request
-    alone, as for a batch: both are called with what the engine measured."""
+def test_a_request_alone_teaches_its_policy_each_cycle_and_each_catch_up(target, draft):
+    """Each speculative cycle of a request alone is learnt with what it committed and the
+    seconds it took, and a catch-up of the draft's context with its own rows and seconds
+    (apart from the cycle's): what the policy's bank and prices rest on."""
     from dflash_mlx import Pair
-    from dflash_mlx.speed.adaptive import WidthChooser
 
     model, tok = target
     ids = tok.encode(PROMPTS[2])
     ref = target_greedy(model, ids, 160)
-    settled, caught = [], []
-    settle, observe_context = WidthChooser.settle, WidthChooser.observe_context
-
-    def spy_settle(self, tokens, seconds, doubt=False):
-        settled.append((tokens, seconds))
-        return settle(self, tokens, seconds, doubt)
-
-    def spy_context(self, rows, lazy, seconds):
-        caught.append((rows, lazy, seconds))
-        return observe_context(self, rows, lazy, seconds)
-
-    monkeypatch.setattr(WidthChooser, "settle", spy_settle)
-    monkeypatch.setattr(WidthChooser, "observe_context", spy_context)
     # Right drafts in stretches: speculation, plain steps, and speculation resumed.
     d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 40) % 2 else 0)
-    ch, _ = dormant_chooser(probe_interval=3, max_probe_interval=6)
-    ch.observe_context = lambda *a: spy_context(ch, *a)  # the helper stubs it: spy instead
-    cycles = auto_decode(Pair(model, d), d, ids, 160, ch)
-    assert [t for c in cycles for t in c.tokens] == ref
-    spec = [c for c in cycles[2:] if c.width > 1]
-    assert spec and len(settled) >= len(spec) - 2, (len(settled), len(spec))
-    assert all(seconds > 0 and tokens >= 1 for tokens, seconds in settled)
-    assert caught and all(rows >= 1 and seconds >= 0 for rows, _, seconds in caught)
+    cycles, events = auto_decode(Pair(model, d), d, ids, 160, dormant_policy())
+    assert tokens(cycles) == ref
+    spec = [c for c in cycles[1:] if c.width > 1]
+    learnt = [r for r in records(events) if max(r.widths) > 1]
+    assert spec and len(learnt) == len(spec), (len(learnt), len(spec))
+    assert [r.accepted[0] for r in learnt] == [c.accepted for c in spec]
+    assert all(r.seconds > 0 for r in learnt[1:])
+    caught = [r for r in learnt if r.caught]
+    assert all(r.caught_seconds > 0 for r in caught)
+    ups = [e for e in events if e.kind == "catch-up"]
+    assert [e.tokens for e in ups] == [r.caught for r in caught]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="library: a plain plan stands past the point where a cheaper probe becomes "
+    "affordable (the tokens left shrink): probes wake the draft on no window "
+    "(notes/tests-port.md, 6)",
+)
+def test_every_probe_after_dormant_plain_steps_reads_a_window_of_fresh_context(target, draft):
+    """A dormant draft's plain steps capture nothing until a window before the probe: every
+    probe after such steps first catches the draft up on that window."""
+    from dflash_mlx import Pair
+
+    model, tok = target
+    ids = tok.encode(PROMPTS[2])
+    ref = target_greedy(model, ids, 160)
+    d = ScriptedDraft(draft, ids + ref + [0] * 32, right=lambda c: 99 if (d.pos // 40) % 2 else 0)
+    cycles, events = auto_decode(Pair(model, d), d, ids, 160, dormant_policy())
+    assert tokens(cycles) == ref
+    learnt = records(events)
+    probes = [r for prev, r in zip(learnt, learnt[1:]) if r.probe and max(prev.widths) == 1]
+    assert probes and all(r.caught >= 1 for r in probes), [r.caught for r in probes]
