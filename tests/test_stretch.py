@@ -125,11 +125,17 @@ def test_a_request_arriving_ends_a_stretch(target, no_time_limit, monkeypatch):
     assert sizes[2] == [("late", 1)], "the late request is admitted at the next step"
 
 
-def test_a_dormant_drafts_steps_stretch_while_its_chooser_coasts(target, draft, monkeypatch):
+@pytest.mark.xfail(
+    strict=True,
+    reason="library: a standing plain plan is not what single steps plan (the tokens left "
+    "shrink and a cheaper probe comes sooner: notes/tests-port.md, 6)",
+)
+def test_a_dormant_drafts_steps_stretch_while_its_plan_stands(target, draft, monkeypatch):
     """Automatic width, drafts never right and then right: the plain steps between probes
-    run in stretches (each pass one of the chooser's coasting steps), and what runs at each
+    run in stretches (each pass one of the standing plan's steps), and what runs at each
     step (plain, probe, speculation after the drafts turn right) is what single steps give."""
-    from .test_decode import PROMPTS, ScriptedDraft, auto_decode, dormant_chooser
+    from .sim import plans
+    from .test_decode import PROMPTS, ScriptedDraft, auto_decode, dormant_policy
 
     model, tok = target
     ids = tok.encode(PROMPTS[2])
@@ -146,17 +152,48 @@ def test_a_dormant_drafts_steps_stretch_while_its_chooser_coasts(target, draft, 
         monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
         monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
         d = scripted()
-        ch, _ = dormant_chooser(probe_interval=8, max_probe_interval=32)
-        cycles = auto_decode(model, d, ids, n, ch)
+        cycles, events = auto_decode(model, d, ids, n, dormant_policy())
         assert [t for c in cycles for t in c.tokens] == ref
         steps = [
             w for c in cycles[1:] for w in ([1] * len(c.tokens) if c.width == 1 else [c.width])
         ]
-        runs[stretch] = (steps, ch.probes, len(cycles))
+        runs[stretch] = (steps, sum(p.probe for p in plans(events)), len(cycles))
     (single, probes1, cycles1), (stretched, probes32, cycles32) = runs[1], runs[32]
     assert stretched == single and probes32 == probes1 > 0
     assert any(w > 1 for w in single[95:]), "right drafts woke the draft"
     assert cycles32 < cycles1 - 20, f"no stretch ran ({cycles32} cycles, {cycles1} single)"
+
+
+class ScriptedPolicy:
+    """A width policy (`speed.port.Policy`) whose k-th plan is scripted: plain, capturing
+    from the 10th on (a gap before), dormant from the 40th (the draft fed) and again from
+    the 50th; a probe of W=4 every 15 plans from the 20th."""
+
+    block, window = 16, 0
+
+    def __init__(self):
+        self.calls = 0
+
+    def begin(self, tokens):
+        from dflash_mlx.speed.port import Ticket
+
+        return Ticket([0.0] * 16, [0.0] * 16, tokens)
+
+    def plan(self, asks, rows=0):
+        from dflash_mlx.speed.port import Plan
+
+        k = self.calls
+        self.calls += 1
+        capture = 10 <= k < 40 or k >= 50
+        if k >= 20 and k % 15 == 5:
+            return Plan((4,) * len(asks), (16,) * len(asks), True, probe=True)
+        return Plan((1,) * len(asks), (1,) * len(asks), capture)
+
+    def learn(self, record):
+        pass
+
+    def forget(self):
+        pass
 
 
 def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
@@ -169,7 +206,7 @@ def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
 
     from dflash_mlx import GenerateOptions, Pair
 
-    from .test_decode import PROMPTS, dormant_chooser
+    from .test_decode import PROMPTS
 
     model, tok = target
     ids = tok.encode(PROMPTS[1])
@@ -178,21 +215,9 @@ def test_capturing_plain_steps_stretch_and_feed_the_draft_what_single_steps_do(
     for stretch in (1, 32):
         monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", stretch)
         monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
-        ch, _ = dormant_chooser()
-        calls = [0]
-
-        def choose(limit=None, depth=None, context=(0, 0), ch=ch, calls=calls):
-            # Plain, capturing from the 10th step on (a gap before), dormant from the
-            # 40th (the draft fed); a probe of W=4 every 15 steps from the 20th.
-            k = calls[0]
-            calls[0] += 1
-            ch.capture = 10 <= k < 40 or k >= 50
-            return (4, 16) if k >= 20 and k % 15 == 5 else (1, 0)
-
-        ch.choose = choose
         dec = BatchDecoder(pair, tok)
         row = dec.submit(ids, GenerateOptions(max_tokens=90))
-        row.plan = (16, 16, ch)
+        row.plan = (16, 16, ScriptedPolicy())
         got = list(dec.run(row))
         state = row.req.state
         runs[stretch] = (
@@ -317,23 +342,26 @@ def test_penalties_and_stop_strings_stretch_as_single_steps_give(target, monkeyp
     assert stretched[-1].stop == stop and len(stretched) < len(single)
 
 
-def test_a_stretchs_plain_steps_each_count_towards_a_new_calibration(target, draft, monkeypatch):
-    """A calibration whose plain step costs a second (every real one is ms here): the
-    automatic width stays plain, in stretches of up to 32 steps, and the 67 plain steps timed
-    of a 100-token request (not the first stretch's: its time is mixed with the prefill's)
-    ask for a new calibration, as 64 single steps do, not only after 64 stretches (on a
-    planted stale calibration, four 96-token requests stayed plain: 0.5x W=16)."""
-    from dflash_mlx.speed.adaptive import CostCurves
+def test_a_stretchs_plain_steps_each_teach_the_plain_cost(target, draft, monkeypatch):
+    """A calibration whose plain step costs a second and where speculation cannot pay: the
+    automatic width stays plain, in stretches of up to 32 steps, and each stretch is learnt
+    as its steps (`Record.times`) at the seconds each took (not the first stretch's: its
+    time is mixed with the prefill's)."""
+    from dflash_mlx.speed.costs import CostCurves
+    from dflash_mlx.speed.policy import AutoPolicy
+
+    from .sim import SimClock, decode, records
 
     monkeypatch.setattr(plain_mod, "STRETCH_SECONDS", 1e9)
     monkeypatch.setattr(plain_mod, "STRETCH_TOKENS", 32)
     model, tok = target
     steep = CostCurves(tuple(float(w) for w in range(1, 17)), (0.0,) + (10.0,) * 15)
-    pair = Pair(model, draft)
-    pair.calibrate_in_plan = False
-    pair._curves_at_hand = lambda: steep
-    got = list(stream_generate(pair, tok, tok.encode(PROMPT), GenerateOptions(max_tokens=100)))
-    assert [r.width for r in got[1:]] == [1] * (len(got) - 1), "speculation cannot pay here"
-    assert len(got) < 10, f"no stretch ran ({len(got)} responses for 100 tokens)"
-    (chooser,) = pair.choosers.values()
-    assert chooser.recalibrate and pair.calibration_due
+    policy = AutoPolicy(steep, 16)
+    cycles, events = decode(
+        Pair(model, draft), tok.encode(PROMPT), 100, policy, clock=SimClock(steep)
+    )
+    assert [c.width for c in cycles[1:]] == [1] * (len(cycles) - 1), "speculation cannot pay"
+    assert len(cycles) < 10, f"no stretch ran ({len(cycles)} cycles for 100 tokens)"
+    timed = [r for r in records(events) if r.seconds is not None]
+    assert sum(r.times for r in timed) >= 60 and max(r.times for r in timed) > 1
+    assert all(r.seconds == pytest.approx(1.0) for r in timed), [r.seconds for r in timed]
