@@ -17,14 +17,15 @@ from dflash_mlx import GenerateOptions, Pair, generate, load
 from dflash_mlx.engine import batch_cache, batch_draft
 from dflash_mlx.engine import batch_cycle as batch_mod
 from dflash_mlx.engine import plain as plain_mod
-from dflash_mlx.engine.batch import BatchDecoder, batch_curves, batch_generate
+from dflash_mlx.engine.batch import BatchDecoder, batch_generate
 from dflash_mlx.engine.prefill import Request
 from dflash_mlx.engine.sampling import PositionKeys, propose
 from dflash_mlx.engine.walks import draft_keys
 from dflash_mlx.models.config import DraftConfig
 from dflash_mlx.models.draft import DFlashDraft
-from dflash_mlx.speed import batch_choosers
 from dflash_mlx.speed.costs import CostCurves
+from dflash_mlx.speed.policy import DECAY, AutoPolicy
+from dflash_mlx.speed.port import Ask, Record
 
 from .test_decode import target_greedy
 
@@ -446,142 +447,98 @@ def test_batched_drafts_equal_each_rows_own(target, draft):
     assert one[0].tolist() == np.argmax(alone[0][:3], axis=-1).tolist()
 
 
-def test_batch_curves_price_the_whole_pass():
-    curves = CostCurves([1.0, 1.5, 2.0, 2.5], [0.0, 0.5, 0.6, 0.7])
-    four = batch_curves(curves, 4)
-    assert four.verify[0] == 2.5  # four rows of one token: the curve at 4 tokens
-    assert four.verify[1] == 2.5 + 0.5 * 4  # 8 tokens: along the last segment
-    assert four.draft == [0.0, 2.0, 2.4, 2.8]  # a draft pass per row
+def test_a_batchs_cycle_is_priced_as_its_whole_pass():
+    """All rows' tokens through the target at once, a draft pass per row."""
+    curves = CostCurves((1.0, 1.5, 2.0, 2.5), (0.0, 0.5, 0.6, 0.7))
+    policy = AutoPolicy(curves, 4)
+    four = policy.costs(4, 0)
+    assert four[0] == 2.5  # four rows of one token: the curve at 4 tokens
+    assert four[1] == 2.5 + 0.5 * 4 + 4 * 0.5  # 8 tokens (along the last segment), 4 drafts
+    assert four[3] == pytest.approx(2.5 + 0.5 * 12 + 4 * 0.7)
 
 
-def auto_rows(n: int, base) -> list:
-    """`n` automatic rows whose own chooser (alone) is `base`, as `learn` reads them."""
-    return [
-        batch_mod.Row([1], GenerateOptions(), chooser=base, fixed=None, req=object())
-        for _ in range(n)
-    ]
-
-
-def flat_chooser():
-    from dflash_mlx.speed.adaptive import WidthChooser
-
+def flat_policy() -> AutoPolicy:
     # A verify of 16 rows x 16 tokens costs what a plain one does: speculating pays.
-    return WidthChooser(CostCurves([1e-3] * 16, [1e-4] * 16), 16)
+    return AutoPolicy(CostCurves((1e-3,) * 16, (1e-4,) * 16), 16)
+
+
+def batch_record(policy, tickets, accepted, seconds=None, width=16, probe=False):
+    """What a cycle of the batch's rows (one `Ticket` each) at `width` taught."""
+    asks = tuple(Ask(t, 100, 1000) for t in tickets)
+    rec = Record(
+        asks,
+        (width,) * len(asks),
+        tuple(accepted),
+        100,
+        seconds,
+        block=width,
+        rows=len(asks),
+        probe=probe,
+    )
+    policy.learn(rec)
+    return rec
 
 
 def test_one_rows_short_first_cycle_keeps_the_batchs_pooled_acceptance():
     """Rows of four texts share the width: one row whose first cycle accepts nothing says
-    its text differs, not that the others' acceptance is stale (it used to drop it all,
-    and the batch decoded plainly on the prior alone)."""
-    base = flat_chooser()
+    its text differs, not that the others' acceptance is stale (the batch must not decode
+    plainly on the prior alone)."""
+    policy = flat_policy()
+    earlier = policy.begin(None)
     for _ in range(30):
-        base.update(16, 15)  # texts whose drafts were all accepted
-    base.begin_request()  # a row started alone: the evidence carried, its text unseen
-    assert base.carried
-    chooser = batch_choosers.batch_chooser({}, 4, base)
-    rows = auto_rows(4, base)
-    results = [(0, [5]), (15, [5] * 16), (15, [5] * 16), (15, [5] * 16)]
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, results, 16, 1e-3)
-    assert sum(base.hits) > 70, "the evidence carried from the texts before was dropped"
-    again = batch_choosers.batch_chooser({4: (base, chooser)}, 4, base)
-    assert again.expected_tokens()[15] > 8
-    assert again.choose(limit=100)[0] > 1
-
-
-def test_a_batch_chooser_starts_afresh_when_a_request_joins(target, draft):
-    """What a batch's chooser decided about the requests before (no probe can pay back in
-    what is left of them) does not hold for the next ones (it held for the decoder's life,
-    and a server's batch of that size decoded plainly ever after)."""
-    model, tok = target
-    dec = BatchDecoder(Pair(model, draft), tok)
-    stuck = flat_chooser()
-    stuck.req_done = True
-    dec.choosers[2] = (None, stuck)
-    dec.submit(tok.encode(PROMPTS[0]), GenerateOptions(max_tokens=4), handle=0)
-    dec.step()  # its admission
-    assert not stuck.req_done
+        batch_record(policy, [earlier], [15])  # texts whose drafts were all accepted
+    tickets = [policy.begin(None) for _ in range(4)]
+    batch_record(policy, tickets, [0, 15, 15, 15], seconds=1e-3)
+    assert sum(policy.pool.hits) > 70, "the evidence carried from the texts before was dropped"
+    plan = policy.plan([Ask(t, 100, 100) for t in tickets], rows=4)
+    assert max(plan.widths) > 1 and not plan.probe
 
 
 def test_a_batchs_probe_is_one_probe_not_one_a_row():
-    """A probe the batch's chooser made is judged once for the cycle: its interval grows
-    once (not once a row, which put the next probe off by 2^rows), and a follow-up at twice
-    the width comes only when every row's drafts were all accepted (not when the last row
-    read happened to accept all). The pair's chooser, which did not choose the cycle, learns
-    its rows' acceptance and nothing of the probe."""
-    from dflash_mlx.speed.adaptive import WidthChooser
-
-    # A verify of w tokens costs w plain steps: the batch's plain pass is what pays, and
-    # each probe confirms it.
-    base = WidthChooser(CostCurves([1e-3 * w for w in range(1, 17)], [1e-4] * 16), 16)
-    chooser = batch_choosers.batch_chooser({}, 4, base)
-    rows = auto_rows(4, base)
-    chooser.probing, chooser.probe_interval = True, 8
-    base.probing, base_interval = True, base.probe_interval
-    mixed = [(0, [1]), (3, [1] * 4), (1, [1] * 2), (3, [1] * 4)]  # the last row got all
-    trials = list(base.trials)
-    batch_mod.learn(chooser, rows, [(4, 4)] * 4, mixed, 4, None)
-    assert chooser.probe_interval == 16, "the interval doubles once for the cycle"
-    assert chooser.follow_up == 0, "a row's drafts were rejected: no follow-up"
-    assert base.probe_interval == base_interval and base.follow_up == 0
-    assert base.trials[1] == pytest.approx(
-        trials[1] * base.decay**4 + sum(base.decay**k for k in range(4))
-    ), "every row's acceptance reaches the pair's chooser"
-    chooser.probing = True
-    batch_mod.learn(chooser, rows, [(4, 4)] * 4, [(3, [1] * 4)] * 4, 4, None)
-    assert chooser.follow_up == 8, "every row accepted all: the next probe is twice as wide"
+    """A probe the batch's policy made is counted once for the cycle (each row's request
+    is told of it), its loss taken from the bank once, and every row's acceptance learnt."""
+    # A verify of w tokens costs w plain steps: the batch's plain pass is what pays.
+    policy = AutoPolicy(CostCurves(tuple(1e-3 * w for w in range(1, 17)), (1e-4,) * 16), 16)
+    tickets = [policy.begin(None) for _ in range(4)]
+    policy.bank = 1.0
+    trials = list(policy.pool.trials)
+    batch_record(policy, tickets, [0, 3, 1, 3], seconds=0.02, width=4, probe=True)
+    assert policy.probes == 1 and [t.probes for t in tickets] == [1] * 4
+    assert policy.bank < 1.0
+    assert policy.pool.trials[1] == pytest.approx(
+        trials[1] * DECAY**4 + sum(DECAY**k for k in range(4))
+    ), "every row's acceptance reaches the pool"
+    assert [t.trials[1] for t in tickets] == [1.0] * 4
 
 
-def test_batched_speculation_that_loses_against_plain_batches_only_probes():
-    """Speculative batched cycles are settled against the batch's plain pass as measured:
-    one that lost is evidence enough (it is every row's); before a plain pass is measured,
-    against twice the calibration's price of one (a cycle a little dearer than that price
-    is not judged lost, one that lost far more is); none whose time includes its drafts
-    catching up."""
-    base = flat_chooser()
-    chooser = batch_choosers.batch_chooser({}, 4, base)
-    rows = auto_rows(4, base)
-    lost = [(0, [5])] * 4  # a 16-wide pass committing a token a row
-    plain = chooser.plain_cost()
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 1.5 * plain)
-    assert not chooser.floor.losing, "judged against the calibration's plain price alone"
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 50 * plain)
-    assert chooser.floor.losing, "a cycle that lost far more than any plain pass could"
-    chooser.floor = type(chooser.floor)(evidence=1.0)
-    chooser.observe(1, 1e-3)  # a plain batched pass, measured
-    # Right after plain passes, a cycle's time is also its rows' drafts catching up.
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05, caught_up=False)
-    assert not chooser.floor.losing, "a catch-up taken for what speculating costs"
-    batch_mod.learn(chooser, rows, [(16, 16)] * 4, lost, 16, 0.05)
-    assert chooser.floor.losing
-    assert chooser.choose(limit=100)[0] == 1
+def test_batched_speculation_that_loses_against_plain_batches_goes_plain():
+    """Speculative batched cycles that commit a token a row for far more than a plain pass:
+    their loss is taken from the bank, and the batch then decodes plainly (probing only
+    from the bank)."""
+    policy = flat_policy()
+    tickets = [policy.begin(None) for _ in range(4)]
+    for _ in range(5):
+        batch_record(policy, tickets, [0] * 4, seconds=0.05)  # 50 plain passes' time
+    assert policy.bank < 0
+    plan = policy.plan([Ask(t, 100, 100) for t in tickets], rows=4)
+    assert max(plan.widths) == 1 and not plan.probe
 
 
 def test_rows_left_alone_in_a_batch_go_on_with_their_own_texts_acceptance():
     """Three rows whose drafts were all accepted and one whose drafts never were: pooled,
-    their acceptance promises 11+ tokens at W = 16. When the three have ended, the fourth
-    alone goes on from what its own text taught (it used to verify 16 tokens a cycle for
-    one each, on the demo pair 12 cycles at 4x a plain step's time, until the floor said
-    it was losing); rows that taught nothing leave the pool as it was."""
-    base = flat_chooser()
-    known: dict = {}
-    four = batch_choosers.batch_chooser(known, 4, base)
-    rows = auto_rows(4, base)
+    their acceptance promises many tokens at W = 16. When the three have ended, the fourth
+    alone goes on from what its own text taught (the pool a prior worth a few cycles),
+    while a new text reads the pool."""
+    policy = flat_policy()
+    tickets = [policy.begin(None) for _ in range(4)]
     for _ in range(10):
-        cycle = [(0, [5])] + [(15, [5] * 16)] * 3
-        batch_mod.learn(four, rows, [(16, 16)] * 4, cycle, 16, None)
-    pooled = base.expected_tokens()[15]
+        batch_record(policy, tickets, [0, 15, 15, 15])
+    fresh = policy.begin(None)
+    pooled = policy.estimate(Ask(fresh, 100, 100)).tokens(16)
     assert pooled > 6.0, "the pool, three texts in four drafting well"
-    alone = batch_choosers.batch_chooser(known, 1, base, last=four, rows=rows[:1])
-    assert alone is base
-    # Its own text's ten cycles on top of the pool as a prior worth a few cycles.
-    assert base.acceptance()[0] < 0.5, "its own text: no first draft ever accepted"
-    assert base.expected_tokens()[15] < 0.5 * pooled
-    # A batch that loses a row none of whose cycles speculated keeps its pool.
-    base = flat_chooser()
-    for _ in range(30):
-        base.update(16, 15)
-    three = batch_choosers.batch_chooser({}, 3, base, last=four, rows=auto_rows(3, base))
-    assert three.expected_tokens()[15] > 10.0
+    own = policy.estimate(Ask(tickets[0], 100, 100))
+    assert own.alphas[0] < 0.5, "its own text: no first draft ever accepted"
+    assert own.tokens(16) < 0.5 * pooled
 
 
 def test_bad_batch_arguments_are_the_callers_errors(target, draft):
@@ -938,11 +895,11 @@ def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case,
         pytest.skip("a recurrent target's plain cycles are not chained or planned ahead")
     real, calls = batch_mod.plan, [0]
 
-    def every_other_plain(rows, chooser, ahead=0):
+    def every_other_plain(rows, policy, ahead=0):
         calls[0] += 1
         if calls[0] % 2:  # a plain cycle: the next one is planned before it commits
-            return [(1, 1) for _ in rows], [False] * len(rows)
-        return real(rows, chooser)  # planned as if its last token were committed
+            return [(1, 1) for _ in rows], [False] * len(rows), None
+        return real(rows, policy)  # planned as if its last token were committed
 
     monkeypatch.setattr(batch_mod, "plan", every_other_plain)
     for extra in range(3):  # where each row's last cycles fall moves with its length
@@ -952,40 +909,33 @@ def test_a_cycle_planned_before_the_last_token_commits_keeps_to_max_tokens(case,
             assert r.tokens == refs[i][: LENGTHS[i] - extra], f"row {i}, {extra} fewer"
 
 
-@pytest.mark.parametrize("others,batch", [(0, None), (1, "priced"), (1, "speculates")])
-def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, draft, others, batch):
-    """A chooser that expects plain decoding (a stock CPU's curves, drafts right 9 times in
-    10): alone, the prompt's draft context is left out but for a window (a dormant
-    prefill). Joining another request, the batch it joins decides, at its size: priced by
-    the pair's curves it decodes plainly too, and the prefill is dormant (at c = 8 with
-    OpenBLAS, contexts built for a batch that never speculated cost 6% of its time); where
-    that batch's chooser expects to speculate (wide verifies nearly free, the context cheap
-    to build, a speculative cycle timed at that depth), the whole prompt's context is
-    built."""
-    from dflash_mlx.speed.adaptive import WidthChooser
-
-    from .test_adaptive import BLAS_CHEAP_CONTEXT, BLOCK, CPU
+@pytest.mark.parametrize("others,policy", [(0, "plain"), (1, "plain"), (1, "speculates")])
+def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, draft, others, policy):
+    """A policy that plans plain decoding (a stock CPU's curves): alone, the prompt's draft
+    context is left out but for a window (a dormant prefill); joining another request, the
+    batch it joins is planned at its size, plain too, and the prefill is dormant (at c = 8
+    with OpenBLAS, contexts built for a batch that never speculated cost 6% of its time).
+    Where the batch's plan speculates (wide verifies nearly free, the context cheap to
+    build), the whole prompt's context is built."""
+    from .test_adaptive import BLAS, BLOCK, CPU
 
     model, tok = target
     ids = tok.encode("def parse(line):\n    return line.split(',')\n" * 12)
-    ch = WidthChooser(CPU, BLOCK, window=8, prior=0.9)
-    assert ch.expects_plain(len(ids))
-    pair = Pair(model, draft)
-    pair.plan = lambda o: (BLOCK, BLOCK, ch)
-    dec = BatchDecoder(pair, tok, max_batch=2)
-    if batch == "speculates":
-        spec = WidthChooser(BLAS_CHEAP_CONTEXT, BLOCK, window=8, prior=0.9)
-        spec.observe(4, spec.cycle_cost(4, len(ids)), depth=len(ids))  # timed at that depth
-        dec.choosers[2] = (ch, spec)
-    row = dec.submit(ids, GenerateOptions(max_tokens=16))
-    for _ in range(others):
-        dec.submit(ids, GenerateOptions(max_tokens=16))
+    curves = CPU if policy == "plain" else CostCurves(BLAS.verify, BLAS.draft, context=0.005)
+    auto = AutoPolicy(curves, BLOCK)
+    auto.window = 8
+    dec = BatchDecoder(Pair(model, draft), tok, max_batch=2)
+    rows = [dec.submit(ids, GenerateOptions(max_tokens=16)) for _ in range(1 + others)]
+    for r in rows:
+        r.plan = (BLOCK, BLOCK, auto)
+    row = rows[0]
+    size = len(rows)
+    plan = auto.plan([Ask(auto.begin(16), len(ids) - 1, 15)], rows=size)
+    assert (plan.widths[0] == 1) is (policy == "plain")
     dec.step()  # its admission: prefill and first token
-    if batch is not None:
-        assert dec.choosers[2][1].expects_plain(len(ids)) is (batch == "priced")
     state = row.req.state
     seen = state.context_length + len(row.req.pending)
-    if batch != "speculates":
-        assert seen <= ch.window + 1, f"a dormant prefill kept {seen} positions"
+    if policy == "plain":
+        assert seen <= auto.window + 1, f"a dormant prefill kept {seen} positions"
     else:
         assert state.context_length >= len(ids) - 1, state.context_length
