@@ -350,7 +350,7 @@ def test_a_prompt_is_padded_in_front_or_cut_to_a_context_keeping_its_end():
 def test_bench_at_given_contexts_runs_each_prompt_at_each_length(
     target, draft, monkeypatch, tmp_path
 ):
-    from dflash_mlx.speed.adaptive import CostCurves
+    from dflash_mlx.speed.costs import CostCurves
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     block = draft.config.block_size

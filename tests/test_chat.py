@@ -179,11 +179,11 @@ def test_set_refuses_a_verify_width_the_draft_cannot_hold(session, target, draft
     assert alone.options.verify_width == 1
 
 
-def test_one_pair_serves_the_session_so_its_width_chooser_learns_across_turns(session):
+def test_one_pair_serves_the_session_so_its_width_policy_learns_across_turns(session):
     list(session.send("one"))
-    (chooser,) = session.pair.choosers.values()
+    (policy,) = session.pair.policies.values()
     list(session.send("two"))
-    assert list(session.pair.choosers.values()) == [chooser], "the same chooser, not a new one"
+    assert list(session.pair.policies.values()) == [policy], "the same policy, not a new one"
     assert session.totals.requests == 2 and session.totals.tau > 0
 
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from dflash_mlx.cli.main import app
 from dflash_mlx import calibration as calibrate
+from dflash_mlx.cli.main import app
 
 
 @pytest.fixture

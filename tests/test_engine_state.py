@@ -84,10 +84,10 @@ SEEDED = dict(max_tokens=48, temperature=1.0, seed=3)  # block_size: automatic
 
 def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, draft, monkeypatch):
     """A seeded request's widths follow from the pair's calibrated curves and its own
-    tokens, never from what other requests taught the pair's chooser (their acceptance,
+    tokens, never from what other requests taught the pair's policy (their acceptance,
     their cycles timed on the wall clock). The curves are injected: a re-calibration that
     those timings can trigger on a busy machine must not decide the verdict."""
-    from dflash_mlx.speed.adaptive import CostCurves
+    from dflash_mlx.speed.costs import CostCurves
 
     model, tok = target
     pair = Pair(model, draft)
@@ -100,10 +100,10 @@ def test_a_seed_replays_under_the_automatic_width_after_other_requests(target, d
     first = generate(pair, tok, "import os", **SEEDED)
     assert first.verify_width is None, "the width must be the automatic one"
     assert len(first.stats.widths) > 1, f"the widths should vary: {first.stats.widths}"
-    # Other requests teach the pair's shared chooser, at other settings and without a seed.
+    # Other requests teach the pair's shared policy, at other settings and without a seed.
     for prompt in PROMPTS:
         generate(pair, tok, prompt, max_tokens=40, temperature=0.7)
-    assert pair.choosers, "the unseeded requests kept a chooser on the pair"
+    assert pair.policies, "the unseeded requests kept a policy on the pair"
     again = generate(pair, tok, "import os", **SEEDED)
     assert again.tokens == first.tokens
     assert again.stats.widths == first.stats.widths

@@ -210,9 +210,9 @@ def test_the_demo_pairs_drafts_verify_grammar_trees_keeping_the_targets_output(
 
 
 def test_the_automatic_shape_under_a_grammar_keeps_the_targets_output(shipped, monkeypatch):
-    """`tree=None` with a width chooser that learns costs: the shape chooser may pick trees
+    """`tree=None` with a width policy that learns costs: the shape chooser may pick trees
     for a grammar row now (it tries a tree first), and the reply stays the target's."""
-    from dflash_mlx.speed.adaptive import WidthChooser
+    from dflash_mlx.speed.policy import AutoPolicy
 
     from .test_adaptive import FLAT
 
@@ -222,12 +222,12 @@ def test_the_automatic_shape_under_a_grammar_keeps_the_targets_output(shipped, m
     want, _ = reference(model, tok, ids, o, 60)
     seen = spy_trees(monkeypatch)
     grammar = controls.compile_grammar(o, tok, model(mx.array([[0]])).shape[-1])
-    chooser = WidthChooser(FLAT, 16)
+    policy = AutoPolicy(FLAT, 16)
     got = []
     eos = frozenset(tok.eos_token_ids)
     pair = Pair(model, d1)
     for c in batch.speculative_decode(
-        pair, ids, o, width=8, draft_block=16, chooser=chooser, grammar=grammar, eos_ids=eos
+        pair, ids, o, width=8, draft_block=16, policy=policy, grammar=grammar, eos_ids=eos
     ):
         got += c.tokens
     assert got[: len(want)] == want

@@ -58,17 +58,17 @@ def test_a_pair_refuses_a_draft_built_for_another_target(models_dir):
         Pair(model, other)
 
 
-def test_a_pair_carries_its_choosers_and_another_pair_starts_fresh(target, draft):
+def test_a_pair_carries_its_policies_and_another_pair_starts_fresh(target, draft):
     model, tok = target
     ids = tok.encode(PROMPTS[1])
     pair = Pair(model, draft)
     generate(pair, tok, ids, max_tokens=12)
-    chooser = pair.choosers[None]
+    policy = pair.policies[None]
     generate(pair, tok, ids, max_tokens=12)
-    assert pair.choosers[None] is chooser, "the next request did not get what the first learnt"
-    assert Pair(model, draft).choosers == {}
+    assert pair.policies[None] is policy, "the next request did not get what the first learnt"
+    assert Pair(model, draft).policies == {}
     pair.forget()
-    assert pair.choosers == {}
+    assert pair.policies == {}
 
 
 def test_options_are_validated_once_naming_the_field():
@@ -164,9 +164,6 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
         assert dflash_mlx.server.context_length(model) == Pair(model).context_limit
     with pytest.warns(DeprecationWarning, match="Pair"):
         assert dflash_mlx.models.target.TargetAdapter.of(model).model is model
-    calibrate = importlib.import_module("dflash_mlx.calibration")
-    with pytest.warns(DeprecationWarning, match="costs"):
-        assert calibrate.load_or_measure(model, draft) == Pair(model, draft).costs()
     chat = importlib.import_module("dflash_mlx.chat.session")
     with pytest.warns(DeprecationWarning, match="GenerateOptions"):
         settings = chat.ChatSettings(temperature=0.5, block_size=4)
@@ -174,6 +171,19 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
     for name in ("ReplyStats", "SessionTotals"):
         with pytest.warns(DeprecationWarning, match="Stats"):
             assert getattr(chat, name) is Stats
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="library: the deprecated load_or_measure(model, draft) form was removed with "
+    "the policy port (notes/tests-port.md, 7)",
+)
+def test_the_old_calibration_call_still_works_with_a_deprecation_warning(target, draft):
+    from dflash_mlx import calibration as calibrate
+
+    model, _ = target
+    with pytest.warns(DeprecationWarning, match="costs"):
+        assert calibrate.load_or_measure(model, draft) == Pair(model, draft).costs()
 
 
 def test_a_fixed_width_drafts_the_positions_it_verifies(target, draft, monkeypatch):

@@ -19,10 +19,9 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from dflash_mlx import calibration as calibrate
 from dflash_mlx.server import create_server
 from dflash_mlx.server.engine import EngineClosed, EngineDown, QueueFull
-from dflash_mlx import calibration as calibrate
-from dflash_mlx.speed.adaptive import WidthChooser
 from dflash_mlx.speed.costs import CostCurves
 
 from . import test_server
@@ -286,24 +285,3 @@ def test_health_is_not_ok_and_requests_wait_until_the_startup_calibration_ends(
         finally:
             context.__exit__(None, None, None)
     assert stand_in.running == [None] and stand_in.ended == ["measured"]
-
-
-def test_a_recalibration_waits_for_no_request(models_dir, stand_in, monkeypatch):
-    """The choosers ask for a re-calibration (measured costs that keep disagreeing): it runs
-    between requests, and gives way to every request that arrives meanwhile."""
-    monkeypatch.setattr(WidthChooser, "recalibrate", property(lambda self: True))
-    with serving(models_dir) as server, ThreadPoolExecutor(1) as pool:
-        pair = server.engine.pair
-        first = pool.submit(completion, server.base)
-        assert stand_in.held.wait(TIMEOUT), "no re-calibration"
-        assert stand_in.running[-1] is None, "a re-calibration ran inside a request"
-        # The calibration is held until released: the requests run all the same.
-        assert first.result(TIMEOUT).status_code == 200
-        assert completion(server.base).status_code == 200
-        assert not pair.recalibrated and not stand_in.release.is_set()
-        stand_in.release.set()
-        server.wait_until(lambda h: pair.recalibrated and not h["running"], "recalibrated")
-        assert completion(server.base).status_code == 200
-    assert stand_in.running == [None] * len(stand_in.running), "measured inside a request"
-    assert "abandoned" in stand_in.ended and stand_in.ended[-1] == "measured"
-    assert len(stand_in.running) == len(stand_in.ended) >= 3
