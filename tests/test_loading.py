@@ -181,9 +181,9 @@ def test_half_precision_weights_run_in_float32_on_a_cpu_with_openblas(
 ):
     """MLX's CPU matmul has no BLAS path for bf16: with an optimized BLAS loaded such pairs
     are computed in float32; with the stock wheel's reference BLAS they are not."""
-    from dflash_mlx import calibration as calibrate
+    from dflash_mlx import sysinfo
 
-    monkeypatch.setattr(calibrate, "blas_library", lambda: "libblas.so.3,libopenblasp-r0.3.21.so")
+    monkeypatch.setattr(sysinfo, "blas_library", lambda: "libblas.so.3,libopenblasp-r0.3.21.so")
     target_dir = _bf16_copy(models_dir / "qwen3", tmp_path / "t")
     draft_dir = _bf16_copy(models_dir / "draft", tmp_path / "d")
     model, tok = load(target_dir)
@@ -198,7 +198,7 @@ def test_half_precision_weights_run_in_float32_on_a_cpu_with_openblas(
     assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}
     assert _dtypes(load_draft(draft_dir)) == {mx.bfloat16}
     monkeypatch.delenv("DFLASH_MLX_CPU_FLOAT32")
-    monkeypatch.setattr(calibrate, "blas_library", lambda: "libblas-bd8a282c.so.3.10.0")
+    monkeypatch.setattr(sysinfo, "blas_library", lambda: "libblas-bd8a282c.so.3.10.0")
     assert _dtypes(load(target_dir)[0]) == {mx.bfloat16}, "reference BLAS: half is faster"
     monkeypatch.setenv("DFLASH_MLX_CPU_FLOAT32", "1")
     assert _dtypes(load(target_dir)[0]) == {mx.float32}
