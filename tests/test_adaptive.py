@@ -312,17 +312,10 @@ def best_fixed_rate(truth: CostCurves, alpha: float) -> float:
     return max(rates)
 
 
-STALE = pytest.mark.xfail(
-    strict=True,
-    reason="library: a stale steep calibration is not unlearnt online: stuck at W = 2 "
-    "(notes/tests-port.md, 2)",
-)
-
-
 @pytest.mark.parametrize(
     "calibrated, truth, alpha",
     [
-        pytest.param(CPU, BLAS, 0.9, marks=STALE, id="steep-cal-flat-device"),
+        pytest.param(CPU, BLAS, 0.9, id="steep-cal-flat-device"),
         pytest.param(CPU, BLAS, 0.7, id="steep-cal-flat-device-a.7"),
         pytest.param(BLAS, CPU, 0.9, id="flat-cal-steep-device"),
         pytest.param(BLAS, CPU, 0.5, id="a.5"),

@@ -99,11 +99,6 @@ def test_a_predictable_text_after_unpredictable_ones_is_found_by_a_probe():
     assert rate(log) >= 1.2 / STOCK.verify[0], rate(log) * STOCK.verify[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: the pooled acceptance of useless texts holds a predictable one back "
-    "for hundreds of tokens: 1.17x plain in 512 tokens, was >= 1.2x (notes/tests-port.md, 3)",
-)
 def test_a_predictable_text_after_unpredictable_ones_pays_within_512_tokens():
     log = predictable_after_unpredictable(512)
     assert rate(log) >= 1.2 / STOCK.verify[0], rate(log) * STOCK.verify[0]
@@ -138,11 +133,6 @@ def test_a_new_text_is_looked_at_after_many_useless_ones():
     assert sum(spec) / len(spec) > 2.0 and len(spec) >= 3, "it did not speculate once it paid"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: a stale steep calibration is not unlearnt online: stuck at W = 2 "
-    "(notes/tests-port.md, 2)",
-)
 def test_a_stale_calibration_that_prices_speculation_out_is_found_out():
     """Curves taken where a W-token verify costs W plain steps (the stock wheel), a device
     where wide verifies are nearly free (OpenBLAS), drafts right 9 times in 10, 96-token
@@ -156,17 +146,19 @@ def test_a_stale_calibration_that_prices_speculation_out_is_found_out():
     ]
     looked = next(i for i, log in enumerate(logs) if widths(log))
     best = best_fixed_rate(BLAS, 0.9)
-    for log in logs[looked + 1 :]:
-        assert rate(log) >= 0.9 * best, rate(log) / best
+    got = [round(rate(log) / best, 2) for log in logs[looked + 1 :]]
+    assert min(got) >= 0.9, got
 
 
 def test_where_the_calibration_was_right_the_first_look_is_the_only_probe():
     """Curves that say no width can pay, and a device where they are right: one look (the
-    cheapest width, paid from the bank), then plain decoding for good."""
+    cheapest width, paid from the bank) and at most one at twice its width (while one width
+    alone was timed, one twice as wide is priced no dearer), then plain decoding for good."""
     stock = CostCurves(CPU.verify, CPU.draft, context=0.01, lazy=0.01)
     policy = AutoPolicy(stock, BLOCK)
     logs = [request(policy, stock, 0.5, 256) for _ in range(8)]
-    assert [w for log in logs for w in widths(log)] == [2]
+    looks = [w for log in logs for w in widths(log)]
+    assert looks[:1] == [2] and set(looks[1:]) <= {3, 4} and len(looks) <= 2, looks
     spent = sum(s * t for log in logs for *_, s, t in log)
     assert spent <= (1.0 + PROBE_SHARE) * 8 * 256 * stock.verify[0]
 

@@ -108,11 +108,6 @@ def test_drafts_always_wrong_decode_plainly_where_a_probe_cannot_pay(r):
     assert (c.width, c.probe) == (1, False), c
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug (notes/tests-port.md): in policy.choose a probe wider than the "
-    "tokens left counts as useful, (left - w) and (full * step - cost) both negative",
-)
 @forall
 def test_drafts_always_wrong_near_the_end_decode_plainly(r):
     """(a) The same, with fewer tokens left than the widest width: a probe then can win
@@ -176,15 +171,20 @@ def test_a_planned_width_beats_plain_with_every_alpha_one_sd_low(r):
 def test_a_probe_happens_only_when_the_bank_covers_its_worst_case(r):
     """(e) A probe of width W is made only when the bank holds what it loses were every
     draft wrong: costs[W - 1] - costs[0] + what waking the draft costs (`wake`, default
-    `catch`); else plain, with the plain steps until one could be paid at `PROBE_SHARE` of
-    each."""
+    `catch`), or, where the estimate expects W to pay (acceptance as estimated, not taken
+    low), when the bank is not in debt; else plain, with the plain steps until one could be
+    paid at `PROBE_SHARE` of each."""
     costs, rows, catch, bank, looked = random_case(r)
     wake = r.choice([None, r.uniform(0.0, 2.0) * costs[0]])
     c = choose(costs, rows, catch, bank, looked, wake)
     worst = catch if wake is None else wake
     if c.probe:
         assert c.width > 1 and c.wait == 0.0
-        assert bank >= costs[c.width - 1] - costs[0] + worst, (c, bank)
+        mean = sum(e.tokens(c.width) for e in rows) * costs[0] / len(rows)
+        left = min(e.left for e in rows)
+        spread = catch / max(left / max(mean / costs[0] / len(rows) * len(rows), 1.0), 1.0)
+        hopeful = mean - costs[c.width - 1] - spread > 0
+        assert bank >= (0.0 if hopeful else costs[c.width - 1] - costs[0] + worst), (c, bank)
     elif c.width == 1 and c.wait < math.inf:
         assert c.wait > 0
         # Given the bank it waits for, the same inputs probe.
@@ -255,12 +255,13 @@ def test_a_policy_where_wide_verifies_are_free_and_drafts_right_speculates_soon(
 def test_a_plain_plan_stands_until_the_bank_pays_for_a_probe():
     """Plain steps pay for no decision: a plain plan stands for the steps until the bank
     could pay for a probe (less the window the draft's context is kept current over), so
-    between two probes the policy plans at most twice."""
+    between two probes the policy plans at most three times (the wait is re-estimated when
+    the window opens and when the estimate's hopes move)."""
     policy = AutoPolicy(HALF, BLOCK)
     log, _, _ = run(policy, HALF, lambda c: 0, 5000)
     probes = sum(probe for _, probe in log)
     assert probes >= 100, probes
-    assert len(log) - probes <= 2 * (probes + 1), f"{len(log)} decisions for {probes} probes"
+    assert len(log) - probes <= 3 * (probes + 1), f"{len(log)} decisions for {probes} probes"
 
 
 # -- the engine on a simulated device ---------------------------------------------------------

@@ -174,7 +174,25 @@ class CostTable:
         return plain * (1.0 if rel is None else rel)
 
     def cost(self, shape: Shape) -> float:
-        return self.scale(shape) * self.calibrated(shape)
+        """What `shape` costs. Beyond the widest width measured at its rows and depth, no
+        dearer than the measured widths' line carried on (never falling), or, one alone
+        measured, than that one up to twice its width: a calibration too steep for the
+        device now is found out a cycle at a time (borrowed along the calibration's slope, a
+        wider width would never look worth trying)."""
+        got = self.scale(shape) * self.calibrated(shape)
+        bucket = depth_bucket(shape.depth)
+        known = sorted(k[1] // k[0] for k in self.relative if k[0] == shape.rows and k[2] == bucket)
+        if shape.width == 1 or not known or shape.width <= known[-1]:
+            return got
+
+        def at(w: int) -> float:
+            return self.cost(Shape(shape.rows, w, shape.block, shape.depth))
+
+        if len(known) == 1:
+            return min(got, at(known[0])) if shape.width <= 2 * known[0] else got
+        (lo, hi), top = known[-2:], at(known[-1])
+        slope = max((top - at(lo)) / (hi - lo), 0.0)
+        return min(got, top + slope * (shape.width - hi))
 
     def catch_up(self, rows: int, lazy: int, depth: int) -> float:
         if rows <= 0 and lazy <= 0:

@@ -71,35 +71,42 @@ def choose(
     n, plain = len(rows), costs[0]
     step = plain / n  # plain seconds per token
     left = min(r.left for r in rows)
-    best, rate = 1, n / plain
+    best, rate, hopeful = 1, n / plain, []
     for w in range(2, len(costs) + 1):
         mean = sum(r.tokens(w) for r in rows)
         low = sum(r.tokens(w, low=True) for r in rows)
-        # The floor: seconds this cycle saves against plain, acceptance taken low, and what
-        # catching up costs spread over the cycles left (it is paid once).
-        cycles = max(left / max(mean / n, 1.0), 1.0)
-        if low * step - costs[w - 1] - catch / cycles > 0 and mean / costs[w - 1] > rate:
-            best, rate = w, mean / costs[w - 1]
+        # Seconds this cycle saves against plain (acceptance as estimated, or taken low: the
+        # floor), less catching up spread over the cycles left (it is paid once).
+        spread = catch / max(left / max(mean / n, 1.0), 1.0)
+        if mean * step - costs[w - 1] - spread > 0:
+            hopeful.append(w)
+            if low * step - costs[w - 1] - spread > 0 and mean / costs[w - 1] > rate:
+                best, rate = w, mean / costs[w - 1]
     if best > 1:
         return Choice(best)
     # A probe looks at a width that could pay were its drafts right (each row's whole width
     # accepted), and over the tokens left could win back what it loses were they all wrong;
     # until a speculative cycle was timed here, the cheapest width looks (the calibration may
-    # be stale). The best by the estimate among them.
+    # be stale). The best by the estimate among them. Where the estimate says a width pays
+    # but the floor does not trust it yet, it looks as soon as the bank is not in debt (what
+    # it really loses is taken after); else when the bank covers all it could lose.
     wake = catch if wake is None else wake
     loss = {w: costs[w - 1] - plain + wake for w in range(2, len(costs) + 1)}
     full = {w: sum(min(w, r.left) for r in rows) for w in loss}
     useful = [
-        w for w in loss if loss[w] < (left - w) * n / full[w] * (full[w] * step - costs[w - 1])
+        w
+        for w in loss
+        if loss[w] < max(left - w, 0) * n / full[w] * (full[w] * step - costs[w - 1])
     ]
     if not looked and not useful and left > 2:
         useful = [min(loss, key=loss.get)]
     if not useful:
         return Choice(1)
     w = max(useful, key=lambda w: sum(r.tokens(w) for r in rows) / costs[w - 1])
-    if bank >= loss[w]:
+    need = 0.0 if w in hopeful else loss[w]
+    if bank >= need:
         return Choice(w, probe=True, wait=0.0)
-    return Choice(1, wait=(loss[w] - bank) / (PROBE_SHARE * plain))
+    return Choice(1, wait=(need - bank) / (PROBE_SHARE * plain))
 
 
 class AutoPolicy:
