@@ -254,9 +254,25 @@ class Calibration:
 
 
 def load_or_measure(
-    pair: Pair, *, refresh: bool = False, progress: Callable[[int, int], None] | None = None
+    pair: Pair,
+    draft=None,
+    *,
+    refresh: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CostCurves:
-    """The pair's curves (`pair.costs()`)."""
+    """The pair's curves (`pair.costs()`). The old form `load_or_measure(model, draft)` is
+    deprecated: it makes a Pair for this call (nothing remembered for the next one)."""
+    from .pair import Pair
+
+    if not isinstance(pair, Pair):
+        import warnings
+
+        warnings.warn(
+            "load_or_measure(model, draft) is deprecated: use Pair(model, draft).costs()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        pair = Pair(pair, draft)
     return pair.costs(refresh=refresh, progress=progress)
 
 

@@ -771,12 +771,6 @@ def test_a_request_alone_teaches_its_policy_each_cycle_and_each_catch_up(target,
     assert [e.tokens for e in ups] == [r.caught for r in caught]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: a plain plan stands past the point where a cheaper probe becomes "
-    "affordable (the tokens left shrink): probes wake the draft on no window "
-    "(notes/tests-port.md, 6)",
-)
 def test_every_probe_after_dormant_plain_steps_reads_a_window_of_fresh_context(target, draft):
     """A dormant draft's plain steps capture nothing until a window before the probe: every
     probe after such steps first catches the draft up on that window."""

@@ -173,11 +173,6 @@ def test_old_names_still_work_with_a_deprecation_warning(target, draft):
             assert getattr(chat, name) is Stats
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library: the deprecated load_or_measure(model, draft) form was removed with "
-    "the policy port (notes/tests-port.md, 7)",
-)
 def test_the_old_calibration_call_still_works_with_a_deprecation_warning(target, draft):
     from dflash_mlx import calibration as calibrate
 

@@ -68,10 +68,10 @@ def stretch(
     or budget, when a request arrives, a row is cancelled or `dec.interrupt` says so, and
     after `STRETCH_TOKENS` tokens or `STRETCH_SECONDS`.
     Rows whose width the `policy` plans run on while its last plan stands (`Plan.stands`
-    plain steps, capturing as it said) or, planned anew, while it plans a plain step
-    (which may capture features for the drafts: each pass's go to them as it is read); when
-    it plans speculation the stretch ends with that plan for the next cycle
-    (`dec._planned`). The pass launched last stays launched for the next cycle."""
+    plain steps, capturing as it said: each pass's features go to the drafts as it is
+    read); then the stretch ends, so that the next plan is made on what its steps taught
+    (a plan made inside it would not see them: the policy learns once a cycle). The pass
+    launched last stays launched for the next cycle."""
     target = dec.pair.target
     cache = dec.cache if len(rows) > 1 else rows[0].req.cache
     coasts = any(r.req.draft is not None for r in rows)
@@ -98,16 +98,12 @@ def stretch(
                 r.req.controls.commit(ahead.top[b : b + 1])
         at = [g + k for g in base]  # the generated index of what `ahead` computes
         if all(r.options.max_tokens - a >= 2 for r, a in zip(rows, at)):
+            # The last plan stands, capture included; when it no longer does, the stretch
+            # ends: the next cycle plans on what these steps taught (`learn` first).
             go = not coasts or dec._stands > 0
-            if go and coasts:  # the last plan stands, capture included
+            if go and coasts:
                 dec._stands -= 1
                 caps = [r.req.draft is not None and capture for r in rows]
-            if not go:  # planned anew, as the next cycle's plan would be
-                widths, caps, made = dec._plan(rows, policy, ahead=k + 1)
-                capture = made is None or made.capture
-                go = bc.plain(target, rows, widths)
-                if not go:
-                    dec._planned = ([id(r) for r in rows], (widths, caps, made))
             if go:
                 launch = dec._now()
                 nxt = bc.plain_pass(target, rows, ahead.top, cache, caps, at)

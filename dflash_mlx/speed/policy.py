@@ -87,9 +87,9 @@ def choose(
     # A probe looks at a width that could pay were its drafts right (each row's whole width
     # accepted), and over the tokens left could win back what it loses were they all wrong;
     # until a speculative cycle was timed here, the cheapest width looks (the calibration may
-    # be stale). The best by the estimate among them. Where the estimate says a width pays
-    # but the floor does not trust it yet, it looks as soon as the bank is not in debt (what
-    # it really loses is taken after); else when the bank covers all it could lose.
+    # be stale). The best by the estimate among those the bank can pay for: where the
+    # estimate says a width pays but the floor does not trust it yet, as soon as the bank
+    # is not in debt (what it really loses is taken after); else what it could lose.
     wake = catch if wake is None else wake
     loss = {w: costs[w - 1] - plain + wake for w in range(2, len(costs) + 1)}
     full = {w: sum(min(w, r.left) for r in rows) for w in loss}
@@ -102,11 +102,13 @@ def choose(
         useful = [min(loss, key=loss.get)]
     if not useful:
         return Choice(1)
-    w = max(useful, key=lambda w: sum(r.tokens(w) for r in rows) / costs[w - 1])
-    need = 0.0 if w in hopeful else loss[w]
-    if bank >= need:
+    need = {w: 0.0 if w in hopeful else loss[w] for w in useful}
+    ready = [w for w in useful if bank >= need[w]]
+    if ready:
+        w = max(ready, key=lambda w: sum(r.tokens(w) for r in rows) / costs[w - 1])
         return Choice(w, probe=True, wait=0.0)
-    return Choice(1, wait=(need - bank) / (PROBE_SHARE * plain))
+    # The first step any of them could be paid for (fewer tokens left only removes some).
+    return Choice(1, wait=(min(need.values()) - bank) / (PROBE_SHARE * plain))
 
 
 class AutoPolicy:
@@ -167,6 +169,10 @@ class AutoPolicy:
         wake = self.table.catch_up(len(asks) * self.window, lazy, depth)
         est = [self.estimate(a) for a in asks]
         c = choose(costs, est, catch, self.bank, self.table.looked, wake)
+        if c.probe and not all(a.ticket.capture for a in asks):
+            # A dormant draft is woken a window before its probe, which then reads fresh
+            # context (the window's rows), not a gap.
+            return Plan((1,) * len(asks), (1,) * len(asks), True, False, self.window - 1)
         widths = tuple(max(1, min(c.width, a.left)) for a in asks)
         blocks = (self.block_for(c.width, depth) if c.width > 1 else 1,) * len(asks)
         # Plain steps keep the draft's context current only within a window before a probe;
