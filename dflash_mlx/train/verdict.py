@@ -60,12 +60,12 @@ def verdict(evals: list[dict]) -> Verdict | None:
     a, b = pts[-2], pts[-1]
     per100 = 100 / max(1, b["step"] - a["step"])
     fall = (a["held_loss"] - b["held_loss"]) * per100 / b["held_loss"]
-    tau_slope = (b.get("tau", 0.0) - a.get("tau", 0.0)) * per100
     gap = b["held_loss"] / b["train_loss"] - 1 if b.get("train_loss") else 0.0
     more_steps, more_data = fall >= RISING, gap >= GAP
     curve = (
-        f"held-out loss {b['held_loss']:.2f} ({-fall:+.1%} per 100 steps at the end, τ "
-        f"{tau_slope:+.2f}), training loss {b.get('train_loss', float('nan')):.2f}"
+        f"held-out loss {a['held_loss']:.2f} → {b['held_loss']:.2f} over steps {a['step']}-"
+        f"{b['step']} ({-fall:+.1%} per 100 steps), τ {a.get('tau', 0):.2f} → "
+        f"{b.get('tau', 0):.2f}; training loss {b.get('train_loss', float('nan')):.2f}"
     )
     if more_steps and more_data:
         say = "more steps and more data would both help"
