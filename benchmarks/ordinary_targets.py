@@ -247,21 +247,30 @@ def cmd_curve(args) -> None:
     lines = (args.folder / "heldout.jsonl").read_text().splitlines()
     ps = [tok.encode(json.loads(x)["prompt"]) for x in lines if x.strip()][: args.prompts]
     options = GenerateOptions(max_tokens=args.tokens, verify_width=8)
-    for run in args.runs:
-        log = json.loads((run / "training_log.json").read_text())
-        n, tokens = log["data"]["sequences"], log["data"]["response_tokens"]
-        rows = []
-        for ck in sorted((run / "curve").glob("step-*")):
-            step = int(ck.name.split("-")[1])
-            if args.only and step not in args.only:
+    done: dict[Path, dict[int, dict]] = {run: {} for run in args.runs}
+    while True:
+        for run in args.runs:
+            log_file = run / "training_log.json"
+            if not log_file.is_file():
                 continue
-            pair = Pair(model, load_draft(str(ck)))
-            tau = Stats.total([generate(pair, tok, p, options).stats for p in ps]).tau
-            seen = tokens * (1 - (1 - 1 / n) ** (16 * step))
-            rows.append({"step": step, "tau": round(tau, 3), "distinct_tokens_seen": int(seen)})
-            print(json.dumps({"run": run.name, **rows[-1], "sequences": n,
-                              "response_tokens": tokens}), flush=True)  # fmt: skip
-        (run / "curve_tau.json").write_text(json.dumps(rows, indent=1))
+            data = json.loads(log_file.read_text())["data"]
+            n, tokens = data["sequences"], data["response_tokens"]
+            for ck in sorted((run / "curve").glob("step-*")):
+                step = int(ck.name.split("-")[1])
+                if (args.only and step not in args.only) or step in done[run]:
+                    continue
+                pair = Pair(model, load_draft(str(ck)))
+                tau = Stats.total([generate(pair, tok, p, options).stats for p in ps]).tau
+                seen = tokens * (1 - (1 - 1 / n) ** (16 * step))
+                row = {"step": step, "tau": round(tau, 3), "distinct_tokens_seen": int(seen)}
+                done[run][step] = row
+                print(json.dumps({"run": run.name, **row, "sequences": n,
+                                  "response_tokens": tokens}), flush=True)  # fmt: skip
+                rows = [done[run][k] for k in sorted(done[run])]
+                (run / "curve_tau.json").write_text(json.dumps(rows, indent=1))
+        if not args.watch or all(args.watch in d for d in done.values()):
+            return
+        time.sleep(30)
 
 
 def main() -> None:
@@ -286,6 +295,7 @@ def main() -> None:
     c.add_argument("--prompts", type=int, default=16)
     c.add_argument("--tokens", type=int, default=128)
     c.add_argument("--only", type=lambda v: [int(x) for x in v.split(",")])
+    c.add_argument("--watch", type=int, help="evaluate checkpoints as they come, until this step's")
     args = ap.parse_args()
     {"build": cmd_build, "plain": cmd_plain, "curve": cmd_curve}[args.cmd](args)
 
