@@ -166,8 +166,11 @@ def cmd_build(args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     target = args.out / "target"
     tic = time.perf_counter()
+    shape = dict(SHAPE)
+    if args.shape:  # a smaller stand-in (LAYERS x HIDDEN), when the machine has no time
+        shape["layers"], shape["hidden"] = map(int, args.shape.split("x"))
     build = train_target(
-        target, held_in, **SHAPE, steps=args.steps, batch=16, seq=256, lr=args.lr,
+        target, held_in, **shape, steps=args.steps, batch=16, seq=256, lr=args.lr,
         log=lambda s: print(s, flush=True),
     )  # fmt: skip
     data = prompts(sources, 48, 8, 1, "text")
@@ -282,6 +285,7 @@ def main() -> None:
     b.add_argument("--steps", type=int, default=500)
     b.add_argument("--lr", type=float, default=3e-3)
     b.add_argument("--force", action="store_true", help="build again over a built folder")
+    b.add_argument("--shape", help="LAYERSxHIDDEN instead of the issue's 6x256, e.g. 4x128")
     p = sub.add_parser("plain", help="the plain recipe at the command's budget")
     p.add_argument("folder", type=Path)
     p.add_argument("--out", type=Path, required=True)
