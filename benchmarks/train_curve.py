@@ -92,6 +92,17 @@ def timed_train(*a, **k):
     timing["train_s"] = time.perf_counter() - tic
     return r
 T._save_state, T.held_out_tau, C._regenerator, T.train = keep, timed_held, timed_regen, timed_train
+try:  # trees with the continuations' writer (issue 64): it writes the branches and replies
+    import dflash_mlx.train.data as Dm
+    batch = Dm.TargetWriter._batch
+    def timed_batch(*a, **k):
+        tic = time.perf_counter()
+        r = batch(*a, **k)
+        timing["regenerate_s"] += time.perf_counter() - tic
+        return r
+    Dm.TargetWriter._batch = timed_batch
+except ImportError:
+    pass
 if os.environ.get("TRAIN_CURVE_FLOAT32") == "1":  # an old tree without the CPU float32 upcast
     import dflash_mlx, mlx.core as mx
     load = dflash_mlx.load

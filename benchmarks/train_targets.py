@@ -9,6 +9,9 @@
     python benchmarks/train_curve.py eval D/code6/now D/code6/ref --target D/code6/target \
         --prompts D/code6/heldout.jsonl
 
+(Issue 64's ordinary targets, `stdlib6` and `docs6`, with the plain recipe beside the
+command: `benchmarks/ordinary_targets.py`.)
+
 Two small Qwen3 targets trained from scratch on text already on this machine (no download),
 each unlike the demo pair's (4 layers, hidden 256, a 2k BPE, stdlib code):
 

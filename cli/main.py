@@ -110,6 +110,14 @@ def train(
         bool, typer.Option("--regenerate", help="Let the target write the responses first.")
     ] = False,
     regen_tokens: Annotated[int, typer.Option(help="Most tokens per regenerated reply.")] = 128,
+    continuations: Annotated[
+        int | None,
+        typer.Option(
+            help="With --regenerate: the target's continuations of each prompt (whole, then "
+            "cut at offsets with a sampled branch; default: enough for the steps).",
+            show_default=False,
+        ),
+    ] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from --out's state.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Train into a non-empty --out.")] = False,
     long_context: Annotated[
@@ -170,6 +178,7 @@ def train(
             init=init,
             dflash2=dflash2,
             upgrade_from=upgrade_from,
+            continuations=continuations,
             settings=dict(
                 steps=steps,
                 batch=batch,

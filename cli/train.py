@@ -94,6 +94,7 @@ def run(
     init: str | None = None,
     dflash2: bool = False,
     upgrade_from: str | None = None,
+    continuations: int | None = None,
 ) -> None:
     # Before anything heavy loads: where the draft goes, and data that can be used at all.
     writable_folder(out, "--out")
@@ -102,6 +103,8 @@ def run(
     if resume and not (out / "config.json").is_file():
         raise BadArgument(f"--resume: {out} holds no draft to resume (no config.json)")
     check_data(data, regenerate)
+    if continuations is not None and continuations < 1:
+        raise BadArgument(f"--continuations {continuations} must be >= 1")
     lengths = None
     if long_context is not None:  # before anything loads
         from dflash_mlx.train.long_context import parse_lengths
@@ -118,21 +121,22 @@ def run(
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
     from dflash_mlx.models.draft import DFlashDraft
+    from dflash_mlx.train.data import Growth, TargetWriter, auto_per_prompt, split_held
     from dflash_mlx.train.trainer import (
         TrainSettings,
         draft_config_for,
         init_draft,
         read_examples,
-        split_held_out,
         train,
     )
 
     st = TrainSettings(**settings)
     with ui.loading("target", target):
         model, tokenizer = dflash_mlx.load(target)
-    regen = None
+    regen = per_prompt = None
     if regenerate:
-        regen = _regenerator(model, tokenizer, regen_tokens)
+        regen = TargetWriter(model, tokenizer, regen_tokens, Growth(continuations, seed=st.seed))
+        per_prompt = continuations or (lambda n: auto_per_prompt(n, st.steps, st.batch))
     what = "training data (the target writes the replies)" if regenerate else "training data"
     depth = None
     if lengths is not None:
@@ -157,15 +161,20 @@ def run(
                 seq_len=st.seq_len,
                 regenerate=regen,
                 reply_room=min(regen_tokens, st.seq_len // 2) if regenerate else 0,
+                per_prompt=per_prompt or 1,
+                branches=regen.branches if regen else None,
+                seed=st.seed,
             )
     for line in skipped[:20]:
         ui.note(line)
     if len(skipped) > 20:
         ui.note(f"… and {len(skipped) - 20} more skipped lines")
+    held_examples = None
     if depth:  # whole files held out: their windows
         held = [w for _, w in depth]
     else:
-        examples, held = split_held_out(examples, st.eval_prompts, st.seed)
+        examples, held_examples = split_held(examples, st.eval_prompts, st.seed)
+        held = [e.tokens[: e.start or 16] for e in held_examples]
 
     if resume:
         config = json.loads((out / "config.json").read_text())
@@ -217,6 +226,7 @@ def run(
             st,
             out,
             held_out=held,
+            held_examples=held_examples,
             resume=resume,
             progress=progress,
             loss_fn=train_dflash2.loss_for(pair.draft),
@@ -235,10 +245,19 @@ def run(
     last = log.steps[-1] if log.steps else {}
     console.print(
         f"saved {out} · final loss {last.get('loss', float('nan')):.3f}"
-        + (f" · held-out τ {log.evals[-1]['tau']:.2f}" if log.evals else "")
         + f" · log {out / 'training_log.json'}",
         style="green",
     )
+    if log.evals:
+        width = config["dflash_config"]["block_size"]
+        console.print(
+            f"held-out τ at W={width} (the width it was trained for): "
+            f"{log.evals[-1]['tau']:.2f} on {len(held)} held-out prompts",
+            style="bold cyan",
+            soft_wrap=True,
+        )
+    if log.verdict:
+        console.print(f"verdict: {log.verdict}", style="cyan", soft_wrap=True)
 
 
 def _resumed_step(out: Path) -> int:
@@ -393,18 +412,6 @@ def _clock(seconds: float) -> str:
 def _regenerator(model, tokenizer, max_tokens: int):
     """The target writes the responses (greedy, mlx-lm's batched decoding), as the paper's
     recipe does; the labels are the target's own next tokens anyway, computed in training."""
-    from mlx_lm.generate import batch_generate
+    from dflash_mlx.train.data import TargetWriter
 
-    def regenerate(prompts: list[list[int]]) -> list[list[int]]:
-        r = batch_generate(
-            model,
-            tokenizer,
-            prompts,
-            max_tokens=max_tokens,
-            return_token_ids=True,
-            completion_batch_size=64,
-            prefill_batch_size=16,
-        )
-        return [list(t) for t in r.token_ids]
-
-    return regenerate
+    return TargetWriter(model, tokenizer, max_tokens).replies

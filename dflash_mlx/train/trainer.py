@@ -23,14 +23,14 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..engine.generate import generate
-from ..engine.text import encode_prompt
-from ..errors import BadArgument
 from ..models.config import DraftConfig, default_target_layer_ids
 from ..models.draft import DFlashDraft
 from ..options import GenerateOptions
 from ..pair import Pair
 from ..stats import Stats
 from .blocks import cross_entropy, fast_path, grouped_blocks, grouped_logits
+from .data import Example, read_examples, split_held, split_held_out  # noqa: F401 (the API)
+from .verdict import probe_loss, verdict
 
 
 @dataclass
@@ -69,17 +69,13 @@ def gamma_for_block(block_size: int) -> float:
 
 
 @dataclass
-class Example:
-    tokens: list[int]
-    start: int  # first response position: anchors are sampled from here on
-
-
-@dataclass
 class TrainLog:
     settings: dict
     steps: list[dict] = field(default_factory=list)  # {"step", "loss", "lr", "tokens_per_s"}
-    evals: list[dict] = field(default_factory=list)  # {"step", "tau"}
+    evals: list[dict] = field(default_factory=list)  # {"step", "tau", "held_loss", "train_loss"}
     skipped_lines: list[str] = field(default_factory=list)
+    verdict: str = ""  # more data or more steps? (`verdict.verdict`, after the last check)
+    data: dict = field(default_factory=dict)  # {"sequences", "response_tokens"} trained on
 
 
 # -- the draft -------------------------------------------------------------------------------
@@ -156,89 +152,6 @@ def save_draft_checkpoint(draft: DFlashDraft, config: dict, out: Path) -> None:
 
 
 # -- data --------------------------------------------------------------------------------------
-
-
-def read_examples(
-    path: Path,
-    tokenizer,
-    *,
-    seq_len: int,
-    regenerate: Callable[[list[list[int]]], list[list[int]]] | None = None,
-    reply_room: int = 0,
-) -> tuple[list[Example], list[str]]:
-    """Examples from JSONL (`{"text"}`, `{"prompt"}`, `{"messages"}`) or a folder of them.
-
-    Bad lines are skipped and reported (file:line and why), never silently. With
-    `regenerate` (prompts -> the target's replies, all at once so it can batch) the target
-    writes the responses: after a `{"prompt"}` (chat template) or a `{"text"}` (raw, e.g. a
-    stretch of a file); without it, `{"text"}` is trained on as it is and `{"prompt"}`
-    lines are skipped. A prompt to regenerate from keeps its last `seq_len - reply_room`
-    tokens, so that a long prompt still leaves room for the reply."""
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    if not files or not all(f.is_file() for f in files):
-        raise BadArgument(f"training data {path}: no JSONL file found")
-    if regenerate is not None and not 0 <= reply_room < seq_len:
-        raise ValueError(f"reply room {reply_room} tokens must be below seq_len {seq_len}")
-    pending: list[tuple[str, Example]] = []
-    skipped = []
-    for f in files:
-        for i, line in enumerate(f.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{f}:{i}"
-            try:
-                ex = _example(json.loads(line), tokenizer, regenerate is not None)
-            except (ValueError, TypeError, KeyError) as e:
-                skipped.append(f"{where}: skipped ({e})")
-                continue
-            if ex.start < 0:  # a prompt the target continues: cut from the left
-                ex.tokens = ex.tokens[-(seq_len - reply_room) :]
-            pending.append((where, ex))
-    prompts = [ex for _, ex in pending if ex.start < 0]
-    if prompts:
-        replies = regenerate([ex.tokens for ex in prompts])
-        for ex, reply in zip(prompts, replies, strict=True):
-            ex.start = len(ex.tokens)
-            ex.tokens = ex.tokens + list(reply)
-    examples = []
-    for where, ex in pending:
-        ex.tokens = ex.tokens[:seq_len]
-        if len(ex.tokens) - ex.start < 2:
-            skipped.append(f"{where}: skipped (fewer than 2 response tokens)")
-            continue
-        examples.append(ex)
-    if not examples:
-        raise BadArgument(f"training data {path}: no usable example ({len(skipped)} skipped)")
-    return examples, skipped
-
-
-def _example(obj, tokenizer, regenerate: bool) -> Example:
-    """An example, or (start -1) a prompt whose reply the target is still to write."""
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    if isinstance(obj.get("text"), str):
-        ids = tokenizer.encode(obj["text"])
-        if regenerate:  # the text is a raw prompt the target continues
-            if not ids:
-                raise ValueError("empty text: nothing for the target to continue")
-            return Example(ids, -1)
-        return Example(ids, 0)
-    if isinstance(obj.get("messages"), list) and obj["messages"]:
-        msgs = obj["messages"]
-        if msgs[-1].get("role") != "assistant":
-            if not regenerate:
-                raise ValueError("messages must end with an assistant turn (or use --regenerate)")
-            return Example(encode_prompt(tokenizer, msgs), -1)
-        prompt = encode_prompt(tokenizer, msgs[:-1])
-        full = tokenizer.apply_chat_template(msgs, tokenize=True)
-        if isinstance(full, dict) or hasattr(full, "input_ids"):
-            full = full["input_ids"]
-        return Example(list(full), min(len(prompt), len(full)))
-    if isinstance(obj.get("prompt"), str):
-        if not regenerate:
-            raise ValueError('a {"prompt"} line needs --regenerate to get a response')
-        return Example(encode_prompt(tokenizer, [{"role": "user", "content": obj["prompt"]}]), -1)
-    raise ValueError('expected "text", "prompt" or "messages"')
 
 
 def sample_batch(
@@ -375,20 +288,6 @@ def _schedule(settings: TrainSettings):
     return optim.join_schedules([optim.linear_schedule(0.0, settings.lr, warm), cosine], [warm])
 
 
-def split_held_out(
-    examples: list[Example], n: int, seed: int = 0
-) -> tuple[list[Example], list[list[int]]]:
-    """(training examples, `n` held-out prompts): whole examples drawn (seeded) from across
-    the data, so the estimate does not hang on whichever file came last; the prompts are
-    what came before each held-out reply."""
-    if n < 1 or len(examples) < 2:
-        return examples, []
-    n = min(n, max(1, len(examples) // 20))
-    held = set(np.random.default_rng((seed, 1)).choice(len(examples), size=n, replace=False))
-    train_set = [e for i, e in enumerate(examples) if i not in held]
-    return train_set, [examples[i].tokens[: examples[i].start or 16] for i in sorted(held)]
-
-
 # What `train` is doing, as its `progress(entry)` calls say in `entry["phase"]`: each step's
 # entry after the step (TRAINING), and before a held-out τ check or a checkpoint, the same
 # entry with the phase about to run.
@@ -412,17 +311,25 @@ def train(
     out: Path,
     *,
     held_out: list[list[int]] | None = None,
+    held_examples: list[Example] | None = None,
     resume: bool = False,
     progress: Callable[[dict], None] | None = None,
     log: TrainLog | None = None,
     loss_fn: Callable[..., mx.array] = block_loss,
 ) -> TrainLog:
     """Train `pair.draft` for `settings.steps` steps, checkpointing to `out` (resumable).
-    `loss_fn`: `block_loss`'s signature (DFlash 2: `dflash2.dflash2_loss`)."""
+    `loss_fn`: `block_loss`'s signature (DFlash 2: `dflash2.dflash2_loss`). With
+    `held_examples` (the held-out prompts' whole examples) each held-out check also probes
+    the loss on them and on as many training examples, and the log ends with the verdict
+    of `verdict.verdict` (would more data or more steps help)."""
     draft = pair.draft
     optimizer = make_optimizer(settings)
     gamma = settings.loss_gamma or gamma_for_block(draft.config.block_size)
     log = log or TrainLog(settings={**asdict(settings), "loss_gamma": gamma})
+    log.data = {
+        "sequences": len(examples),
+        "response_tokens": sum(len(e.tokens) - e.start for e in examples),
+    }
     start = 0
     state_dir = out / "training_state"
     if resume:
@@ -448,6 +355,16 @@ def train(
         optimizer.update(draft, grads)
         return loss
 
+    def probes(held: list[Example] | None) -> dict:
+        if not held:
+            return {}
+        mine = [examples[i] for i in np.random.default_rng((settings.seed, 9)).permutation(
+            len(examples))[: len(held)]]  # fmt: skip
+        return {
+            "held_loss": probe_loss(pair, held, loss_fn, gamma, settings.seed),
+            "train_loss": probe_loss(pair, mine, loss_fn, gamma, settings.seed),
+        }
+
     tic, seen = time.perf_counter(), 0
     for step in range(start, settings.steps):
         t0 = time.perf_counter()
@@ -470,8 +387,10 @@ def train(
             if progress is not None:  # said before it runs: it can take a while
                 progress({**entry, "phase": HELD_OUT})
             tau = held_out_tau(pair, tokenizer, held_out, settings.eval_tokens)
-            log.evals.append({"step": step + 1, "tau": tau})
+            log.evals.append({"step": step + 1, "tau": tau, **probes(held_examples)})
             entry["tau"] = tau
+            if done and (said := verdict(log.evals)) is not None:
+                log.verdict = entry["verdict"] = said.line
         if done or (step + 1) % settings.save_every == 0:
             if progress is not None:
                 progress({**entry, "phase": SAVING})
