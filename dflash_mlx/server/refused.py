@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, fiel
 from pydantic_core import PydanticCustomError
 
 from ..json_schema import schema_problem, schema_too_large
+from ..schema_graph import schema_graph_problem
 
 
 class Strict(BaseModel):
@@ -49,6 +50,11 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     if problem is not None:
         raise PydanticCustomError(
             "invalid_schema", "a JSON Schema too large to serve: {problem}", {"problem": problem}
+        )
+    problem = schema_graph_problem(schema)
+    if problem is not None:
+        raise PydanticCustomError(
+            "invalid_schema", "a JSON Schema no reply can follow: {problem}", {"problem": problem}
         )
     return schema
 
