@@ -12,6 +12,7 @@ this server returns ...".
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,8 +60,26 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-# A tool's parameters: a JSON Schema object, its `type`s JSON types (`"type": 5` is refused).
+# A JSON Schema object, its `type`s JSON types (`"type": 5` is refused).
 ToolSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    kind = schema.get("type", "object")
+    if kind != "object" and kind != ["object"]:
+        raise PydanticCustomError(
+            "invalid_schema",
+            "a tool's parameters must be a JSON Schema of type 'object' (its arguments are "
+            "a JSON object), not of type {kind}",
+            {"kind": json.dumps(kind)},
+        )
+    return schema
+
+
+# A tool's parameters: a JSON Schema of objects (OpenAI and Anthropic refuse any other).
+ToolParameters = Annotated[
+    dict[str, Any], AfterValidator(_json_schema), AfterValidator(_object_schema)
+]
 
 
 def _unset(value: Any) -> bool:

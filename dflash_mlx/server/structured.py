@@ -116,7 +116,7 @@ def _marker(tokenizer: Any, text: str) -> str:
 
 def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     schema = tool["function"].get("parameters") or {"type": "object"}
-    return {**schema, "x-guidance": JSON_STYLE}
+    return {"type": "object", **schema, "x-guidance": JSON_STYLE}  # arguments are an object
 
 
 def tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], reasoning: bool) -> str:
