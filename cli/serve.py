@@ -441,6 +441,12 @@ def run(
             return
         distributed.lead()
 
+    limit = pair.context_limit
+    if max_context is not None and limit is not None and max_context > limit:
+        raise BadArgument(
+            f"--max-context {max_context} is more than this model holds: its context is "
+            f"{limit} tokens (leave the option out to serve all of it)"
+        )
     settings = ServerSettings(
         model_id=model_id,
         aliases=aliases,
