@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The server fuzzer at issue 43's size: FUZZ_CASES seeded random cases (2000 by default)
-# after the sweep, against one real server, four client threads (tests/test_server_fuzz.py);
+# after the sweep (every loose field nested deep; issue 63's bodies: the $ref chains, the
+# schemas that failed mid-reply, at every grammar entry point, and tool parameters of no
+# object schema), against one real server, four client threads (tests/test_server_fuzz.py);
 # no answer may be a 5xx or a stall. Prints the case count and the seed first, and how the
 # server answered after (the full report: test-artifacts/fuzz-report.json). About 1.5 min
 # on the 2-core development machine. A failure names its case: rerun with the same

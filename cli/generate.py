@@ -171,8 +171,10 @@ def run(
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
     if settings.get("json_schema") is not None:  # a schema no grammar can be made of fails now
-        try:
-            dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
+        from dflash_mlx.grammar_cage import run_deep
+
+        try:  # on a deep stack, over the logits the engine masks: its own build is a copy
+            run_deep(dflash_mlx.check_grammar, opts, tokenizer, pair.target.logits_width)
         except BadArgument as e:
             raise BadArgument(f"--json-schema {schema_file}: {e}") from None
     request = prompt_form(tokenizer, prompt, chat)
@@ -361,6 +363,7 @@ def read_schema(path: Path | None) -> dict | None:
     import json
 
     from dflash_mlx.json_schema import MAX_DEPTH, schema_problem, schema_too_large, too_deep
+    from dflash_mlx.schema_graph import schema_graph_problem
 
     deep = f"--json-schema {path}: nests arrays and objects more than {MAX_DEPTH} levels deep"
     try:
@@ -384,14 +387,10 @@ def read_schema(path: Path | None) -> dict | None:
     problem = schema_too_large(schema)
     if problem is not None:
         raise BadArgument(f"--json-schema {path}: too large to constrain a reply: {problem}")
+    problem = schema_graph_problem(schema)
+    if problem is not None:
+        raise BadArgument(f"--json-schema {path}: no reply can follow it: {problem}")
     return schema
-
-
-def vocab_size(model) -> int | None:
-    """The width of the target's logits (its config's vocab_size), if it says."""
-    args = getattr(model, "args", None)
-    n = getattr(args, "vocab_size", None)
-    return int(n) if n else None
 
 
 def prompt_text(positional: str | None, option: str | None) -> str:

@@ -241,16 +241,21 @@ def max_tokens_option(max_tokens: int | None, old: int | None) -> int | None:
     return old
 
 
-def is_loopback(host: str) -> bool:
-    """The server's own rule (a host name other than localhost may resolve to anything)."""
+def is_loopback(host: str, sock: socket.socket | None = None) -> bool:
+    """The server's own rule (a host name other than localhost may resolve to anything),
+    or, once bound, where `sock` listens (`--host 127.1` is 127.0.0.1)."""
     from dflash_mlx.server.security import is_loopback_host
 
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        return is_loopback_host(sock.getsockname()[0])
     return is_loopback_host(host)
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
+def exposure_warning(
+    host: str, api_key: str | None, sock: socket.socket | None = None
+) -> str | None:
     """A warning when the server is reachable from other machines without a key."""
-    if api_key or is_loopback(host):
+    if api_key or is_loopback(host, sock):
         return None
     return (
         f"listening on {host} without --api-key: anyone who can reach this machine can use "
@@ -436,6 +441,12 @@ def run(
             return
         distributed.lead()
 
+    limit = pair.context_limit
+    if max_context is not None and limit is not None and max_context > limit:
+        raise BadArgument(
+            f"--max-context {max_context} is more than this model holds: its context is "
+            f"{limit} tokens (leave the option out to serve all of it)"
+        )
     settings = ServerSettings(
         model_id=model_id,
         aliases=aliases,
@@ -444,7 +455,7 @@ def run(
         default_max_tokens=default_max_tokens,
         sampling=sampling,
         context_length=max_context or pair.context_limit,
-        loopback_only=is_loopback(host),
+        loopback_only=is_loopback(host, sock),
         cors_origins=cors_origins,
         max_body_mb=max_body_mb,
     )
@@ -477,7 +488,7 @@ def run(
     )
     if store_note:
         ui.note(store_note)
-    warning = exposure_warning(host, api_key)
+    warning = exposure_warning(host, api_key, sock)
     if warning:
         ui.note(f"warning: {warning}")
     if api_key is not None and not api_key.isascii():

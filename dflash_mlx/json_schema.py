@@ -4,8 +4,10 @@ The bounds a schema must keep before any grammar is built from it, shared by the
 (`serve`'s `response_format`, `text.format` and tools) and `generate --json-schema`: what
 makes a value no JSON Schema (`schema_problem`), what makes one too large to serve
 (`schema_too_large`: a string beyond `MAX_SCHEMA_STRING`, a `pattern` whose counted
-repetitions multiply out beyond it) and arrays and objects nested beyond `MAX_DEPTH`
-(`too_deep`). Every walk is iterative: any nesting is safe.
+repetitions multiply out beyond it or repeat parts of varying length beyond
+`MAX_VARYING_REPEATS`) and arrays and objects nested beyond `MAX_DEPTH` (`too_deep`); the
+graph of subschemas and `$ref`s is bounded in `schema_graph`. Every walk is iterative: any
+nesting is safe.
 """
 
 from __future__ import annotations
@@ -166,8 +168,57 @@ def schema_too_large(schema: Any) -> str | None:
                         f"'{at}' {_shown(pattern)} spells out more than "
                         f"{MAX_SCHEMA_STRING:,} characters (its counted repetitions multiplied)"
                     )
+                varying = varying_repeats(pattern)
+                if varying > MAX_VARYING_REPEATS:
+                    return (
+                        f"'{at}' {_shown(pattern)} repeats parts of varying length "
+                        f"{varying:,} times (as (a|aa){{1000}} does; counted repetitions "
+                        f"multiplied); at most {MAX_VARYING_REPEATS}"
+                    )
         stack.extend(_children(prefix, node))
     return None
+
+
+# A counted repetition of a part that matches strings of different lengths (`(a|aa){n}`)
+# leaves the lexer in one of ~n^2 states as it reads: llguidance's lexer gives up ("too
+# many expressions constructed") from about 240 such repetitions, at the reply's first
+# character or in the middle of it. Counted as `varying_repeats`.
+MAX_VARYING_REPEATS = 128
+
+
+def varying_repeats(pattern: str) -> int:
+    """How many times a regular expression repeats parts of varying length, its counted
+    repetitions multiplied (`(a|aa){10}` 10, `((a|aa){10}){20}` 200, `a{0,1000}` 0: `a` is
+    one character). 0 for a pattern Python cannot parse."""
+    try:
+        return _sre_varying(_sre_parse.parse(pattern))
+    except RecursionError:
+        return MAX_VARYING_REPEATS + 1
+    except Exception:
+        return 0
+
+
+def _sre_varying(items: Any) -> int:
+    total = 0
+    for op, arg in items:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            low, high, sub = arg
+            count = low + 1 if high == _MAXREPEAT else high
+            inner = _sre_varying(sub)
+            least, most = sub.getwidth()
+            total += count * max(inner, 1) if inner or least != most else 0
+        elif name == "SUBPATTERN":
+            total += _sre_varying(arg[-1])
+        elif name == "BRANCH":
+            total += max((_sre_varying(sub) for sub in arg[1]), default=0)
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            total += _sre_varying(arg[1])
+        elif name == "ATOMIC_GROUP":
+            total += _sre_varying(arg)
+        if total > MAX_VARYING_REPEATS:
+            return total
+    return total
 
 
 def pattern_size(pattern: str) -> int:

@@ -89,24 +89,27 @@ KEY = "clé-ü-🔑"  # a non-ASCII API key: clients send it UTF-8 encoded
 ALLOWED = "https://app.example"
 
 
-def build_scripted(root: Path) -> None:
+def build_scripted(root: Path, scripts: dict | None = None, template: str = TEMPLATE) -> None:
+    """The scripted target in `root/scripted` and a random draft in `root/scripted-draft`:
+    `scripts` (SCRIPTS) maps a mode token to the pieces the reply is, each an added token."""
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
     folder = root / "scripted"
     write_tokenizer(folder)
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    extra = [*SCRIPTS, *MARKERS]
-    extra += [p for pieces in SCRIPTS.values() for p in pieces if p not in extra]
+    scripts = SCRIPTS if scripts is None else scripts
+    extra = [*scripts, *MARKERS]
+    extra += [p for pieces in scripts.values() for p in pieces if p not in extra]
     tok.add_special_tokens(extra)
     tok.save(str(folder / "tokenizer.json"))
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
 
     hidden = 64 * -(-tok.get_vocab_size() // 64)  # one-hot embeddings need hidden >= vocab
     eos = tok.token_to_id("<|endoftext|>")
     successor = {}
-    for start, pieces in SCRIPTS.items():
+    for start, pieces in scripts.items():
         seq = [tok.token_to_id(start), *(tok.token_to_id(p) for p in pieces), eos]
         for a, b in zip(seq, seq[1:]):
             assert a not in successor, "a script token with two successors"

@@ -32,6 +32,7 @@ import pytest
 
 from .test_server import MODEL
 from .test_server_agents import agent, scripted_dir  # noqa: F401  (the tool-capable server)
+from .test_server_grammar_cage import MID_REPLY, chain, chained_object
 
 # Cases after the sweep: a count, not a time budget, so that a loaded machine runs the same
 # cases (seeded) as an idle one and the test never decides from the clock.
@@ -267,7 +268,33 @@ def sweep() -> list[tuple[str, str, bytes, dict]]:
             for raw in raws:
                 text = json.dumps(put(base, path, HOLE)).replace(json.dumps(HOLE), raw, 1)
                 out.append((endpoint, f"sweep deep at {name}", text.encode(), headers))
+    out += [(e, f"issue 63 {k}", json.dumps(b).encode(), headers) for e, k, b in issue63()]
     return out
+
+
+def issue63() -> Iterator[tuple[str, str, dict]]:
+    """Issue 63's bodies: schemas that took the server down (a `$ref` chain 2,500 deep) or
+    ended in a 500 mid-reply, at every grammar entry point, and tool parameters of no
+    object schema."""
+    schemas = {"a 2,500-deep $ref chain": chain(2_500), "a 12,000-deep $ref chain": chain(12_000),
+               **MID_REPLY}  # fmt: skip
+    chat, responses = BASES["/v1/chat/completions"], BASES["/v1/responses"]
+    ask = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    for name, schema in schemas.items():
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        yield "/v1/chat/completions", f"response_format {name}", {**chat, "response_format": fmt}
+        text = {"format": {"type": "json_schema", "name": "x", "schema": schema}}
+        yield "/v1/responses", f"text.format {name}", {**responses, "text": text}
+        params = schema if schema.get("type") in ("object", "array") else chained_object(2_500)
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        yield "/v1/chat/completions", f"tool_choice required {name}", {
+            **chat, **ask, "tools": [tool], "tool_choice": "required"}  # fmt: skip
+        yield "/v1/messages", f"tool_choice any {name}", {
+            **BASES["/v1/messages"], **ask, "tool_choice": {"type": "any"},
+            "tools": [{"name": "f", "input_schema": params}]}  # fmt: skip
+    for kind in ({"type": "string"}, {"type": "array"}, {"type": ["integer", "null"]}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": kind}}
+        yield "/v1/chat/completions", f"tool parameters {kind}", {**chat, "tools": [tool]}
 
 
 def reference(client: httpx.Client) -> str:

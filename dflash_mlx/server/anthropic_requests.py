@@ -15,13 +15,13 @@ from pydantic import Field
 from . import core
 from .core import APIError
 from .limits import MAX_MESSAGES, MAX_STOP_SEQUENCES, MAX_TOOLS
-from .refused import Strict, ToolSchema, refuse
+from .refused import Strict, ToolParameters, refuse
 
 
 class ToolDef(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    input_schema: ToolSchema = Field(default_factory=lambda: {"type": "object"})
+    input_schema: ToolParameters = Field(default_factory=lambda: {"type": "object"})
     type: str | None = None
 
     _refused = refuse("messages tools[]")

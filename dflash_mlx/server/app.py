@@ -21,7 +21,13 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+)
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.config import LOGGING_CONFIG
@@ -32,7 +38,7 @@ from .core import APIError, Service, as_api_error
 from .engine import Engine
 from .metrics import Counting, Metrics
 from .request import SAMPLING_DEFAULTS
-from .security import LOOPBACK_ORIGIN, Guard, H11Protocol, Policy
+from .security import LOOPBACK_ORIGIN, Guard, H11Protocol, Policy, key_matches
 
 # The chat page at `/`: plain files, no build step; they load nothing from elsewhere.
 PAGE = Path(__file__).parent / "page"
@@ -42,6 +48,16 @@ PAGE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",
 }
+
+
+class PageFiles(StaticFiles):
+    """The page's own files (`/page/...`), with the headers `/` has: its CSP (no framing,
+    nothing from elsewhere), nosniff."""
+
+    async def get_response(self, path: str, scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 @dataclass
@@ -266,8 +282,18 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.include_router(anthropic_api.routes(service, model_name))
     app.include_router(responses_api.routes(service, model_name))
 
+    def public_model(request: Request) -> str:
+        """The served model's name as pages without the key show it: a model folder's
+        name, not its path (which tells where the user keeps files), unless the request
+        carries the key (or none is set)."""
+        headers = dict(request.scope["headers"])
+        folder = Path(settings.model_id).expanduser()
+        if key_matches(settings.api_key, headers) or not (folder.is_absolute() or folder.is_dir()):
+            return settings.model_id  # a hub name (org/name) is no path
+        return folder.name
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         """`ok` once the worker is warm; 503 while it warms up or restarts after a failure."""
         if engine.error:
             status = "error"
@@ -275,7 +301,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             status = "restarting"
         else:
             status = "ok" if engine.ready else "loading"
-        payload = {"status": status, "model": settings.model_id, **engine.status()}
+        payload = {"status": status, "model": public_model(request), **engine.status()}
         if engine.error or engine.down:
             payload["error"] = engine.error or engine.down
         return JSONResponse(payload, status_code=200 if status == "ok" else 503)
@@ -297,10 +323,10 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         """The chat page: static files of the package, talking to this server's API."""
         return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
 
-    app.mount("/page", StaticFiles(directory=PAGE), name="page")
+    app.mount("/page", PageFiles(directory=PAGE), name="page")
 
     @app.get("/docs", include_in_schema=False)
-    async def docs() -> HTMLResponse:
+    async def docs(request: Request) -> HTMLResponse:
         """The routes and their summaries, from the OpenAPI schema; no external assets."""
         rows = []
         for path, ops in app.openapi()["paths"].items():
@@ -315,7 +341,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             "<style>body{font-family:sans-serif;margin:2em}td{padding:4px 12px;"
             "vertical-align:top;border-bottom:1px solid #ddd}</style>"
             f"<h1>dflash-mlx {html.escape(__version__)}</h1><p>Model <code>"
-            f"{html.escape(settings.model_id)}</code>. The machine-readable schema is "
+            f"{html.escape(public_model(request))}</code>. The machine-readable schema is "
             "<a href=/openapi.json>/openapi.json</a>.</p><table>" + "".join(rows) + "</table>"
         )
         return HTMLResponse(page)

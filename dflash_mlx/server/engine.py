@@ -34,6 +34,7 @@ from ..cache.prompt_cache import PromptCache
 from ..cache.prompt_store import PromptStore
 from ..engine.generate import GenerationResponse, stream_generate
 from ..engine.text import encode_prompt
+from ..grammar_cage import start_deep
 from ..options import GenerateOptions
 from ..pair import Pair
 from ..stats import SEPARATOR, stats_fields
@@ -216,8 +217,8 @@ class Engine:
     def _supervise(self) -> None:
         """Run the worker; when it dies, refuse what waits, then start a fresh one."""
         while True:
-            worker = threading.Thread(target=self._work, name="dflash-mlx-engine", daemon=True)
-            worker.start()
+            # On a deep stack: a grammar the builders' cache has let go is built again here.
+            worker = start_deep(self._work, "dflash-mlx-engine")
             worker.join()
             if self._parked.is_set() or self._closed:
                 self._parked.set()  # closed while the worker was dead: nothing to wait for

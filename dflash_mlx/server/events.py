@@ -10,7 +10,6 @@ reaches `Text`; a call cut off by the token budget is reported in `Finish`, not 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -25,6 +24,7 @@ from . import metrics
 from .engine import Job
 from .logprobs import Ledger, Scored
 from .request import Request
+from .tool_calls import CallSplitter, clean_call
 
 if TYPE_CHECKING:
     from .core import Service
@@ -147,7 +147,8 @@ class Generation:
         if chat and tok.has_thinking:
             if tok.rfind_think_start(ids) > tok.rfind_think_end(ids):
                 initial = "reasoning"  # the template opened the reasoning block
-        self._state = service.text_machine.make_state(initial) if chat else None
+        machine = service.text_machine
+        self._calls = CallSplitter(machine.make_state(initial)) if chat else None
         self._ledger = None
         if req.logprobs is not None:
             self._ledger = Ledger(service.pieces, service.eos_ids)
@@ -158,7 +159,7 @@ class Generation:
     async def events(self) -> AsyncIterator[Event]:
         """The request's events; leaving early (a client gone) cancels the request."""
         usage = self.usage
-        mode = self._state[0] if self._state else "normal"
+        mode = self._calls.state[0] if self._calls else "normal"
         tool_text = ""
         made_call = False
         try:
@@ -169,13 +170,13 @@ class Generation:
                     scores = self._ledger.add(r)
                     if scores:
                         yield Logprobs(scores)
-                if self._state is None:
+                if self._calls is None:
                     if r.text:
                         yield Text(r.text)
                     continue
-                self._state, segments = TextStateMachine.split(self._state, r.text)
+                segments = self._calls.split(r.text)
                 if r.finish_reason is not None:  # the end: whatever was held back is text
-                    self._state, rest, current = TextStateMachine.flush(self._state)
+                    self._calls.state, rest, current = TextStateMachine.flush(self._calls.state)
                     segments.append((current, rest))
                 for state, text in segments:
                     if mode == "tool" and state != "tool":  # a call just closed
@@ -230,13 +231,11 @@ class Generation:
             return []
         out = []
         for call in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(call, dict) or "name" not in call:
-                log.warning("unparsable tool call: %r", text[:200])
+            clean = clean_call(call, new_id("call_"))
+            if isinstance(clean, str):
+                log.warning("tool call refused (%s): %r", clean, text[:200])
                 continue
-            args = call.get("arguments", {})
-            if not isinstance(args, str):
-                args = json.dumps(args, ensure_ascii=False)
-            out.append(ToolCall(call.get("id") or new_id("call_"), str(call["name"]), args))
+            out.append(ToolCall(*clean))
         return out
 
 

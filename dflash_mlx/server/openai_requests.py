@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from . import core
 from .core import APIError, new_id
 from .limits import MAX_MESSAGES, MAX_STOP, MAX_TOOLS, nested_too_deep, too_deep
-from .refused import Strict, ToolSchema, refuse, unsupported, unsupported_value
+from .refused import Strict, ToolParameters, refuse, unsupported, unsupported_value
 from .structured import ResponseFormat
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit (the engine's too)
@@ -114,7 +114,7 @@ class _Request(Strict):
 class FunctionDef(Strict):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: ToolSchema | None = None
+    parameters: ToolParameters | None = None
     strict: bool | None = None
 
 

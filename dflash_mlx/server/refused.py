@@ -12,6 +12,7 @@ this server returns ...".
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, fiel
 from pydantic_core import PydanticCustomError
 
 from ..json_schema import schema_problem, schema_too_large
+from ..schema_graph import schema_graph_problem
 
 
 class Strict(BaseModel):
@@ -50,11 +52,34 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
         raise PydanticCustomError(
             "invalid_schema", "a JSON Schema too large to serve: {problem}", {"problem": problem}
         )
+    problem = schema_graph_problem(schema)
+    if problem is not None:
+        raise PydanticCustomError(
+            "invalid_schema", "a JSON Schema no reply can follow: {problem}", {"problem": problem}
+        )
     return schema
 
 
-# A tool's parameters: a JSON Schema object, its `type`s JSON types (`"type": 5` is refused).
+# A JSON Schema object, its `type`s JSON types (`"type": 5` is refused).
 ToolSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
+
+
+def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    kind = schema.get("type", "object")
+    if kind != "object" and kind != ["object"]:
+        raise PydanticCustomError(
+            "invalid_schema",
+            "a tool's parameters must be a JSON Schema of type 'object' (its arguments are "
+            "a JSON object), not of type {kind}",
+            {"kind": json.dumps(kind)},
+        )
+    return schema
+
+
+# A tool's parameters: a JSON Schema of objects (OpenAI and Anthropic refuse any other).
+ToolParameters = Annotated[
+    dict[str, Any], AfterValidator(_json_schema), AfterValidator(_object_schema)
+]
 
 
 def _unset(value: Any) -> bool:

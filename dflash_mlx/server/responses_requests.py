@@ -18,7 +18,7 @@ from . import core
 from .core import APIError
 from .limits import MAX_MESSAGES, MAX_TOOLS
 from .openai_requests import template_call
-from .refused import Strict, ToolSchema, refuse
+from .refused import Strict, ToolParameters, refuse
 from .structured import TextOptions
 
 
@@ -26,7 +26,7 @@ class FunctionTool(Strict):
     type: str
     name: str | None = None
     description: str | None = None
-    parameters: ToolSchema | None = None
+    parameters: ToolParameters | None = None
     strict: bool | None = None
 
     _refused = refuse("responses tools[]")

@@ -17,6 +17,7 @@ import asyncio
 import hmac
 import ipaddress
 import re
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,7 +34,12 @@ LOOPBACK_ORIGIN = r"^https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?$"
 _HOST = re.compile(r"(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[^\[\]:]+))(?::\d{1,5})?")
 
 
+_NUMERIC_V4 = re.compile(r"(?:0x[0-9a-f]+|[0-9]+)(?:\.(?:0x[0-9a-f]+|[0-9]+)){0,3}")
+
+
 def is_loopback_host(host: str) -> bool:
+    """Whether a Host header or `--host` value names loopback: localhost, any spelling of a
+    127/8 or ::1 address."""
     host = host.strip().lower()
     parsed = _HOST.fullmatch(host)
     if parsed is not None:
@@ -45,7 +51,15 @@ def is_loopback_host(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False
+        pass
+    # IPv4 as inet_aton reads it, which is how `--host` binds and browsers read URLs:
+    # 127.1, 0x7f.1, 0177.0.0.1, 2130706433 (numbers and dots only: no name resolves).
+    if _NUMERIC_V4.fullmatch(host):
+        try:
+            return socket.inet_aton(host)[0] == 127
+        except OSError:
+            return False
+    return False
 
 
 def same_origin_ip(origin: str, host: str) -> bool:
@@ -93,6 +107,21 @@ class Policy:
             or "*" in self.cors_origins
             or bool(re.match(LOOPBACK_ORIGIN, origin))
         )
+
+
+def given_key(headers: dict[bytes, bytes]) -> bytes:
+    """The API key a request carries (`Authorization: Bearer` or `x-api-key`), or b""."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    given = token.strip() if scheme.lower() == b"bearer" else b""
+    return given or headers.get(b"x-api-key", b"").strip()
+
+
+def key_matches(api_key: str | None, headers: dict[bytes, bytes]) -> bool:
+    """Whether a request may see what the key guards: no key is set, or it carries it."""
+    if api_key is None:
+        return True
+    # Compared in constant time: no early exit tells a prober how close it was.
+    return hmac.compare_digest(given_key(headers), api_key.encode("utf-8"))
 
 
 class Guard:
@@ -148,12 +177,8 @@ class Guard:
         return receive
 
     def _check_key(self, headers: dict[bytes, bytes]) -> None:
-        expected = self.policy.api_key.encode("utf-8")
-        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-        given = token.strip() if scheme.lower() == b"bearer" else b""
-        given = given or headers.get(b"x-api-key", b"").strip()
-        # Both compared, always: no early exit tells a prober which header was close.
-        if hmac.compare_digest(given, expected):
+        given = given_key(headers)
+        if key_matches(self.policy.api_key, headers):
             return
         what = "no API key" if not given else "an incorrect API key"
         raise APIError(

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Literal
 
 from pydantic import Field
 
 from ..errors import BadArgument
+from ..grammar_cage import DeepPool
 from .errors import APIError
 from .refused import Strict, ToolSchema
 
@@ -116,7 +116,7 @@ def _marker(tokenizer: Any, text: str) -> str:
 
 def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     schema = tool["function"].get("parameters") or {"type": "object"}
-    return {**schema, "x-guidance": JSON_STYLE}
+    return {"type": "object", **schema, "x-guidance": JSON_STYLE}  # arguments are an object
 
 
 def tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], reasoning: bool) -> str:
@@ -157,8 +157,10 @@ def tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], reasoning: bool) -
 # so the streams running meanwhile never wait for it; one that takes longer is refused.
 BUILD_SECONDS = 5.0
 # Grammars built at once; a build refused for its time goes on in its thread until it ends
-# (llguidance cannot be interrupted), so at most this many can be burning a core.
-_BUILDS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dflash-grammar")
+# (llguidance cannot be interrupted), so at most this many can be burning a core. Each
+# builder runs on a deep stack (`grammar_cage`): no schema within the checks' bounds can
+# overflow it and take the server down.
+_BUILDS = DeepPool(2, "dflash-grammar")
 
 
 def check(

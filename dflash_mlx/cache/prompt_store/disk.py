@@ -8,12 +8,19 @@ file or a whole one; a file whose checksum, format or key does not match (trunca
 overwritten, copied from elsewhere) is removed with a log line and counts as missing.
 Recency is the file's modification time, set on every write and use; when a write would
 pass the byte budget, the least recently used files go first, whichever process wrote
-them. Writes run on one background thread per store.
+them. Servers sharing a folder share its budget: a write makes room, writes and renames
+holding the folder's lock (`flock` on `.lock`), whose stamp says when another process
+wrote since this one last looked (then the folder is scanned again); temporary files
+count against the budget. A temporary file whose writer is gone (killed mid-write: its
+pid, in the name, runs no process here) is removed at start and at every scan; one from
+a process that cannot be seen (another host or container on the same folder) is removed
+once it is `STALE_TEMP` old. Writes run on one background thread per store.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import io
 import logging
@@ -85,6 +92,10 @@ class DiskTier:
         self._queue: queue.Queue = queue.Queue()
         self._starting = threading.Lock()  # the writer thread's start
         self._thread: threading.Thread | None = None
+        self._stamp = b""  # the folder lock's stamp as of this process's last look
+        self._temp_bytes = 0  # other writers' temporary files, as of the last scan
+        self.counts["removed_temp"] = 0
+        self.scan()  # a killed writer's leftovers go now, not in an hour
 
     # -- paths and reads --------------------------------------------------------------------
 
@@ -141,19 +152,20 @@ class DiskTier:
         size = len(data)
         if size > self.budget:
             return False
-        self._make_room(size)
         path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.parent / f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-        try:
-            with open(tmp, "wb") as f:
-                write_all(f, data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            self._unlink(tmp)
-            raise
+        with self._folder_lock() as others_wrote:
+            self._make_room(size, others_wrote)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with open(tmp, "wb") as f:
+                    write_all(f, data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                self._unlink(tmp)
+                raise
         with self._lock:
             self.counts["bytes_written"] += size
             self.counts["written"] += 1
@@ -162,14 +174,34 @@ class DiskTier:
             self._since_scan += 1
         return True
 
-    def _make_room(self, size: int) -> None:
+    @contextlib.contextmanager
+    def _folder_lock(self):
+        """Hold the folder's lock (shared by every process writing there); yields whether
+        another process wrote since this one last held it. The stamp is renewed after."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover (no flock: each process keeps its own count)
+            yield False
+            return
+        fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            stamp = os.pread(fd, 64, 0)
+            yield stamp != self._stamp
+            self._stamp = f"{os.getpid()}.{uuid.uuid4().hex}".encode()
+            os.pwrite(fd, self._stamp, 0)
+            os.ftruncate(fd, len(self._stamp))
+        finally:
+            os.close(fd)  # and with it the lock
+
+    def _make_room(self, size: int, others_wrote: bool = True) -> None:
         with self._lock:
             known = self._usage
-            fresh = self._since_scan < RESCAN_EVERY
+            fresh = self._since_scan < RESCAN_EVERY and not others_wrote
         if known is not None and fresh and known + size <= self.budget:
             return
         files = self.scan()
-        usage = sum(s for _, s, _ in files)
+        usage = sum(s for _, s, _ in files) + self._temp_bytes
         for path, s, _ in sorted(files, key=lambda f: f[2]):
             if usage + size <= self.budget:
                 break
@@ -186,9 +218,15 @@ class DiskTier:
         writer left behind."""
         files, temps = scan_folder(self.folder)
         now = time.time()
-        for path, _, mtime in temps:
-            if now - mtime > STALE_TEMP:
-                self._unlink(path)
+        live = 0
+        for path, size, mtime in temps:
+            if (now - mtime > STALE_TEMP or writer_gone(path)) and self._unlink(path):
+                log.warning("prompt cache: removed %s, left by a writer that died", path)
+                with self._lock:
+                    self.counts["removed_temp"] += 1
+            else:
+                live += size
+        self._temp_bytes = live
         return files
 
     def usage(self) -> int:
@@ -244,6 +282,24 @@ class DiskTier:
                 log.warning("prompt cache: a block write failed (%s: %s)", type(e).__name__, e)
             finally:
                 self._queue.task_done()
+
+
+def writer_gone(temp: Path) -> bool:
+    """Whether the process that wrote temporary file `temp` (`.KEY.PID.RANDOM.tmp`) is
+    gone: no process here has its pid (one of another user's still counts as alive)."""
+    try:
+        pid = int(temp.name.split(".")[-3])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def scan_folder(folder: Path) -> tuple[list[tuple[Path, int, float]], list]:
