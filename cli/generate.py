@@ -199,7 +199,7 @@ def run(
     if not compare:
         return 0
     plain = compared(pair, tokenizer, request, opts, (tokens, last.stats), marks)
-    ui.comparison(plain, last.stats.generation_tokens)
+    ui.comparison(plain, last.stats.generation_tokens, last.stats.tau)
     return EXIT_DIFFERENT if plain["same_tokens"] is False else 0
 
 
@@ -225,6 +225,7 @@ def collecting(responses, tokens: list[int], marks: list[tuple[int, float]] | No
 # at temperature 0), and a verdict is given only where the paired interval excludes 1.
 SEGMENTS = 8
 ALL_PLAIN = 0.95  # the DFlash run's share of tokens decoded plainly: "both decoded plainly"
+BARELY = 1.1  # τ under this: a run that speculated too little to be called faster
 
 
 def segment_times(marks: list[tuple[int, float]], segments: int) -> list[float] | None:
@@ -271,19 +272,24 @@ def paired_speedup(
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def verdict(speedup: float | None, interval, plain_fraction: float) -> str:
-    """`faster` / `slower` only where the paired interval excludes 1; `same speed within
-    noise` otherwise; `both decoded plainly` when the DFlash run did too."""
+def verdict(interval, plain_fraction: float, tau: float) -> str:
+    """What the paired interval `(point, low, high)` says: `faster` / `slower` only where it
+    excludes 1; `same speed within noise` otherwise; `both decoded plainly` when the DFlash
+    run did too, and `barely speculated` (no verdict) for an interval above 1 from a run
+    whose speculation cannot explain it: τ under BARELY (every pass costs at least a plain
+    step, so speculation gains at most τ) or the interval's low end above τ."""
     if plain_fraction >= ALL_PLAIN:
         return "both decoded plainly"
-    if interval is None or speedup is None:
+    if interval is None:
         return "unmeasured"
     _, low, high = interval
-    if low > 1:
-        return "faster"
     if high < 1:
         return "slower"
-    return "same speed within noise"
+    if low <= 1:
+        return "same speed within noise"
+    if tau < BARELY or low > tau:
+        return "barely speculated"
+    return "faster"
 
 
 def compared(pair, tokenizer, request, opts, run, marks: list[tuple[int, float]]) -> dict:
@@ -314,15 +320,20 @@ def compared(pair, tokenizer, request, opts, run, marks: list[tuple[int, float]]
         first = min(len(tokens), len(plain.tokens))
     sampled = opts.temperature > 0
     plain_tps = plain.stats.generation_tps
-    speedup = stats.generation_tps / plain_tps if plain_tps > 0 else None
     # Sampled runs make different tokens: their segments are not the same work.
     interval = None if sampled else paired_speedup(marks, plain_marks)
+    if interval is not None:  # the figure and its interval: one statistic
+        speedup = interval[0]
+    else:  # unpaired: the ratio of the two speeds, without a verdict
+        speedup = stats.generation_tps / plain_tps if plain_tps > 0 else None
     return {
         "generation_tps": plain_tps,
         "generation_tokens": plain.stats.generation_tokens,
-        "speedup": speedup,  # DFlash's tok/s over plain's
+        # DFlash's speed over plain's: the geometric mean of the paired segment ratios
+        # (inside `interval`), or without one the ratio of the two tok/s.
+        "speedup": speedup,
         "interval": None if interval is None else [interval[1], interval[2]],
-        "verdict": verdict(speedup, interval, stats.plain_fraction),
+        "verdict": verdict(interval, stats.plain_fraction, stats.tau),
         "same_tokens": None if sampled else first is None,
         "first_difference": None if sampled else first,
     }
