@@ -56,7 +56,7 @@ def command(
             "--demo", help="A tiny demonstration pair: works offline, writes Python-ish text."
         ),
     ] = False,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    system: options.System = None,
     max_tokens: MaxTokens = None,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,

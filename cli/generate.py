@@ -36,6 +36,7 @@ def command(
     model: options.Model = None,
     draft: options.Draft = None,
     no_draft: options.NoDraft = False,
+    system: options.System = None,
     max_tokens: options.MaxTokens = 256,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,
@@ -91,6 +92,7 @@ def command(
         sharding.check(shard)
         code = run(
             prompt=prompt_text(prompt_arg, prompt),
+            system=None if system is None else options.unicode_text("--system", system),
             shard=(shard, ranks),
             model=model,
             draft=draft,
@@ -136,11 +138,17 @@ def run(
     schema_file: Path | None = None,
     verbose: bool = False,
     shard: tuple = ("none", None),
+    system: str | None = None,
 ) -> int:
     """Generate; the exit code (1: --compare found plain decoding's tokens differ).
     `shard`: `--shard` and the `distributed.session` that joins the ranks."""
     import dflash_mlx
 
+    if system is not None and chat is False:
+        raise BadArgument(
+            "--system/--system-prompt: a system prompt needs the chat template; not with --raw"
+        )
+    opts = dflash_mlx.GenerateOptions(**settings)  # a bad setting before any note
     if demo:
         if model is not None or draft is not None:
             raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
@@ -166,7 +174,6 @@ def run(
             "--compare measures DFlash against plain decoding: it needs a draft "
             "(--draft DRAFT, or a target whose draft is known)"
         )
-    opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = sharding.load_for(model, choice, kind, shard[1]) or load(model, choice)
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
@@ -175,7 +182,7 @@ def run(
             dflash_mlx.check_grammar(opts, tokenizer, vocab_size(pair.model))
         except BadArgument as e:
             raise BadArgument(f"--json-schema {schema_file}: {e}") from None
-    request = prompt_form(tokenizer, prompt, chat)
+    request = prompt_form(tokenizer, prompt, chat, system)
     ui.calibrate(pair, opts.verify_width)  # once per pair and device: said, with a bar
     marks: list[tuple[int, float]] = []  # (tokens so far, time): --compare's clock
     if json_out:
@@ -342,13 +349,14 @@ def compared(pair, tokenizer, request, opts, run, marks: list[tuple[int, float]]
 def load(model: str, choice):
     """`(Pair, tokenizer)`: the target and the draft `choice` names (`pairs.choose_draft`:
     as given, none with --no-draft, else the registry's published one; none known: plain
-    decoding, with its note), behind spinners, checked against each other."""
+    decoding, with its note once the target loaded), behind spinners, checked against each
+    other."""
     import dflash_mlx
 
+    with ui.loading("target", model):  # a target that cannot load: its error, no note
+        target, tokenizer = dflash_mlx.load(model)
     if choice.note:
         ui.note(choice.note)
-    with ui.loading("target", model):
-        target, tokenizer = dflash_mlx.load(model)
     if choice.draft is None:
         return dflash_mlx.Pair(target), tokenizer
     with ui.loading("draft", choice.draft):
@@ -423,11 +431,21 @@ def prompt_text(positional: str | None, option: str | None) -> str:
     return options.unicode_text(name, text)
 
 
-def prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:
-    """The prompt as chat messages (template applied by the library) or as raw text."""
+def prompt_form(
+    tokenizer, prompt: str, chat: bool | None, system: str | None = None
+) -> str | list[dict[str, str]]:
+    """The prompt as chat messages (template applied by the library; `system` first) or as
+    raw text."""
     has_template = bool(getattr(tokenizer, "has_chat_template", False))
     if chat is None:
         chat = has_template
     if chat and not has_template:
         raise BadArgument("--chat: this tokenizer has no chat template; pass --raw")
-    return [{"role": "user", "content": prompt}] if chat else prompt
+    if system is not None and not chat:
+        raise BadArgument(
+            "--system/--system-prompt: this tokenizer has no chat template to put it in"
+        )
+    if not chat:
+        return prompt
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [*head, {"role": "user", "content": prompt}]

@@ -56,10 +56,16 @@ Draft = Annotated[
     typer.Option(
         "--draft",
         "-d",
+        "--draft-model",  # mlx_lm's name
         help="DFlash draft: Hub id or local folder (default: the published draft for "
-        "--model, if known; none known: plain decoding).",
+        "--model, if known; none known: plain decoding). --draft-model: the same.",
         show_default=False,
     ),
+]
+# A system prompt: `--system`, or mlx_lm's `--system-prompt`.
+System = Annotated[
+    str | None,
+    typer.Option("--system", "--system-prompt", help="System prompt.", show_default=False),
 ]
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")
