@@ -12,6 +12,9 @@ def aliases(
     """The target and the draft's block from `-m/--model` and `--draft-block`, or their old
     names `--target` and `--block-size` (each with a note, said once the options are
     checked): `(target, block, notes)`."""
+    for flag, value in (("--draft-block", draft_block), ("--block-size", block_size)):
+        if value is not None and value < 1:
+            raise BadArgument(f"{flag} {value} must be >= 1 (tokens a draft proposes per pass)")
     notes = []
     if target is not None:
         notes.append("--target is deprecated; use --model/-m (as every other command)")
@@ -26,9 +29,6 @@ def aliases(
         if draft_block is not None and draft_block != block_size:
             raise BadArgument(f"--block-size {block_size} and --draft-block {draft_block} disagree")
         draft_block = block_size
-    for flag, value in (("--draft-block", draft_block), ("--block-size", block_size)):
-        if value is not None and value < 1:
-            raise BadArgument(f"{flag} {value} must be >= 1 (tokens a draft proposes per pass)")
     return model, 16 if draft_block is None else draft_block, notes
 
 

@@ -183,14 +183,15 @@ def interrupted() -> None:
     _err().print(Text("interrupted", style="yellow"))
 
 
-def stats(r: GenerationResponse, verbose: bool = False) -> None:
+def stats(r: GenerationResponse, verbose: bool = False, finish_reason: str | None = None) -> None:
     """The stats after a streamed completion, from the last GenerationResponse: one short
-    line (tokens, speed, τ, TTFT, how it ended), the details too with `verbose`; in a
-    terminal fitted to its width (broken between fields, never inside one)."""
+    line (tokens, speed, τ, TTFT, how it ended: `finish_reason` if given, e.g.
+    `interrupted`), the details too with `verbose`; in a terminal fitted to its width
+    (broken between fields, never inside one)."""
     from dflash_mlx.stats import short_fields, stats_fields
 
     shown = stats_fields if verbose else short_fields
-    stats_lines(shown(r.stats, r.finish_reason, r.stop))
+    stats_lines(shown(r.stats, finish_reason or r.finish_reason, r.stop))
 
 
 def stats_lines(fields: list[str], console: Console | None = None) -> None:

@@ -108,7 +108,7 @@ def jitter(n: int, seed: int, base: float = 0.01, spread: float = 0.3) -> list[f
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_same_speed_is_never_called_faster_or_slower(seed):
-    from dflash_mlx.cli.generate import paired_speedup, verdict
+    from dflash_mlx.cli.compare import paired_speedup, verdict
 
     a, b = clock(jitter(256, seed)), clock(jitter(256, 1000 + seed))
     interval = paired_speedup(a, b)
@@ -116,7 +116,7 @@ def test_the_same_speed_is_never_called_faster_or_slower(seed):
 
 
 def test_a_real_difference_gets_its_verdict_and_plain_runs_say_so():
-    from dflash_mlx.cli.generate import paired_speedup, verdict
+    from dflash_mlx.cli.compare import paired_speedup, verdict
 
     slow, fast = clock(jitter(256, 1)), clock(jitter(256, 2, base=0.005))
     up = paired_speedup(fast, slow)
@@ -132,7 +132,7 @@ def test_a_run_that_barely_speculated_is_never_called_faster():
     """τ 1.06 (issue 62: `1.69× faster` at τ 1.06): speculation gains at most τ, so a
     faster interval from such a run is the machine's noise, not DFlash; a low end above τ
     the same. Slower stays slower (the cost of trying is real)."""
-    from dflash_mlx.cli.generate import paired_speedup, verdict
+    from dflash_mlx.cli.compare import paired_speedup, verdict
 
     slow, fast = clock(jitter(256, 1)), clock(jitter(256, 2, base=0.005))
     up, down = paired_speedup(fast, slow), paired_speedup(slow, fast)

@@ -1,0 +1,403 @@
+"""Issue 62: the habits of mlx_lm, ollama and llama.cpp users, met as they meet them (a
+pseudo-terminal for what a terminal shows, the real command otherwise), and issue 63 item 8:
+user errors that exited 1 as "a bug" exit 2 with one line, before the slow work.
+
+- mlx_lm's names: `--draft-model`, `--system-prompt` (and `generate` takes a system prompt);
+  `train -m/--model` (`--target` its old name) and `--draft-block` (`--block-size` its old
+  name there, while elsewhere it is the old name of `--verify-width`);
+- usage errors (an unknown option, a value of the wrong type) are one `error:` line, not
+  typer's boxed usage; errors come before notes; Ctrl-C in `generate` prints the stats of
+  what it made;
+- `ls` names a `--models-dir` model by the path `-m` loads; `ls` and `rm` take malformed
+  model folders; `rm` refuses a symlinked one;
+- `train` shows no `loss nan` while the target reads the data and no `left ~0 s` during its
+  final check.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+import dflash_mlx
+
+from .test_cli_faults import run, user_error
+from .test_cli_serve import dflash, exe, text
+
+PROMPT = "def add(a, b):"
+pty = pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+
+
+def terminal(*args: str, env: dict | None = None, timeout: int = 120) -> tuple[str, int]:
+    """`dflash-mlx ARGS` in a pseudo-terminal to the end: what the terminal showed, the
+    exit status."""
+    pexpect = pytest.importorskip("pexpect")
+    shown, status = pexpect.run(
+        " ".join([exe()[0], *args]),
+        timeout=timeout,
+        withexitstatus=True,
+        env={**os.environ, "COLUMNS": "100", "TERM": "xterm-256color", **(env or {})},
+    )
+    return shown.decode().replace("\r\n", "\n"), status
+
+
+def plain(shown: str) -> str:
+    """Terminal output without colour codes."""
+    import re
+
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown)
+
+
+@pytest.fixture(scope="module")
+def pair(models_dir) -> list[str]:
+    return ["-m", str(models_dir / "qwen3"), "-d", str(models_dir / "draft")]
+
+
+# -- usage errors, and errors before notes -------------------------------------------------
+
+
+@pty
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["generate", "--bogus"], "error: No such option: --bogus"),
+        (["generate", "-n", "x"], "error: Invalid value for '--max-tokens' / '-n'"),
+        (["train", "--data", "d.jsonl"], "error: Missing option '--out'"),
+        (["nonsense"], "error: No such command 'nonsense'"),
+    ],
+)
+def test_a_usage_error_is_one_error_line_in_a_terminal(args, says):
+    shown, status = terminal(*args)
+    lines = plain(shown).strip().splitlines()
+    assert status == 2 and len(lines) == 1, shown
+    assert lines[0].startswith(says) and "-h" in lines[0], lines
+    assert "Usage:" not in shown and "╭" not in shown
+
+
+@pty
+def test_an_error_comes_before_any_note():
+    """`generate --demo -n -5` printed the three-line demo note, then the error; an unknown
+    Hub id printed the draft note first."""
+    shown, status = terminal("generate", "--demo", "-n", "-5", "hi")
+    assert status == 2 and plain(shown).strip() == "error: --max-tokens -5 must be an integer >= 1"
+    shown, status = terminal(
+        "generate", "-m", "nobody/no-such-model-62", "hi", env={"HF_HUB_OFFLINE": "1"}
+    )
+    said = [line for line in plain(shown).splitlines() if line.strip()]
+    said = [line for line in said if "Loading target" not in line]  # the spinner
+    assert status == 2 and said[0].startswith("error: could not fetch target"), said
+    assert len(said) == 1, "a note came with the error"
+
+
+# -- mlx_lm's names ---------------------------------------------------------------------
+
+
+def test_draft_model_is_mlx_lms_name_of_draft(pair, models_dir):
+    base = [*pair[:2], "--raw", "-n", "8", "--json", PROMPT]
+    named = dflash("generate", *base, "--draft-model", str(models_dir / "draft"))
+    short = dflash("generate", *base, "-d", str(models_dir / "draft"))
+    assert named.returncode == 0, text(named)[1]
+    got, want = json.loads(text(named)[0]), json.loads(text(short)[0])
+    assert got["tokens"] == want["tokens"] and got["ran"]["draft"] == want["ran"]["draft"]
+    assert got["ran"]["draft"] is not None, "the draft was used"
+
+
+@pytest.mark.parametrize("flag", ["--system-prompt", "--system"])
+def test_generate_takes_a_system_prompt(pair, target, draft, flag):
+    done = dflash("generate", *pair, flag, "Answer in Python.", "-n", "8", "--json", PROMPT)
+    assert done.returncode == 0, text(done)[1]
+    data = json.loads(text(done)[0])
+    model, tokenizer = target
+    messages = [
+        {"role": "system", "content": "Answer in Python."},
+        {"role": "user", "content": PROMPT},
+    ]
+    want = dflash_mlx.generate(model, draft, tokenizer, messages, max_tokens=8, temperature=0)
+    assert data["prompt_tokens"] == want.prompt_tokens and data["tokens"] == want.tokens
+    raw = dflash("generate", *pair, flag, "x", "--raw", PROMPT)
+    assert raw.returncode == 2 and "needs the chat template" in text(raw)[1]
+
+
+def test_chat_takes_mlx_lms_system_prompt_too():
+    import typer
+
+    from dflash_mlx.cli.main import app
+
+    chat = typer.main.get_command(app).commands["chat"]
+    opts = {o for p in chat.params for o in p.opts}
+    assert {"--system", "--system-prompt", "--draft", "--draft-model"} <= opts
+
+
+# -- train: -m, --draft-block, and its user errors --------------------------------------
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    from .test_train import CORPUS
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps({"text": c}) for c in CORPUS[:6]) + "\n")
+    return path
+
+
+def test_train_takes_m_and_draft_block(models_dir, data, tmp_path):
+    args = ["--data", str(data), "--steps", "1", "--batch", "2", "--seq-len", "48",
+            "--eval-every", "1", "--save-every", "1"]  # fmt: skip
+    done = run("train", "-m", str(models_dir / "qwen3"), *args, "--draft-block", "8",
+               "--out", str(tmp_path / "new"))  # fmt: skip
+    assert done.exit_code == 0, done.output
+    assert "deprecated" not in done.stderr
+    assert dflash_mlx.load_draft(tmp_path / "new").config.block_size == 8
+
+
+def test_train_old_names_still_work_with_a_note():
+    from dflash_mlx.cli.train_options import aliases
+    from dflash_mlx.errors import BadArgument
+
+    assert aliases("T", None, 8, None) == ("T", 8, [])
+    target, block, notes = aliases(None, "T", None, 8)
+    assert (target, block) == ("T", 8) and len(notes) == 2
+    assert "--target is deprecated; use --model/-m" in notes[0]
+    assert "--draft-block" in notes[1] and "--verify-width" in notes[1]
+    assert aliases("T", None, None, None)[1] == 16
+    for bad, says in [
+        ((None, None, None, None), "missing option --model/-m"),
+        (("A", "B", None, None), "--target B and --model A disagree"),
+        (("T", None, 8, 4), "--block-size 4 and --draft-block 8 disagree"),
+    ]:
+        with pytest.raises(BadArgument, match=says):
+            aliases(*bad)
+
+
+@pytest.mark.parametrize(
+    "extra, names",
+    [
+        (["--draft-block", "0"], ["--draft-block 0", ">= 1"]),
+        (["--block-size", "0"], ["--block-size 0", ">= 1"]),
+        (["--steps", "0"], ["--steps 0", ">= 1"]),
+        (["--batch", "0"], ["--batch 0", ">= 1"]),
+        (["--layers", "0"], ["--layers 0", ">= 1"]),
+        (["--target-layer-ids", "1,x"], ["--target-layer-ids '1,x'", "layer numbers"]),
+    ],
+)
+def test_train_numbers_are_refused_before_loading(data, tmp_path, extra, names):
+    """Each was an internal error (exit 1), after the target had loaded."""
+    done = run("train", "-m", "/nonexistent/model", "--data", str(data),
+               "--out", str(tmp_path / "o"), *extra)  # fmt: skip
+    user_error(done, *names)
+    assert not (tmp_path / "o").exists()
+
+
+def test_train_layer_ids_the_target_lacks_are_refused_before_the_data_is_read(
+    models_dir, data, tmp_path, monkeypatch
+):
+    from dflash_mlx.train import trainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the data was read")
+
+    monkeypatch.setattr(trainer, "read_examples", never)
+    done = run("train", "-m", str(models_dir / "qwen3"), "--data", str(data),
+               "--out", str(tmp_path / "o"), "--target-layer-ids", "1,99")  # fmt: skip
+    user_error(done, "--target-layer-ids 1,99", "layer 99", "0 to 3")
+
+
+def _uncreatable(tmp_path: Path) -> list[Path]:
+    """Output paths whose folder cannot be made, whoever runs the test (root included)."""
+    paths = [tmp_path / ("x" * 300) / "out"]  # a name longer than the filesystem takes
+    if Path("/proc/self").is_dir():
+        paths.append(Path("/proc/dflash-mlx-62/out"))  # no folder can be made under /proc
+    return paths
+
+
+def test_out_folders_that_cannot_be_made_are_refused_up_front(data, tmp_path):
+    for out in _uncreatable(tmp_path):
+        done = run("train", "-m", "/nonexistent/model", "--data", str(data), "--out", str(out))
+        user_error(done, "--out", "cannot be")
+        for kind in ("draft", "target"):
+            user_error(run("quantize", kind, "/nonexistent/model", "--out", str(out)), "--out")
+        user_error(run("bench", "--model", "/nonexistent/m", "--json", str(out / "r.json")))
+
+
+def test_bench_json_into_a_missing_folder_makes_it_before_the_bench_runs(tmp_path):
+    """The folder was not made: the bench ran whole, then failed to write (results lost)."""
+    where = tmp_path / "results" / "today" / "r.json"
+    done = run("bench", "--model", "/nonexistent/model", "--json", str(where))
+    assert done.exit_code == 2 and where.parent.is_dir(), done.output
+
+
+def test_serve_refuses_a_cache_budget_no_machine_has():
+    done = run("serve", "--demo", "--prompt-cache-memory-gb", "1e300")
+    user_error(done, "--prompt-cache-memory-gb 1e+300", "1,000,000")
+    user_error(run("serve", "--demo", "--prompt-cache-gb", "2e6"), "--prompt-cache-gb")
+
+
+# -- ls / rm / -m -----------------------------------------------------------------------
+
+
+def _malformed(root: Path, source: Path) -> dict[str, Path]:
+    """Model folders of shapes `ls` and `rm` met in the wild (issue 63, item 8)."""
+    import shutil
+
+    shapes = {
+        "arch-int": {"architectures": 5},
+        "quant-str": {"quantization": "4bit"},
+        "quant-odd": {"quantization": {"bits": 4, "group_size": [64], "mode": 3}},
+        "dtype-list": {"torch_dtype": ["float16"]},
+        "text-config": {"text_config": 7},
+    }
+    made = {}
+    for name, config in shapes.items():
+        (root / name).mkdir(parents=True)
+        (root / name / "config.json").write_text(json.dumps(config))
+        made[name] = root / name
+    headers = {
+        "header-list": [1, 2],
+        "offsets-3": {"w": {"dtype": "F16", "data_offsets": [0, 1, 2]}},
+        "dtype-obj": {"w": {"dtype": {"x": 1}, "data_offsets": [0, 2]}},
+        "offsets-str": {"w": {"dtype": "F16", "data_offsets": ["0", "2"]}},
+    }
+    for name, header in headers.items():
+        folder = root / name
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        raw = json.dumps(header).encode()
+        (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+        made[name] = folder
+    (root / "not-utf8").mkdir()
+    (root / "not-utf8" / "config.json").write_bytes(b'{"x": "\xff"}')
+    (root / "dangling").mkdir()
+    (root / "dangling" / "config.json").write_text("{}")
+    (root / "dangling" / "gone.safetensors").symlink_to(root / "nowhere")
+    made["dangling"] = root / "dangling"
+    (root / "loop").mkdir()
+    (root / "loop" / "config.json").write_text("{}")
+    (root / "loop" / "self").symlink_to(root / "loop" / "self")
+    made["loop"] = root / "loop"
+    shutil.copytree(source, root / "fine")
+    made["fine"] = root / "fine"
+    return made
+
+
+def test_ls_and_rm_take_malformed_model_folders(tmp_path, models_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # names relative to here, as a user types them
+    made = _malformed(Path("models"), models_dir / "draft")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = dflash("ls", "--models-dir", "models", env=env)
+    assert done.returncode == 0, text(done)[1]
+    done = dflash("ls", "--json", "--models-dir", "models", env=env)
+    names = {m["name"] for m in json.loads(text(done)[0])}
+    assert {f"models/{n}" for n in made} <= names, names
+    for name in made:
+        done = dflash("rm", f"models/{name}", "--models-dir", "models", "--yes", env=env)
+        assert done.returncode == 0, (name, text(done)[1])
+        assert not made[name].exists()
+
+
+def test_rm_refuses_a_symlinked_model_folder_and_keeps_what_it_points_to(tmp_path, models_dir):
+    import shutil
+
+    real = tmp_path / "elsewhere" / "draft"
+    shutil.copytree(models_dir / "draft", real)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "linked").symlink_to(real)
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    where = str(tmp_path / "models")
+    done = dflash("rm", "linked", "--models-dir", where, "--yes", env=env)
+    out, err = text(done)
+    assert done.returncode == 2 and err.startswith("error: rm ") and "symbolic link" in err, err
+    assert (real / "config.json").is_file() and (tmp_path / "models" / "linked").is_symlink()
+
+
+def test_the_name_ls_prints_is_one_m_loads(tmp_path, models_dir, monkeypatch):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(models_dir / "qwen3", tmp_path / "models" / "pair-target")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = dflash("ls", "--json", "--models-dir", "models", env=env)
+    (name,) = [m["name"] for m in json.loads(text(done)[0])]
+    assert name == "models/pair-target"
+    done = dflash("generate", "-m", name, "--no-draft", "--raw", "-n", "2", PROMPT, env=env)
+    assert done.returncode == 0, text(done)[1]
+    rm = dflash("rm", "pair-target", "--models-dir", "models", "--yes", env=env)  # old name too
+    assert rm.returncode == 0 and not (tmp_path / "models" / "pair-target").exists()
+
+
+# -- Ctrl-C in generate ----------------------------------------------------------------
+
+
+@pty
+@pytest.mark.slow  # the demo pair streaming in a pseudo-terminal
+def test_ctrl_c_in_generate_prints_the_stats_of_what_it_made():
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(
+        exe()[0],
+        ["generate", "--demo", "--raw", "-n", "100000", "--verify-width", "4", "class Stack:"],
+        env={**os.environ, "TERM": "xterm-256color"},
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(30, 160),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        child.expect("Loading draft")
+        child.expect(r"\x1b\[\?25h")  # the spinner gone: the reply streams next
+        child.expect(r"[\s\S]{300}")  # some of it streamed
+        child.sendintr()
+        child.expect(r"(\d+) tokens? · .*interrupted")
+        made = int(child.match.group(1))
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 130 and made > 0, child.before
+
+
+# -- train's progress in a terminal ----------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_train_progress_shows_no_nan_loss_and_never_zero_left_in_the_final_check():
+    from rich.console import Console
+
+    from dflash_mlx.cli.train import TrainProgress
+    from dflash_mlx.train.trainer import FEATURES, HELD_OUT, SAVING, TRAINING
+
+    clock, buf = FakeClock(), io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=200)
+    p = TrainProgress(console, 4, eval_every=2, save_every=4, clock=clock)
+    with p:
+        p({"step": 0, "loss": float("nan"), "tokens_per_s": 0, "phase": FEATURES})
+        assert p.figures(float("nan"), 0.0) == "no step yet"
+        p._bar.refresh()
+        assert "nan" not in buf.getvalue(), "loss nan while the target reads the data"
+        clock.now += 85
+        for step in range(1, 5):
+            clock.now += 2
+            entry = {"step": step, "loss": 1.0, "tokens_per_s": 1, "step_s": 2.0}
+            if step == 4:  # the final check: the one at step 2 took 30 s
+                p({**entry, "phase": HELD_OUT})
+                clock.now += 10
+                assert p.left(4) == "left ~20 s", p.left(4)
+                clock.now += 20
+                p({**entry, "phase": SAVING})
+                assert p.left(4) == "left: the final checkpoint, not timed yet"
+                clock.now += 5
+            elif step == 2:
+                p({**entry, "phase": HELD_OUT})
+                clock.now += 30
+            p({**entry, "phase": TRAINING})
