@@ -297,6 +297,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         """The chat page: static files of the package, talking to this server's API."""
         return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        """The page's icon (an SVG; browsers ask /favicon.ico whatever the page says)."""
+        return FileResponse(PAGE / "favicon.svg", media_type="image/svg+xml", headers=PAGE_HEADERS)
+
     app.mount("/page", StaticFiles(directory=PAGE), name="page")
 
     @app.get("/docs", include_in_schema=False)
