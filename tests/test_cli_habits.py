@@ -24,6 +24,7 @@ import struct
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 import dflash_mlx
@@ -401,3 +402,78 @@ def test_train_progress_shows_no_nan_loss_and_never_zero_left_in_the_final_check
                 p({**entry, "phase": HELD_OUT})
                 clock.now += 30
             p({**entry, "phase": TRAINING})
+
+
+# -- serve's log: one line per request -------------------------------------------------
+
+
+def test_serve_logs_one_line_per_request():
+    """A reply was logged twice: uvicorn's access line and the engine's `request
+    completed` line. Now the engine's alone; a refusal keeps its access line (the engine
+    never saw it), and other routes theirs."""
+    from .test_cli_serve import serve
+
+    body = {"messages": [{"role": "user", "content": "def"}], "max_tokens": 3}
+    with serve("--demo") as server:
+        server.post("/v1/chat/completions", body)
+        bad = httpx.post(f"{server.base}/v1/chat/completions", json={"messages": []}, timeout=60)
+        assert bad.status_code == 400
+        httpx.get(f"{server.base}/v1/models", timeout=60)
+    log = "".join(server.log)
+    assert log.count("request completed: 3 tokens") == 1, log
+    posts = [line for line in log.splitlines() if "POST /v1/chat/completions" in line]
+    assert len(posts) == 1 and "400" in posts[0], posts
+    assert "GET /v1/models" in log
+
+
+# -- chat: ollama's /show and /load ----------------------------------------------------
+
+
+@pty
+@pytest.mark.slow  # the chat REPL in a pseudo-terminal
+def test_chat_show_and_load_as_in_ollama(tmp_path, pair):
+    pexpect = pytest.importorskip("pexpect")
+    saved = tmp_path / "before.json"
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "    return a + b"},
+    ]
+    saved.write_text(json.dumps({"model": "x", "messages": messages}))
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "robot"}]}')
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
+        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
+        "PROMPT_TOOLKIT_NO_CPR": "1",
+        "TERM": "xterm-256color",
+    }
+    child = pexpect.spawn(
+        exe()[0],
+        ["chat", *pair, "--max-tokens", "4", "--verify-width", "4", "--no-prompt-cache-dir"],
+        env=env,
+        encoding="utf-8",
+        timeout=120,
+        dimensions=(30, 200),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        for line, shown in [
+            (f"/load {tmp_path / 'bad.json'}", r"error: .*bad\.json: not a conversation"),
+            (f"/load {saved}", "loaded 3 messages"),
+            ("/show", r"model .*qwen3 · draft .*draft · context \d+ tokens held.* · 2 messages"),
+            ("/show system", "system prompt: You write Python."),
+            ("/show settings", r"temp 0 · "),
+            ("/show nonsense", r"error: /show nonsense: info, system or settings"),
+            ("hello", r"4 tokens"),
+            (f"/save {tmp_path / 'after.json'}", "saved 5 messages"),
+        ]:
+            child.expect("›")
+            child.send(line + "\r")
+            child.expect(shown)
+        child.expect("›")
+        child.send("/exit\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    after = json.loads((tmp_path / "after.json").read_text())["messages"]
+    assert after[:3] == messages and after[3] == {"role": "user", "content": "hello"}
