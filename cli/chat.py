@@ -39,15 +39,7 @@ MaxTokens = Annotated[
 
 
 def command(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="Target: Hub id or local mlx-lm folder.",
-            show_default="mlx-community/Qwen3-4B-4bit",
-        ),
-    ] = None,
+    model: options.Model = None,
     draft: options.Draft = None,
     no_draft: options.NoDraft = False,
     demo: Annotated[

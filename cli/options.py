@@ -48,8 +48,17 @@ def read_stdin() -> str:
 # --demo replies in chat and serve: the demo's gibberish rarely ends on its own.
 DEMO_MAX_TOKENS = 200
 
+# The target every command takes when --model is left out (the registry's DEFAULT_TARGET;
+# written here so that --help imports nothing heavy; a test checks they agree).
+DEFAULT_MODEL = "mlx-community/Qwen3-4B-4bit"
 Model = Annotated[
-    str | None, typer.Option("--model", "-m", help="Target: Hub id or local mlx-lm folder.")
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Target: Hub id or local mlx-lm folder.",
+        show_default=DEFAULT_MODEL,
+    ),
 ]
 Draft = Annotated[
     str | None,

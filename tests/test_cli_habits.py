@@ -477,3 +477,14 @@ def test_chat_show_and_load_as_in_ollama(tmp_path, pair):
         child.close()
     after = json.loads((tmp_path / "after.json").read_text())["messages"]
     assert after[:3] == messages and after[3] == {"role": "user", "content": "hello"}
+
+
+def test_every_command_shows_the_same_default_model_in_its_help():
+    """The default target was shown by two commands' --help, not the other two."""
+    from dflash_mlx.cli.options import DEFAULT_MODEL
+    from dflash_mlx.models.registry import DEFAULT_TARGET
+
+    assert DEFAULT_MODEL == DEFAULT_TARGET
+    for command in ("generate", "chat", "serve", "bench"):
+        out = text(dflash(command, "--help"))[0]
+        assert f"[default: ({DEFAULT_TARGET})]" in " ".join(out.split()), command
