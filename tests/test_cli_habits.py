@@ -30,7 +30,9 @@ import pytest
 import dflash_mlx
 
 from .test_cli_faults import run, user_error
+from .test_cli_flags import chat_terminal, type_lines
 from .test_cli_serve import dflash, exe, text
+from .test_train import FakeClock
 
 PROMPT = "def add(a, b):"
 pty = pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
@@ -364,14 +366,6 @@ def test_ctrl_c_in_generate_prints_the_stats_of_what_it_made():
 # -- train's progress in a terminal ----------------------------------------------------
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_train_progress_shows_no_nan_loss_and_never_zero_left_in_the_final_check():
     from rich.console import Console
 
@@ -432,7 +426,7 @@ def test_serve_logs_one_line_per_request():
 @pty
 @pytest.mark.slow  # the chat REPL in a pseudo-terminal
 def test_chat_show_and_load_as_in_ollama(tmp_path, pair):
-    pexpect = pytest.importorskip("pexpect")
+    pytest.importorskip("pexpect")
     saved = tmp_path / "before.json"
     messages = [
         {"role": "system", "content": "You write Python."},
@@ -441,23 +435,13 @@ def test_chat_show_and_load_as_in_ollama(tmp_path, pair):
     ]
     saved.write_text(json.dumps({"model": "x", "messages": messages}))
     (tmp_path / "bad.json").write_text('{"messages": [{"role": "robot"}]}')
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
-        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
-        "PROMPT_TOOLKIT_NO_CPR": "1",
-        "TERM": "xterm-256color",
-    }
-    child = pexpect.spawn(
-        exe()[0],
-        ["chat", *pair, "--max-tokens", "4", "--verify-width", "4", "--no-prompt-cache-dir"],
-        env=env,
-        encoding="utf-8",
-        timeout=120,
-        dimensions=(30, 200),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        for line, shown in [
+    child = chat_terminal(
+        tmp_path, *pair, "--max-tokens", "4", "--verify-width", "4", "--no-prompt-cache-dir",
+        columns=200,
+    )  # fmt: skip
+    type_lines(
+        child,
+        [
             (f"/load {tmp_path / 'bad.json'}", r"error: .*bad\.json: not a conversation"),
             (f"/load {saved}", "loaded 3 messages"),
             ("/show", r"model .*qwen3 · draft .*draft · context \d+ tokens held.* · 2 messages"),
@@ -466,15 +450,8 @@ def test_chat_show_and_load_as_in_ollama(tmp_path, pair):
             ("/show nonsense", r"error: /show nonsense: info, system or settings"),
             ("hello", r"4 tokens"),
             (f"/save {tmp_path / 'after.json'}", "saved 5 messages"),
-        ]:
-            child.expect("›")
-            child.send(line + "\r")
-            child.expect(shown)
-        child.expect("›")
-        child.send("/exit\r")
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
+        ],
+    )
     after = json.loads((tmp_path / "after.json").read_text())["messages"]
     assert after[:3] == messages and after[3] == {"role": "user", "content": "hello"}
 
