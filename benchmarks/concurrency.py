@@ -427,9 +427,6 @@ def check(args) -> argparse.Namespace:
         if not args.from_json.is_file():
             raise BadOption(f"--from-json {str(args.from_json)!r}: no such file")
         return args
-    if "openblas" in args.regime_list and not Path(args.openblas).is_file():
-        raise BadOption(f"--openblas {args.openblas!r}: no such file (apt-get install "
-                        "libopenblas0-pthread, or --regimes stock)")  # fmt: skip
     for name in ("model", "draft"):
         value = getattr(args, name)
         if value is not None and not Path(value).is_dir():
@@ -450,9 +447,19 @@ def check(args) -> argparse.Namespace:
                     f"--{name.replace('_', '-')} {core}: not a core this process may "
                     f"use ({', '.join(map(str, sorted(cores)))}); or --no-pin"
                 )
-        if shutil.which("taskset") is None:
-            raise BadOption("pinning needs taskset (util-linux) on PATH; or --no-pin")
     return args
+
+
+def check_machine(args) -> None:
+    """What this machine must have for the run the options ask for (BadOption naming the
+    first thing missing): after `check`, so a bad option is named first on any machine."""
+    if args.from_json is not None:
+        return
+    if "openblas" in args.regime_list and not Path(args.openblas).is_file():
+        raise BadOption(f"--openblas {args.openblas!r}: no such file (apt-get install "
+                        "libopenblas0-pthread, or --regimes stock)")  # fmt: skip
+    if not args.no_pin and shutil.which("taskset") is None:
+        raise BadOption("pinning needs taskset (util-linux) on PATH; or --no-pin")
 
 
 def find_vllm(given: str | None) -> tuple[str | None, str | None]:
@@ -513,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     try:
-        check(args)
+        check_machine(check(args))
     except BadOption as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -277,6 +277,7 @@ def run(
         raise BadArgument("--draft needs --model: the target it was trained for")
     if json_out is not None:
         writable_file(json_out, "--json")  # not after the whole bench ran
+        json_out.parent.mkdir(parents=True, exist_ok=True)  # a missing folder: made now
     from .pairs import check_sources
 
     check_sources(model, draft)  # before anything heavy is imported

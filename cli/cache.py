@@ -16,6 +16,7 @@ from .errors import user_errors
 
 DEFAULT_DIR = Path("<cache>")  # --prompt-cache-dir: prompt-cache under the cache folder
 DISK_GB, MEMORY_GB = 10.0, 2.0  # the prompt cache's default budgets (serve's and chat's)
+MAX_CACHE_GB = 1_000_000  # a budget above this (a petabyte) is a typo, not a budget
 
 app = typer.Typer(
     help="Show or clear the prompt cache on disk (prompt prefixes the server keeps).",

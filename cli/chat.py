@@ -39,15 +39,7 @@ MaxTokens = Annotated[
 
 
 def command(
-    model: Annotated[
-        str | None,
-        typer.Option(
-            "--model",
-            "-m",
-            help="Target: Hub id or local mlx-lm folder.",
-            show_default="mlx-community/Qwen3-4B-4bit",
-        ),
-    ] = None,
+    model: options.Model = None,
     draft: options.Draft = None,
     no_draft: options.NoDraft = False,
     demo: Annotated[
@@ -56,7 +48,7 @@ def command(
             "--demo", help="A tiny demonstration pair: works offline, writes Python-ish text."
         ),
     ] = False,
-    system: Annotated[str | None, typer.Option(help="System prompt.")] = None,
+    system: options.System = None,
     max_tokens: MaxTokens = None,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,

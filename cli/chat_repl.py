@@ -37,6 +37,11 @@ COMMANDS = {  # name: (usage, what it does)
     ),
     "/stats": ("/stats", "totals for this session"),
     "/save": ("/save FILE", "save the conversation as FILE.json, or FILE.md (Markdown)"),
+    "/load": ("/load FILE", "continue a conversation saved with /save FILE.json"),
+    "/show": (
+        "/show [info | system | settings]",
+        "the model, its draft and context, the system prompt, the settings",
+    ),
     "/retry": ("/retry", "replace the last reply with a new one"),
     "/exit": ("/exit", "leave (Ctrl-D too)"),
 }
@@ -215,6 +220,12 @@ class Repl:
                 raise BadArgument("/save needs a file name, e.g. /save chat.json or /save chat.md")
             path = s.save(arg)
             view.info(f"saved {len(s.conversation())} messages to {path}")
+        elif name == "/load":
+            if not arg:
+                raise BadArgument("/load needs a file saved with /save, e.g. /load chat.json")
+            view.info(f"loaded {s.load(arg)} messages; the next reply continues them")
+        elif name == "/show":
+            self.show(arg.lower())
         elif name == "/retry":
             if s.options.temperature == 0 and s.messages:
                 view.info("at temperature 0 the reply comes out the same (/set temp 0.7 varies it)")
@@ -223,6 +234,25 @@ class Repl:
             view.error(f"unknown command {name}")
             view.help(COMMANDS)
         return True
+
+    def show(self, what: str) -> None:
+        """ollama's /show: the model (`info`), the system prompt, the settings; all three
+        without an argument."""
+        s, view = self.session, self.view
+        if what not in ("", "info", "system", "settings", "parameters"):
+            raise BadArgument(f"/show {what}: info, system or settings")
+        if what in ("", "info"):
+            draft = s.draft_id if s.draft is not None else "none (plain decoding)"
+            limit = s.pair.context_limit
+            view.info(
+                f"model {s.model_id} · draft {draft} · context {s.context_tokens} tokens held"
+                + (f" of {limit}" if limit else "")
+                + f" · {len(s.messages)} messages"
+            )
+        if what in ("", "system"):
+            view.info(f"system prompt: {s.system}" if s.system else "no system prompt")
+        if what in ("", "settings", "parameters"):
+            view.settings(s.options, view.hide_thinking)
 
     def set(self, arg: str) -> None:
         if not arg:

@@ -51,3 +51,22 @@ def internal(e: BaseException) -> NoReturn:
         f"set {DEBUG_ENV}=1 for the traceback and please report it)"
     )
     raise typer.Exit(EXIT_INTERNAL) from None
+
+
+def usage_error(e: click.ClickException) -> None:
+    """A usage error (an unknown option, a value of the wrong type, a missing option) as the
+    other errors are: one `error:` line naming it, and where to find the options; exit 2.
+    Replaces typer's usage line, hint and boxed panel."""
+    if type(e).__name__ == "NoArgsIsHelpError":  # the help was shown: nothing to add
+        return
+    ctx = getattr(e, "ctx", None)
+    hint = f" (options: {ctx.command_path} -h)" if ctx is not None else ""
+    ui.error(e.format_message() + hint)
+
+
+def install_usage_errors() -> None:
+    """Have typer render usage errors with `usage_error` (idempotent)."""
+    from typer import rich_utils
+
+    rich_utils.rich_format_error = usage_error
+    click.ClickException.show = lambda self, file=None: usage_error(self)

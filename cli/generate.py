@@ -13,10 +13,11 @@ from typing import Annotated
 
 import typer
 
-from dflash_mlx.errors import BadArgument
+from dflash_mlx.errors import EXIT_INTERRUPTED, BadArgument
 
 from . import options, ui
 from . import shard as sharding
+from .compare import compared
 from .errors import user_errors
 
 
@@ -36,6 +37,7 @@ def command(
     model: options.Model = None,
     draft: options.Draft = None,
     no_draft: options.NoDraft = False,
+    system: options.System = None,
     max_tokens: options.MaxTokens = 256,
     temp: options.Temp = 0.0,
     top_p: options.TopP = 1.0,
@@ -91,6 +93,7 @@ def command(
         sharding.check(shard)
         code = run(
             prompt=prompt_text(prompt_arg, prompt),
+            system=None if system is None else options.unicode_text("--system", system),
             shard=(shard, ranks),
             model=model,
             draft=draft,
@@ -136,11 +139,17 @@ def run(
     schema_file: Path | None = None,
     verbose: bool = False,
     shard: tuple = ("none", None),
+    system: str | None = None,
 ) -> int:
     """Generate; the exit code (1: --compare found plain decoding's tokens differ).
     `shard`: `--shard` and the `distributed.session` that joins the ranks."""
     import dflash_mlx
 
+    if system is not None and chat is False:
+        raise BadArgument(
+            "--system/--system-prompt: a system prompt needs the chat template; not with --raw"
+        )
+    opts = dflash_mlx.GenerateOptions(**settings)  # a bad setting before any note
     if demo:
         if model is not None or draft is not None:
             raise BadArgument("--demo brings its own pair: pass it without --model/--draft")
@@ -166,7 +175,6 @@ def run(
             "--compare measures DFlash against plain decoding: it needs a draft "
             "(--draft DRAFT, or a target whose draft is known)"
         )
-    opts = dflash_mlx.GenerateOptions(**settings)
     pair, tokenizer = sharding.load_for(model, choice, kind, shard[1]) or load(model, choice)
     if opts.verify_width is not None:
         pair.plan(opts)  # a width the draft cannot hold fails before anything runs
@@ -177,7 +185,7 @@ def run(
             run_deep(dflash_mlx.check_grammar, opts, tokenizer, pair.target.logits_width)
         except BadArgument as e:
             raise BadArgument(f"--json-schema {schema_file}: {e}") from None
-    request = prompt_form(tokenizer, prompt, chat)
+    request = prompt_form(tokenizer, prompt, chat, system)
     ui.calibrate(pair, opts.verify_width)  # once per pair and device: said, with a bar
     marks: list[tuple[int, float]] = []  # (tokens so far, time): --compare's clock
     if json_out:
@@ -190,27 +198,37 @@ def run(
         return EXIT_DIFFERENT if plain and plain["same_tokens"] is False else 0
     progress = ui.PromptProgress()
     tokens: list[int] = []
+    seen: list = []  # the last response so far: Ctrl-C's stats
     try:
         responses = dflash_mlx.stream_generate(
             pair, tokenizer, request, opts, prompt_progress=progress
         )
-        last = ui.stream(collecting(responses, tokens, marks))
+        last = ui.stream(collecting(responses, tokens, marks, seen))
+    except KeyboardInterrupt:
+        progress.close()
+        if not seen:  # nothing made yet: just `interrupted`
+            raise
+        ui.stats(seen[-1], verbose=verbose, finish_reason="interrupted")  # what it made
+        return EXIT_INTERRUPTED
     finally:
         progress.close()
     ui.stats(last, verbose=verbose)
     if not compare:
         return 0
     plain = compared(pair, tokenizer, request, opts, (tokens, last.stats), marks)
-    ui.comparison(plain, last.stats.generation_tokens)
+    ui.comparison(plain, last.stats.generation_tokens, last.stats.tau)
     return EXIT_DIFFERENT if plain["same_tokens"] is False else 0
 
 
 EXIT_DIFFERENT = 1  # --compare: plain decoding's tokens differ from DFlash's (a bug of ours)
 
 
-def collecting(responses, tokens: list[int], marks: list[tuple[int, float]] | None = None):
-    """`responses`, passed on, their tokens appended to `tokens` and (`marks`) the count of
-    tokens so far with the time each response arrived; closing it closes them."""
+def collecting(
+    responses, tokens: list[int], marks: list[tuple[int, float]] | None = None, seen=None
+):
+    """`responses`, passed on, their tokens appended to `tokens`, (`marks`) the count of
+    tokens so far with the time each response arrived and (`seen`) each response; closing
+    it closes them."""
     import time
 
     try:
@@ -218,128 +236,24 @@ def collecting(responses, tokens: list[int], marks: list[tuple[int, float]] | No
             tokens.extend(r.tokens)
             if marks is not None:
                 marks.append((len(tokens), time.perf_counter()))
+            if seen is not None:
+                seen[:] = [r]
             yield r
     finally:
         responses.close()
 
 
-# --compare: the two runs' generation times are paired segment by segment (the same tokens
-# at temperature 0), and a verdict is given only where the paired interval excludes 1.
-SEGMENTS = 8
-ALL_PLAIN = 0.95  # the DFlash run's share of tokens decoded plainly: "both decoded plainly"
-
-
-def segment_times(marks: list[tuple[int, float]], segments: int) -> list[float] | None:
-    """The time taken by each of `segments` equal spans of the tokens after the first
-    (the first token's time is TTFT, not speed), from `(tokens so far, time)` marks, the
-    clock read linearly between two marks; None when too few tokens for that."""
-    if len(marks) < 2:
-        return None
-    n0, t0 = marks[0]
-    total = marks[-1][0] - n0
-    if total < 2 * segments:
-        return None
-
-    def at(n: float) -> float:  # the time the n-th token (counted from the first) landed
-        for (a, ta), (b, tb) in zip(marks, marks[1:]):
-            if a - n0 <= n <= b - n0:
-                return ta + (tb - ta) * (n - (a - n0)) / (b - a) if b > a else tb
-        return marks[-1][1]
-
-    edges = [at(total * k / segments) for k in range(segments + 1)]
-    del t0
-    return [b - a for a, b in zip(edges, edges[1:])]
-
-
-def paired_speedup(
-    dflash: list[tuple[int, float]], plain: list[tuple[int, float]], segments: int = SEGMENTS
-) -> tuple[float, float, float] | None:
-    """DFlash's speed over plain decoding's as the geometric mean of the paired segment
-    ratios (plain time / DFlash time over the same tokens), with its 95% interval
-    (Student t); None without enough tokens or time to measure."""
-    import math
-    import statistics
-
-    from dflash_mlx.bench.results import _t95
-
-    a, b = segment_times(dflash, segments), segment_times(plain, segments)
-    if a is None or b is None:
-        return None
-    logs = [math.log(p / d) for d, p in zip(a, b) if d > 0 and p > 0]
-    if len(logs) < 3:
-        return None
-    mean = statistics.fmean(logs)
-    half = _t95(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
-def verdict(speedup: float | None, interval, plain_fraction: float) -> str:
-    """`faster` / `slower` only where the paired interval excludes 1; `same speed within
-    noise` otherwise; `both decoded plainly` when the DFlash run did too."""
-    if plain_fraction >= ALL_PLAIN:
-        return "both decoded plainly"
-    if interval is None or speedup is None:
-        return "unmeasured"
-    _, low, high = interval
-    if low > 1:
-        return "faster"
-    if high < 1:
-        return "slower"
-    return "same speed within noise"
-
-
-def compared(pair, tokenizer, request, opts, run, marks: list[tuple[int, float]]) -> dict:
-    """Plain decoding of the same request through the same engine (verify width 1, the same
-    settings): its speed, DFlash's speed over it with a 95% interval paired over segments of
-    the reply and its verdict, and (at temperature 0) whether its tokens are DFlash's;
-    `same_tokens` None when sampling (outputs differ by chance). `run`: the DFlash run's
-    `GenerationResult`, or `(tokens, Stats)`; `marks`: its `(tokens so far, time)`."""
-    import dflash_mlx
-
-    from .ui import PromptProgress
-
-    tokens, stats = (run.tokens, run.stats) if hasattr(run, "tokens") else run
-    progress = PromptProgress()
-    plain_marks: list[tuple[int, float]] = []
-    plain_tokens: list[int] = []
-    try:
-        from dflash_mlx.engine.generate import collect
-
-        responses = dflash_mlx.stream_generate(
-            pair, tokenizer, request, opts.replace(verify_width=1), prompt_progress=progress
-        )
-        plain = collect(collecting(responses, plain_tokens, plain_marks))
-    finally:
-        progress.close()
-    first = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b), None)
-    if first is None and len(tokens) != len(plain.tokens):
-        first = min(len(tokens), len(plain.tokens))
-    sampled = opts.temperature > 0
-    plain_tps = plain.stats.generation_tps
-    speedup = stats.generation_tps / plain_tps if plain_tps > 0 else None
-    # Sampled runs make different tokens: their segments are not the same work.
-    interval = None if sampled else paired_speedup(marks, plain_marks)
-    return {
-        "generation_tps": plain_tps,
-        "generation_tokens": plain.stats.generation_tokens,
-        "speedup": speedup,  # DFlash's tok/s over plain's
-        "interval": None if interval is None else [interval[1], interval[2]],
-        "verdict": verdict(speedup, interval, stats.plain_fraction),
-        "same_tokens": None if sampled else first is None,
-        "first_difference": None if sampled else first,
-    }
-
-
 def load(model: str, choice):
     """`(Pair, tokenizer)`: the target and the draft `choice` names (`pairs.choose_draft`:
     as given, none with --no-draft, else the registry's published one; none known: plain
-    decoding, with its note), behind spinners, checked against each other."""
+    decoding, with its note once the target loaded), behind spinners, checked against each
+    other."""
     import dflash_mlx
 
+    with ui.loading("target", model):  # a target that cannot load: its error, no note
+        target, tokenizer = dflash_mlx.load(model)
     if choice.note:
         ui.note(choice.note)
-    with ui.loading("target", model):
-        target, tokenizer = dflash_mlx.load(model)
     if choice.draft is None:
         return dflash_mlx.Pair(target), tokenizer
     with ui.loading("draft", choice.draft):
@@ -411,11 +325,21 @@ def prompt_text(positional: str | None, option: str | None) -> str:
     return options.unicode_text(name, text)
 
 
-def prompt_form(tokenizer, prompt: str, chat: bool | None) -> str | list[dict[str, str]]:
-    """The prompt as chat messages (template applied by the library) or as raw text."""
+def prompt_form(
+    tokenizer, prompt: str, chat: bool | None, system: str | None = None
+) -> str | list[dict[str, str]]:
+    """The prompt as chat messages (template applied by the library; `system` first) or as
+    raw text."""
     has_template = bool(getattr(tokenizer, "has_chat_template", False))
     if chat is None:
         chat = has_template
     if chat and not has_template:
         raise BadArgument("--chat: this tokenizer has no chat template; pass --raw")
-    return [{"role": "user", "content": prompt}] if chat else prompt
+    if system is not None and not chat:
+        raise BadArgument(
+            "--system/--system-prompt: this tokenizer has no chat template to put it in"
+        )
+    if not chat:
+        return prompt
+    head = [{"role": "system", "content": system}] if system is not None else []
+    return [*head, {"role": "user", "content": prompt}]

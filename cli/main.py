@@ -10,9 +10,10 @@ from typing import Annotated
 
 import typer
 
-from . import help_style
+from . import errors, help_style
 
 help_style.install()  # flags without a <bool>, arguments as SOURCE (before any command)
+errors.install_usage_errors()  # one `error:` line, as every other error
 
 from . import bench as bench_command  # noqa: E402
 from . import chat as chat_command  # noqa: E402
@@ -74,14 +75,36 @@ app.command("rm")(models_command.rm)
 
 @app.command()
 def train(
-    target: Annotated[str, typer.Option(help="Target: Hub id or local mlx-lm folder.")],
     data: Annotated[
         Path,
         typer.Option(help='JSONL file or folder: {"text"}, {"prompt"} or {"messages"} per line.'),
     ],
     out: Annotated[Path, typer.Option(help="Output folder for the draft.")],
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Target: Hub id or local mlx-lm folder. [required]",
+            show_default=False,
+        ),
+    ] = None,
+    target: Annotated[
+        str | None, typer.Option("--target", hidden=True, help="Deprecated: use --model/-m.")
+    ] = None,
     layers: Annotated[int, typer.Option(help="Draft layers.")] = 1,
-    block_size: Annotated[int, typer.Option(help="Draft block size.")] = 16,
+    draft_block: Annotated[
+        int | None,
+        typer.Option(
+            "--draft-block",
+            help="The draft's block: tokens it proposes per pass (default 16). Elsewhere "
+            "--block-size is the old name of --verify-width; here it is this one's.",
+            show_default=False,
+        ),
+    ] = None,
+    block_size: Annotated[
+        int | None, typer.Option("--block-size", hidden=True, help="Deprecated: --draft-block.")
+    ] = None,
     target_layer_ids: Annotated[
         str | None, typer.Option(help="Comma-separated target layers to read (default: spread).")
     ] = None,
@@ -159,14 +182,17 @@ def train(
 ) -> None:
     """Distil a DFlash draft for a target (target frozen; its embedding and head shared)."""
     from . import train as train_command
+    from .train_options import aliases
 
     with user_errors():
+        target, block, notes = aliases(model, target, draft_block, block_size)
         train_command.run(
             target=target,
+            notes=notes,
             data=data,
             out=out,
             layers=layers,
-            block_size=block_size,
+            block_size=block,
             target_layer_ids=target_layer_ids,
             mask_token_id=mask_token_id,
             regenerate=regenerate,

@@ -110,9 +110,10 @@ def rm(
     """Remove a model from the Hugging Face cache (every revision) or --models-dir."""
     with user_errors():
         from dflash_mlx.errors import BadArgument
-        from dflash_mlx.models.hub import find, human_size, remove
+        from dflash_mlx.models.hub import check_removable, find, human_size, remove
 
         model = find(name, models_dir or [])
+        check_removable(model)  # before asking
         where = "the Hugging Face cache" if model.source == "hf-cache" else str(model.path)
         if not yes:
             if not sys.stdin.isatty():

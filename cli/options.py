@@ -48,18 +48,33 @@ def read_stdin() -> str:
 # --demo replies in chat and serve: the demo's gibberish rarely ends on its own.
 DEMO_MAX_TOKENS = 200
 
+# The target every command takes when --model is left out (the registry's DEFAULT_TARGET;
+# written here so that --help imports nothing heavy; a test checks they agree).
+DEFAULT_MODEL = "mlx-community/Qwen3-4B-4bit"
 Model = Annotated[
-    str | None, typer.Option("--model", "-m", help="Target: Hub id or local mlx-lm folder.")
+    str | None,
+    typer.Option(
+        "--model",
+        "-m",
+        help="Target: Hub id or local mlx-lm folder.",
+        show_default=DEFAULT_MODEL,
+    ),
 ]
 Draft = Annotated[
     str | None,
     typer.Option(
         "--draft",
         "-d",
+        "--draft-model",  # mlx_lm's name
         help="DFlash draft: Hub id or local folder (default: the published draft for "
-        "--model, if known; none known: plain decoding).",
+        "--model, if known; none known: plain decoding). --draft-model: the same.",
         show_default=False,
     ),
+]
+# A system prompt: `--system`, or mlx_lm's `--system-prompt`.
+System = Annotated[
+    str | None,
+    typer.Option("--system", "--system-prompt", help="System prompt.", show_default=False),
 ]
 Demo = Annotated[
     bool, typer.Option("--demo", help="Use the tiny demonstration pair: no downloads.")

@@ -22,7 +22,7 @@ from dflash_mlx.errors import (
 )
 
 from . import options, serve_ui, ui
-from .cache import DISK_GB, MEMORY_GB, prompt_cache_folder, prompt_store
+from .cache import DISK_GB, MAX_CACHE_GB, MEMORY_GB, prompt_cache_folder, prompt_store
 from .errors import internal
 from .pairs import check_sources, choose_draft, default_target
 
@@ -349,8 +349,8 @@ def run(
         ("--prompt-cache-gb", prompt_cache_gb),
         ("--prompt-cache-memory-gb", prompt_cache_memory_gb),
     ]:
-        if not gb >= 0:
-            raise BadArgument(f"{name} {gb} must be >= 0")
+        if not 0 <= gb <= MAX_CACHE_GB:  # 1e300 GB is no budget: bytes overflow
+            raise BadArgument(f"{name} {gb:g} must be between 0 and {MAX_CACHE_GB:,} (GB)")
     from dflash_mlx import GenerateOptions
 
     # The requests' defaults, checked by the engine's own rules before anything loads.

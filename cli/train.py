@@ -22,6 +22,7 @@ from dflash_mlx.errors import BadArgument
 
 from . import train_dflash2, ui
 from .paths import writable_folder
+from .train_options import check_layer_ids, flag_message
 
 MASK_NAMES = ("<|mask|>", "<mask>", "<|MASK|>", "[MASK]")
 
@@ -78,6 +79,7 @@ def check_data(data: Path, regenerate: bool) -> None:
 def run(
     *,
     target: str,
+    notes: list[str] = (),
     data: Path,
     out: Path,
     layers: int,
@@ -96,7 +98,18 @@ def run(
     upgrade_from: str | None = None,
     continuations: int | None = None,
 ) -> None:
-    # Before anything heavy loads: where the draft goes, and data that can be used at all.
+    # Before anything heavy loads: the numbers, where the draft goes, and data that can be
+    # used at all.
+    if layers < 1:
+        raise BadArgument(f"--layers {layers} must be >= 1")
+    if target_layer_ids is not None:
+        check_layer_ids(target_layer_ids, 1 << 30)  # the form now, the range once it loads
+    from dflash_mlx.train.trainer import TrainSettings
+
+    try:
+        TrainSettings(**settings)
+    except ValueError as e:
+        raise BadArgument(flag_message(str(e))) from None
     writable_folder(out, "--out")
     if out.exists() and any(out.iterdir()) and not (resume or force):
         raise BadArgument(f"output folder {out} is not empty; pass --resume or --force")
@@ -118,6 +131,8 @@ def run(
     dflash2 = train_dflash2.check_options(
         dflash2=dflash2, upgrade_from=upgrade_from, init=init, resume=resume
     )
+    for line in notes:  # the old names used, said once nothing above refused
+        ui.note(f"note: {line}")
     import dflash_mlx
     from dflash_mlx.models.config import DraftConfig
     from dflash_mlx.models.draft import DFlashDraft
@@ -133,6 +148,8 @@ def run(
     st = TrainSettings(**settings)
     with ui.loading("target", target):
         model, tokenizer = dflash_mlx.load(target)
+    if target_layer_ids is not None and not (resume or init or upgrade_from):
+        check_layer_ids(target_layer_ids, dflash_mlx.Pair(model).target.num_layers)
     regen = per_prompt = None
     if regenerate:
         regen = TargetWriter(model, tokenizer, regen_tokens, Growth(continuations, seed=st.seed))
@@ -191,7 +208,7 @@ def run(
         config = json.loads(json.dumps(start.config.raw))
         layers = start.config.num_hidden_layers
     else:
-        ids = [int(x) for x in target_layer_ids.split(",")] if target_layer_ids else None
+        ids = check_layer_ids(target_layer_ids, dflash_mlx.Pair(model).target.num_layers)
         mask = default_mask_token(tokenizer) if mask_token_id is None else mask_token_id
         config = draft_config_for(
             model, layers=layers, block_size=block_size, target_layer_ids=ids, mask_token_id=mask
@@ -310,10 +327,7 @@ class TrainProgress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.description}"),
-                TextColumn(
-                    "loss {task.fields[loss]:.3f} · {task.fields[tps]:.0f} tok/s · "
-                    "τ {task.fields[tau]}"
-                ),
+                TextColumn("{task.fields[figures]}"),
                 TimeElapsedColumn(),
                 TextColumn("· {task.fields[left]}"),
                 console=self.console,
@@ -323,9 +337,7 @@ class TrainProgress:
                 "training",
                 total=self.steps,
                 completed=self.start,
-                loss=float("nan"),
-                tps=0.0,
-                tau="–",
+                figures=self.figures(float("nan"), 0.0),
                 left="left: –",
             )
         else:
@@ -342,9 +354,17 @@ class TrainProgress:
             return 0
         return (self.steps // every - step // every) + (self.steps % every != 0)
 
+    def figures(self, loss: float, tps: float) -> str:
+        """The bar's loss, speed and τ; none before the first step (the target reading the
+        data: no loss yet, not `loss nan`)."""
+        if loss != loss:  # NaN: no step has run
+            return "no step yet"
+        return f"loss {loss:.3f} · {tps:.0f} tok/s · τ {self.tau}"
+
     def left(self, step: int) -> str:
         """The time left: the steps to go at the recent steps' median time, plus the held-out
-        checks and checkpoints to come at what the last of each took."""
+        checks and checkpoints to come at what the last of each took, plus what is left of
+        the one running now (the final check too: never `~0 s` while it runs)."""
         if not self._step_s:
             return "left: –"
         recent = sorted(self._step_s[-20:])
@@ -358,6 +378,14 @@ class TrainProgress:
             if n and phase in self._phase_s:
                 seconds += n * self._phase_s[phase]
             elif n:
+                unknown = True
+        if self.phase in ("held-out τ check", "saving a checkpoint"):  # running now
+            took = self._phase_s.get(self.phase)
+            if took is not None:
+                seconds += max(0.0, took - (self.clock() - self._since))
+            elif step >= self.steps:  # the last one, never timed: no figure to give
+                return f"left: the final {self.phase.split()[-1]}, not timed yet"
+            else:
                 unknown = True
         return f"left ~{_clock(seconds)}" + (" + checks" if unknown else "")
 
@@ -382,9 +410,7 @@ class TrainProgress:
                 self._task,
                 completed=step,
                 description=phase if phase != "training" else "",
-                loss=loss,
-                tps=entry.get("tokens_per_s", 0.0),
-                tau=self.tau,
+                figures=self.figures(loss, entry.get("tokens_per_s", 0.0)),
                 left=self.left(step),
             )
             return

@@ -186,14 +186,15 @@ def interrupted() -> None:
     _err().print(Text("interrupted", style="yellow"))
 
 
-def stats(r: GenerationResponse, verbose: bool = False) -> None:
+def stats(r: GenerationResponse, verbose: bool = False, finish_reason: str | None = None) -> None:
     """The stats after a streamed completion, from the last GenerationResponse: one short
-    line (tokens, speed, τ, TTFT, how it ended), the details too with `verbose`; in a
-    terminal fitted to its width (broken between fields, never inside one)."""
+    line (tokens, speed, τ, TTFT, how it ended: `finish_reason` if given, e.g.
+    `interrupted`), the details too with `verbose`; in a terminal fitted to its width
+    (broken between fields, never inside one)."""
     from dflash_mlx.stats import short_fields, stats_fields
 
     shown = stats_fields if verbose else short_fields
-    stats_lines(shown(r.stats, r.finish_reason, r.stop))
+    stats_lines(shown(r.stats, finish_reason or r.finish_reason, r.stop))
 
 
 def stats_lines(fields: list[str], console: Console | None = None) -> None:
@@ -207,26 +208,29 @@ def stats_lines(fields: list[str], console: Console | None = None) -> None:
         console.print(Text(line, style="dim"), soft_wrap=True)
 
 
-def comparison(plain: dict, tokens: int) -> None:
-    """`generate --compare`: plain decoding's speed against DFlash's, and whether the
-    tokens matched (at temperature 0; a difference is an error: exit code 1)."""
+def comparison(plain: dict, tokens: int, tau: float = 0.0) -> None:
+    """`generate --compare`: plain decoding's speed against DFlash's (`tau`: the DFlash
+    run's), and whether the tokens matched (at temperature 0; a difference is an error:
+    exit code 1). The figure is the one its interval is of, the verdict `verdict`'s."""
     from dflash_mlx.stats import SEPARATOR, count, speed
 
     fields = [f"plain decoding: {speed(plain['generation_tps'])}"]
     x, said = plain["speedup"], plain.get("verdict")
     if x is not None:
-        measured = f"DFlash {x:.2f}×"
+        measured = f"{x:.2f}×"
         if plain.get("interval"):
             low, high = plain["interval"]
             measured += f", 95% {low:.2f}–{high:.2f}×"
-        if said == "faster":
-            fields.append(f"DFlash {x:.2f}× faster ({measured[len('DFlash ') :]})")
-        elif said == "slower":
-            fields.append(f"DFlash {1 / x:.2f}× slower ({measured[len('DFlash ') :]})")
-        elif said == "both decoded plainly":
-            fields.append(f"both decoded plainly: same speed ({measured})")
-        else:  # within the noise, or unmeasured (too short, sampled)
-            fields.append(f"same speed within noise ({measured})")
+        else:
+            measured += " by tok/s, unpaired"
+        fields.append({
+            "faster": f"DFlash {x:.2f}× faster (95% {measured.partition('95% ')[2]})",
+            "slower": f"DFlash {1 / x:.2f}× slower (DFlash {measured})",
+            "same speed within noise": f"same speed within noise (DFlash {measured})",
+            "both decoded plainly": f"both decoded plainly: no verdict (DFlash {measured})",
+            "barely speculated": f"barely speculated (τ {tau:.2f}): no verdict "
+            f"(DFlash {measured})",
+        }.get(said, f"not paired: no verdict (DFlash {measured})"))  # fmt: skip
     if plain["same_tokens"] is None:
         fields.append("sampled: tokens not compared (they match at --temp 0)")
     elif plain["same_tokens"]:

@@ -71,6 +71,7 @@ def browser() -> Iterator:
         "--host-resolver-rules=MAP evil.test 127.0.0.1",
     ):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read back
     driver = webdriver.Chrome(options=options, service=Service(executable_path=driver_path))
     driver.set_script_timeout(WAIT)
     try:

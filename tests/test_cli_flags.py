@@ -124,35 +124,36 @@ def test_serve_default_max_tokens_is_a_deprecated_name_of_max_tokens(pair):
     assert done.returncode == 2 and "disagree" in text(done)[1]
 
 
-@pytest.mark.slow  # the real command in a pseudo-terminal
-@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
-def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
+def chat_terminal(tmp_path, *args: str, timeout: float = 120, columns: int = 160):
+    """`dflash-mlx chat ARGS` in a pseudo-terminal of its own width (no COLUMNS another
+    test may have left), its history under `tmp_path`, Ctrl-C as a user's terminal sends it."""
     pexpect = pytest.importorskip("pexpect")
     from .test_cli_serve import exe
 
-    env = {  # the terminal's own width: no COLUMNS another test may have left
+    env = {
         **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
         "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
         "PROMPT_TOOLKIT_NO_CPR": "1",
         "TERM": "xterm-256color",
     }
-    child = pexpect.spawn(
+    return pexpect.spawn(
         exe()[0],
-        # A fixed width: no calibration before the prompt (slow on a busy machine).
-        ["chat", *pair, "--max-tokens", "4", "--verify-width", "4"],
+        ["chat", *args],
         env=env,
         encoding="utf-8",
-        timeout=120,
-        dimensions=(30, 160),
+        timeout=timeout,
+        dimensions=(30, columns),
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
+
+
+def type_lines(child, steps: list[tuple[str, str]]) -> None:
+    """Type each line at a prompt that reads it and expect what it shows; then /exit, and
+    the chat ends."""
+    import pexpect
+
     try:
-        for line, shown in [
-            ("/set draft_window 64", "draft_window set to 64"),
-            ("/set seed 7", "seed set to 7"),
-            ("/set", r"seed 7 ·\s+draft_window 64"),
-            ("/help", r"draft_window\s+\(or\s+auto\)"),
-        ]:
+        for line, shown in steps:
             child.expect("›")  # each line typed at a prompt that reads it
             child.send(line + "\r")
             child.expect(shown)
@@ -161,4 +162,22 @@ def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
         child.expect(pexpect.EOF)
     finally:
         child.close()
+
+
+@pytest.mark.slow  # the real command in a pseudo-terminal
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_set_shows_and_confirms_every_setting_in_a_terminal(tmp_path, pair):
+    pytest.importorskip("pexpect")
+
+    # A fixed width: no calibration before the prompt (slow on a busy machine).
+    child = chat_terminal(tmp_path, *pair, "--max-tokens", "4", "--verify-width", "4")
+    type_lines(
+        child,
+        [
+            ("/set draft_window 64", "draft_window set to 64"),
+            ("/set seed 7", "seed set to 7"),
+            ("/set", r"seed 7 ·\s+draft_window 64"),
+            ("/help", r"draft_window\s+\(or\s+auto\)"),
+        ],
+    )
     assert child.exitstatus == 0

@@ -37,7 +37,7 @@ def seen(monkeypatch) -> dict:
         seen.update(model=model, draft=choice.draft)
         return SimpleNamespace(plan=lambda opts: None), None
 
-    def prompt_form(tokenizer, prompt, chat):
+    def prompt_form(tokenizer, prompt, chat, system=None):
         seen["prompt"] = prompt
         raise BadArgument(STOP)
 

@@ -114,11 +114,13 @@ def test_ls_lists_a_target_and_its_draft_with_sizes_and_the_pairing(hub):
 def test_ls_reads_models_dir_folders_too(hub, models_dir):
     cache, _ = hub
     models = listed(cache, "--models-dir", str(models_dir))
-    assert models["qwen3-4bit"]["weights"] == "4-bit (group 32)"
-    assert models["qwen3-4bit"]["source"] == "models-dir"
-    assert models["draft"]["is_draft"] is True
+    # Named by their path (as --models-dir gave it): the name -m loads.
+    name = {n: str(models_dir / n) for n in ("qwen3-4bit", "draft", "qwen3")}
+    assert models[name["qwen3-4bit"]]["weights"] == "4-bit (group 32)"
+    assert models[name["qwen3-4bit"]]["source"] == "models-dir"
+    assert models[name["draft"]]["is_draft"] is True
     size = sum(f.stat().st_size for f in (models_dir / "qwen3").iterdir())
-    assert models["qwen3"]["size_bytes"] == size
+    assert models[name["qwen3"]]["size_bytes"] == size
     assert TARGET in models  # the cache is listed as well
     done = run(cache, "ls", "--models-dir", str(models_dir / "nowhere"))
     out, err = text(done)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import signal
 import sys
 
 import httpx
@@ -21,7 +19,8 @@ import dflash_mlx
 from dflash_mlx.cli.main import app
 
 from .test_bench import PROMPTS
-from .test_cli_serve import TIMEOUT, dflash, exe, serve, text
+from .test_cli_flags import chat_terminal, type_lines
+from .test_cli_serve import TIMEOUT, dflash, serve, text
 
 PROMPT = "def add(a, b):"
 TOKENS = "16"
@@ -84,37 +83,20 @@ def test_on_a_hybrid_target_tree_says_why_chains_ran(models_dir):
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_set_tree_on_reaches_the_engine_in_chat(tmp_path, pair):
     """/set tree on, then a reply: its stats line counts trees of the verify width."""
-    pexpect = pytest.importorskip("pexpect")
-    env = {
-        **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")},
-        "DFLASH_MLX_HISTORY": str(tmp_path / "history"),
-        "PROMPT_TOOLKIT_NO_CPR": "1",
-        "TERM": "xterm-256color",
-    }
-    child = pexpect.spawn(
-        exe()[0],
-        # A fixed width: no calibration before the prompt.
-        ["chat", *pair, "--max-tokens", TOKENS, "--verify-width", "12", "--verbose"],
-        env=env,
-        encoding="utf-8",
-        timeout=TIMEOUT,
-        dimensions=(30, 200),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        for line, shown in [
+    pytest.importorskip("pexpect")
+    # A fixed width: no calibration before the prompt.
+    child = chat_terminal(
+        tmp_path, *pair, "--max-tokens", TOKENS, "--verify-width", "12", "--verbose",
+        timeout=TIMEOUT, columns=200,
+    )  # fmt: skip
+    type_lines(
+        child,
+        [
             ("/set tree on", "tree set to on"),
             ("/set", r"verify_width 12 ·\s+tree on"),
             (PROMPT, r"trees 12×\d+"),
-        ]:
-            child.expect("›")
-            child.send(line + "\r")
-            child.expect(shown)
-        child.expect("›")
-        child.send("/exit\r")
-        child.expect(pexpect.EOF)
-    finally:
-        child.close()
+        ],
+    )
     assert child.exitstatus == 0
 
 

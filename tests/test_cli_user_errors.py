@@ -62,7 +62,7 @@ def test_train_data_with_no_usable_example_is_a_user_error(models_dir, files):
     """Lines that look like examples but are too short once tokenized: found after the
     tokenizer loads, still the user's error (it was an internal one, exit 1)."""
     (files / "short.jsonl").write_text('{"text": "a"}\n')
-    result = run("train", "--target", str(models_dir / "qwen3"), "--data",
+    result = run("train", "-m", str(models_dir / "qwen3"), "--data",
                  str(files / "short.jsonl"), "--out", str(files / "out"))  # fmt: skip
     user_error(result, "short.jsonl", "no usable example")
 

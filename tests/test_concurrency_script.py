@@ -349,6 +349,25 @@ def test_without_vllm_mlx_the_peer_is_left_out_saying_so(cc, monkeypatch):
     assert why.startswith("vllm-mlx left out: no --vllm-mlx PATH and no vllm-mlx on PATH")
 
 
+def test_options_are_checked_before_what_the_machine_has(cc, monkeypatch):
+    """A machine without Debian's OpenBLAS (or taskset) still names a bad option first; the
+    missing library is named once the options are good."""
+    monkeypatch.setattr(cc, "OPENBLAS", "/no/openblas-pthread/libblas.so.3")
+    monkeypatch.setattr(cc.shutil, "which", lambda name: None)
+    for bad, message in (
+        (["--model", "/no/target"], "--model '/no/target': no such folder"),
+        (["--server-core", "4096"], "--server-core 4096: not a core this process may use"),
+    ):
+        with pytest.raises(cc.BadOption, match=message):
+            cc.check(cc.parser().parse_args(bad))
+    args = cc.check(cc.parser().parse_args(["--quick"]))
+    with pytest.raises(cc.BadOption, match="--openblas '/no/openblas-pthread/libblas.so.3'"):
+        cc.check_machine(args)
+    with pytest.raises(cc.BadOption, match="pinning needs taskset"):
+        cc.check_machine(cc.check(cc.parser().parse_args(["--regimes", "stock"])))
+    cc.check_machine(cc.check(cc.parser().parse_args(["--regimes", "stock", "--no-pin"])))
+
+
 def test_quick_is_a_short_run_and_options_given_win(cc):
     args = cc.check(cc.parser().parse_args(["--quick"]))
     assert (args.cs, args.requests, args.tokens) == ([1, 2], 2, 32)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 
 import anthropic
@@ -526,9 +525,9 @@ def test_clients_that_never_finish_sending_are_dropped(agent):
     host, port = agent.base.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # no end
-        tic = time.monotonic()
+        # Closed by the server's header timeout (the socket's own timeout, TIMEOUT, would
+        # raise instead): no threshold in seconds here.
         assert s.recv(1024) == b"", "the server answered a request it never got"
-        assert time.monotonic() - tic < 10
     with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
         s.sendall(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"

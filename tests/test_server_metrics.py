@@ -218,10 +218,16 @@ def test_the_chat_page_is_served_from_the_package_without_a_key(keyed):
     assert "default-src 'self'" in r.headers["content-security-policy"]
     # Nothing from elsewhere: every script and stylesheet is the package's own.
     assert re.findall(r'(?:src|href)="([^"]+)"', r.text) == [
+        "/favicon.ico",
         "/page/chat.css",
         "/page/markdown.js",
         "/page/chat.js",
     ]
+    # Its icon, without a key (a browser asks /favicon.ico whatever the page says: a 404
+    # in the console before).
+    icon = httpx.get(f"{keyed.base}/favicon.ico", timeout=TIMEOUT)
+    assert icon.status_code == 200 and icon.headers["content-type"] == "image/svg+xml"
+    assert icon.content == (PAGE / "favicon.svg").read_bytes()
     for name in ("chat.css", "markdown.js", "chat.js"):
         served = httpx.get(f"{keyed.base}/page/{name}", timeout=TIMEOUT)
         assert served.status_code == 200

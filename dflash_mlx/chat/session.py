@@ -184,7 +184,7 @@ class ChatSession:
         for m in self.conversation():
             lines += ["", f"## {m['role'].capitalize()}", "", _markdown_content(m["content"])]
             stats = next(replies, None) if m["role"] == "assistant" else None
-            if stats is not None:
+            if stats is not None and stats.finish_reason != "loaded":  # loaded: no figures
                 lines += ["", f"*{_stats_summary(stats)}*"]
         return "\n".join(lines) + "\n"
 
@@ -206,6 +206,40 @@ class ChatSession:
         except OSError as e:
             raise BadArgument(f"cannot write {path}: {e.strerror or e}") from None
         return path
+
+    def load(self, path: str | Path) -> int:
+        """Continue a conversation saved by `save` as JSON (ollama's `/load`): its system
+        prompt and messages replace these (settings stay); the number of messages. A file
+        that is not such a conversation is a BadArgument naming it, and nothing changes."""
+        path = Path(path).expanduser()
+        if path.suffix == "":
+            path = path.with_suffix(".json")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except OSError as e:
+            raise BadArgument(f"cannot read {path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise BadArgument(f"{path}: not a conversation saved by /save ({e})") from None
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise BadArgument(
+                f'{path}: not a conversation saved by /save (expected "messages": a list of '
+                '{"role": "system", "user" or "assistant", "content": text})'
+            )
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        turns = [
+            {"role": m["role"], "content": m["content"]} for m in messages if m["role"] != "system"
+        ]
+        self.reset()
+        self.system = system[0] if system else None
+        self.messages = turns
+        self.replies = [Reply(Stats(), "loaded") for m in turns if m["role"] == "assistant"]
+        return len(messages)
 
     # -- internals --------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import struct
@@ -84,11 +85,16 @@ def _header_dtypes(folder: Path) -> Counter:
                 header = json.loads(f.read(n))
         except (OSError, ValueError, struct.error):
             continue
+        if not isinstance(header, dict):
+            continue
         for name, t in header.items():
             if name == "__metadata__" or not isinstance(t, dict):
                 continue
-            start, end = t.get("data_offsets", (0, 0))
-            out[t.get("dtype", "?")] += end - start
+            offsets, dtype = t.get("data_offsets"), t.get("dtype", "?")
+            if not (isinstance(dtype, str) and isinstance(offsets, list) and len(offsets) == 2):
+                continue  # a header of another shape: not counted
+            if all(isinstance(x, int) for x in offsets):
+                out[dtype] += offsets[1] - offsets[0]
     return out
 
 
@@ -129,20 +135,34 @@ def _draft_target(name: str) -> str | None:
 
 
 def _folder_size(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    total = 0
+    for p in folder.rglob("*"):
+        try:
+            if p.is_file():
+                total += p.stat().st_size
+        except OSError:  # a dangling or looping link, a file gone meanwhile
+            continue
+    return total
 
 
 def _model(name: str, folder: Path, source: str, size: int, revisions=()) -> LocalModel | None:
     config = _config(folder)
     if config is None:
         return None
-    draft = is_draft_config(config)
+    try:
+        draft = is_draft_config(config)
+    except TypeError:  # a config.json of another shape (`architectures` not a list)
+        draft = False
+    try:
+        weights = weights_kind(folder, config)
+    except (TypeError, ValueError, AttributeError, KeyError):  # fields of other shapes
+        weights = "?"
     return LocalModel(
         name=name,
         path=folder,
         source=source,
         size_bytes=size,
-        weights=weights_kind(folder, config),
+        weights=weights,
         is_draft=draft,
         draft_for=_draft_target(name) if draft else None,
         revisions=tuple(revisions),
@@ -185,7 +205,9 @@ def _in_folder(root: Path) -> list[LocalModel]:
         if not subfolders and folder != root:  # org/name
             subfolders = sorted(p for p in folder.iterdir() if (p / "config.json").is_file())
         for sub in subfolders:
-            name = sub.relative_to(root).as_posix() if sub != root else sub.name
+            # Named by its path as given (`--models-dir models`: `models/pair-target`), so
+            # that the name `ls` prints is one `-m` loads.
+            name = sub.as_posix()
             found = _model(name, sub, "models-dir", _folder_size(sub))
             if found is not None:
                 out.append(found)
@@ -214,7 +236,16 @@ def list_models(models_dirs: Iterable[Path] = (), cache: Path | None = None) -> 
 
 def find(name: str, models_dirs: Iterable[Path] = (), cache: Path | None = None) -> LocalModel:
     """The one model called `name` (a Hub id, or a folder under a models dir)."""
-    matches = [m for m in list_models(models_dirs, cache) if m.name == name]
+    dirs = [Path(d) for d in models_dirs]
+
+    def named(m: LocalModel) -> bool:  # as `ls` names it, or its path under a models dir
+        if m.name == name:
+            return True
+        return m.source == "models-dir" and any(
+            os.path.abspath(d / name) == os.path.abspath(m.path) for d in dirs
+        )
+
+    matches = [m for m in list_models(dirs, cache) if named(m)]
     if not matches:
         where = f"the Hugging Face cache ({cache if cache is not None else hub_cache()})"
         if models_dirs:
@@ -228,6 +259,16 @@ def find(name: str, models_dirs: Iterable[Path] = (), cache: Path | None = None)
     return matches[0]
 
 
+def check_removable(model: LocalModel) -> None:
+    """A `UserError` for a model `remove` will not delete: a folder that is a symbolic link
+    (deleting what it points to is not what removing a listed name should do)."""
+    if model.source != "hf-cache" and model.path.is_symlink():
+        raise UserError(
+            f"rm {model.name}: {model.path} is a symbolic link (to {os.readlink(model.path)}); "
+            "remove the link, or the folder it points to, by hand"
+        )
+
+
 def remove(model: LocalModel, cache: Path | None = None) -> int:
     """Delete `model` from disk (every cached revision, or its folder); the bytes freed."""
     if model.source == "hf-cache":
@@ -238,6 +279,7 @@ def remove(model: LocalModel, cache: Path | None = None) -> int:
         )
         strategy.execute()
         return strategy.expected_freed_size
+    check_removable(model)
     size = _folder_size(model.path)
     shutil.rmtree(model.path)
     return size

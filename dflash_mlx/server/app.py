@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import html
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -323,6 +324,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         """The chat page: static files of the package, talking to this server's API."""
         return FileResponse(PAGE / "index.html", headers=PAGE_HEADERS)
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        """The page's icon (an SVG; browsers ask /favicon.ico whatever the page says)."""
+        return FileResponse(PAGE / "favicon.svg", media_type="image/svg+xml", headers=PAGE_HEADERS)
+
     app.mount("/page", PageFiles(directory=PAGE), name="page")
 
     @app.get("/docs", include_in_schema=False)
@@ -373,13 +379,35 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+# The requests the engine logs itself (`request completed: …`): their access line would be
+# a second line for the same request. Refusals (4xx, 5xx) keep their access line: the engine
+# never saw them.
+GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"})
+
+
+class OneLinePerRequest(logging.Filter):
+    """uvicorn's access log without the line of a request that generated (the engine's own
+    line says more: tokens, speed, τ, how it ended)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5):
+            return True
+        _, method, path, _, status = args
+        generated = method == "POST" and str(path).split("?", 1)[0] in GENERATING
+        return not (generated and isinstance(status, int) and status < 400)
+
+
 def create_server(
     engine: Engine, settings: ServerSettings, *, log_level: str = "info"
 ) -> uvicorn.Server:
     """A uvicorn server for the app; `.run(sockets=[sock])` serves until SIGINT/SIGTERM."""
-    # uvicorn's logging, plus the engine's one line per request at the same level.
+    # uvicorn's logging, plus the engine's one line per request at the same level (and no
+    # access line for a request that has it).
     log_config = copy.deepcopy(LOGGING_CONFIG)
     log_config["loggers"]["dflash_mlx"] = {"handlers": ["default"], "level": log_level.upper()}
+    log_config.setdefault("filters", {})["one_line"] = {"()": OneLinePerRequest}
+    log_config["handlers"]["access"]["filters"] = ["one_line"]
     config = uvicorn.Config(
         create_app(engine, settings),
         log_level=log_level,

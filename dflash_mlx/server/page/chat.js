@@ -4,7 +4,26 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { messages: [], controller: null, key: sessionStorage.getItem("dflash-key") || "" };
+const state = {
+  messages: [],
+  controller: null,
+  key: sessionStorage.getItem("dflash-key") || "",
+  pinned: true, // the view follows the conversation until the user scrolls up
+};
+
+// Sticking to the bottom: while a reply streams the view follows it, unless the user
+// scrolled up to read (then it stays where they are, until they scroll back down).
+const SLACK = 48; // px from the bottom that still count as the bottom
+function atBottom() {
+  const page = document.scrollingElement;
+  return page.scrollHeight - page.scrollTop - page.clientHeight <= SLACK;
+}
+function follow() {
+  if (state.pinned) window.scrollTo(0, document.scrollingElement.scrollHeight);
+}
+window.addEventListener("scroll", () => {
+  state.pinned = atBottom();
+});
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -54,7 +73,7 @@ function addMessage(role, text) {
   if (role === "user") body.textContent = text;
   div.append(who, body);
   $("messages").append(div);
-  div.scrollIntoView({ block: "end" });
+  follow();
   return div;
 }
 
@@ -91,20 +110,62 @@ async function* sseEvents(response) {
   }
 }
 
+// A reply's body, drawn as it streams: what can no longer change is appended once
+// (Markdown.Stream), only the open part is drawn again; an open code fence is appended to.
+function replyView(body) {
+  const stream = new Markdown.Stream();
+  const open = document.createElement("div");
+  open.className = "md-open";
+  body.append(open);
+  let fence = null; // {start, text: the code's text node, shown: offset of reply shown}
+  return {
+    update(reply) {
+      const step = stream.feed(reply);
+      for (const html of step.html) open.insertAdjacentHTML("beforebegin", html);
+      if (step.fence) {
+        if (!fence || fence.start !== step.fence.body) {
+          const pre = document.createElement("pre");
+          const code = document.createElement("code");
+          if (step.fence.lang) code.className = "language-" + step.fence.lang;
+          const text = document.createTextNode("");
+          fence = { start: step.fence.body, text, shown: step.fence.body };
+          code.append(text);
+          pre.append(code);
+          open.replaceChildren(pre);
+        }
+        fence.text.appendData(reply.slice(fence.shown));
+        fence.shown = reply.length;
+      } else {
+        fence = null;
+        open.innerHTML = Markdown.render(reply.slice(step.tail));
+      }
+      follow();
+    },
+    end(reply) {
+      // The open part as Markdown renders it (a fence never closed, a last paragraph).
+      open.insertAdjacentHTML("beforebegin", Markdown.render(reply.slice(stream.settled)));
+      open.remove();
+    },
+  };
+}
+
 async function send(text) {
   const system = $("system").value.trim();
   state.messages.push({ role: "user", content: text });
+  state.pinned = true; // a new message: the view goes to it
   addMessage("user", text);
   const div = addMessage("assistant", "");
   const body = div.querySelector(".body");
   const reasoningEl = document.createElement("div");
   reasoningEl.className = "reasoning";
+  const reasoningText = document.createTextNode("");
+  reasoningEl.append(reasoningText);
+  const view = replyView(body);
   const stats = document.createElement("div");
   stats.className = "stats";
   div.append(stats);
   body.before(reasoningEl);
   let reply = "";
-  let reasoning = "";
   const request = {
     messages: (system ? [{ role: "system", content: system }] : []).concat(state.messages),
     stream: true,
@@ -133,16 +194,17 @@ async function send(text) {
       if (!choice) continue;
       const delta = choice.delta || {};
       if (delta.reasoning_content) {
-        reasoning += delta.reasoning_content;
-        reasoningEl.textContent = reasoning;
+        reasoningText.appendData(delta.reasoning_content);
+        follow();
       }
       if (delta.content) {
         reply += delta.content;
-        body.innerHTML = Markdown.render(reply);
+        view.update(reply);
       }
       if (choice.finish_reason) {
         stats.textContent = statsLine(chunk.timings || {}) + " · " + choice.finish_reason;
         div.classList.add("done");
+        follow();
       }
     }
   } catch (e) {
@@ -157,6 +219,8 @@ async function send(text) {
       div.classList.add("failed");
     }
   } finally {
+    view.end(reply);
+    follow();
     div.classList.remove("streaming");
     state.controller = null;
     setBusy(false);

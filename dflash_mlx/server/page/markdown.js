@@ -119,7 +119,86 @@
     return html.join("\n");
   }
 
-  var api = {render: render, escapeHtml: escapeHtml};
+  // Streaming: a reply rendered as it grows, each settled part once (not the whole reply
+  // again on every chunk, whose cost grows with the square of its length). `feed(src)`
+  // takes the reply so far (each call the same text, longer) and returns `html`: the parts
+  // that can no longer change, rendered, in order; and the open part: `tail` (an offset of
+  // src: render src.slice(tail)), or `fence` (an open code fence: its `lang` and the offset
+  // of its `body`, which only grows until the fence closes). A part is settled at a line
+  // where `render` starts afresh whatever came before: before a fence, a heading or a
+  // quote, after one, and before a line that starts a block after a blank line. The parts
+  // joined with "\n" are render(src) (tests/test_chat_page.py checks it).
+  var FENCE = /^(\s{0,3})(`{3,}|~{3,})\s*([^\s`]*)/;
+  var FENCE_END = /^\s*(`{3,}|~{3,})\s*$/;
+  var INDENTED = /^( {4}|\t)/;
+  var ALONE = /^(#{1,6}\s|\s{0,3}>)/; // a heading or a quote: a block of one line
+
+  function Stream() {
+    this.settled = 0; // src before this offset is rendered for good
+    this.scanned = 0; // the first line not scanned yet
+    this.fence = null; // an open fence: {marker, lang, body}
+    this.code = false; // inside an indented code block (where a fence is code too)
+    this.fresh = true; // no paragraph or list open: an indented line starts code
+  }
+
+  Stream.prototype.feed = function (src) {
+    var html = [];
+    var self = this;
+    function settle(at) {
+      if (at > self.settled) {
+        var part = render(src.slice(self.settled, at));
+        if (part) html.push(part);
+        self.settled = at;
+      }
+    }
+    var nl;
+    while ((nl = src.indexOf("\n", this.scanned)) >= 0) {
+      var start = this.scanned;
+      var line = src.slice(start, nl);
+      this.scanned = nl + 1;
+      var blank = line.trim() === "";
+      if (this.fence) {
+        if (line.trim().indexOf(this.fence.marker) === 0 && FENCE_END.test(line)) {
+          this.fence = null;
+          this.fresh = true;
+          settle(this.scanned);
+        }
+        continue;
+      }
+      if (this.code) {
+        if (blank || INDENTED.test(line)) continue;
+        this.code = false; // this line ends the block: read afresh, as any other below
+        this.fresh = true;
+      }
+      if (FENCE.exec(line)) {
+        settle(start);
+        var fence = FENCE.exec(line);
+        this.fence = {marker: fence[2], lang: fence[3], body: this.scanned};
+        continue;
+      }
+      if (blank) {
+        this.fresh = true;
+        continue;
+      }
+      if (INDENTED.test(line)) {
+        if (this.fresh) this.code = true; // else a paragraph's line
+        this.fresh = false;
+        continue;
+      }
+      if (this.fresh) settle(start); // a new block after a blank line (or a settled one)
+      if (ALONE.test(line)) {
+        settle(start);
+        settle(this.scanned);
+        this.fresh = true;
+        continue;
+      }
+      this.fresh = false;
+    }
+    if (this.fence) return {html: html, fence: {lang: this.fence.lang, body: this.fence.body}};
+    return {html: html, tail: this.settled};
+  };
+
+  var api = {render: render, escapeHtml: escapeHtml, Stream: Stream};
   if (typeof module !== "undefined" && module.exports) module.exports = api;
   else root.Markdown = api;
 })(this);
