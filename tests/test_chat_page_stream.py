@@ -118,7 +118,7 @@ def test_a_streaming_reply_is_appended_and_followed_unless_the_user_scrolls_up(b
     text = reply_text()
     assert 15_000 < len(text) < 20_000
     pieces = chunks(text)
-    with serve("--demo") as server:
+    with serve("--demo", "--verify-width", "4") as server:  # no calibration at start
         browser.get(server.base + "/")
         wait_for(browser, lambda d: "dflash-mlx-demo" in css(d, "#model")[0].text, "the model")
         browser.execute_script(FAKE_STREAM)

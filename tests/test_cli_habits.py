@@ -269,7 +269,8 @@ def test_serve_logs_one_line_per_request():
     from .test_cli_serve import serve
 
     body = {"messages": [{"role": "user", "content": "def"}], "max_tokens": 3}
-    with serve("--demo") as server:
+    # A fixed width: no calibration at start (minutes on a busy machine).
+    with serve("--demo", "--verify-width", "4") as server:
         server.post("/v1/chat/completions", body)
         bad = httpx.post(f"{server.base}/v1/chat/completions", json={"messages": []}, timeout=60)
         assert bad.status_code == 400
