@@ -110,11 +110,14 @@ def compile_grammar(
         if kept is not None and kept[0] is ll_tok:
             _COMPILED.move_to_end(key)
             return Grammar(kept[1].deep_copy(), vocab, _eos_ids(tokenizer), mask_drafts)
-    error = llguidance.LLMatcher.validate_grammar(source, ll_tok)
+    # Built on a deep stack (`grammar_cage`): a schema nested deep enough overflows a thread's
+    # (a library caller's, on a macOS secondary thread: 512 kB) inside llguidance.
+    from ..grammar_cage import build_matcher
+
+    error, matcher = build_matcher(llguidance, ll_tok, source)
     if error:
         what = "json_schema" if options.json_schema is not None else "grammar"
         raise BadArgument(f"{what} is invalid: {error.strip()}")
-    matcher = llguidance.LLMatcher(ll_tok, source, log_level=0)
     if matcher.is_error():
         raise BadArgument(f"grammar is invalid: {matcher.get_error()}")
     # The first token's mask, on a copy, as the engine's first use computes it: some
