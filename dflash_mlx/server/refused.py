@@ -66,7 +66,7 @@ ToolSchema = Annotated[dict[str, Any], AfterValidator(_json_schema)]
 
 def _object_schema(schema: dict[str, Any]) -> dict[str, Any]:
     kind = schema.get("type", "object")
-    if kind != "object" and kind != ["object"]:
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
         raise PydanticCustomError(
             "invalid_schema",
             "a tool's parameters must be a JSON Schema of type 'object' (its arguments are "

@@ -116,7 +116,8 @@ def _marker(tokenizer: Any, text: str) -> str:
 
 def _arguments_schema(tool: dict[str, Any]) -> dict[str, Any]:
     schema = tool["function"].get("parameters") or {"type": "object"}
-    return {"type": "object", **schema, "x-guidance": JSON_STYLE}  # arguments are an object
+    # The arguments are an object, whatever else the schema's type allows.
+    return {**schema, "type": "object", "x-guidance": JSON_STYLE}
 
 
 def tool_grammar(tokenizer: Any, tools: list[dict[str, Any]], reasoning: bool) -> str:
