@@ -46,7 +46,7 @@ per regime: auto and forced plain against mlx-lm over all their requests, the pl
 speed measured to within a percent where one cell's interval spans several; and each
 request's whole time (first token and the rest) against mlx-lm's.
 `--strict` exits 1 when a cell misses its goal (a guard for the floor; the decisions behind
-each cell are tested on injected costs in tests/test_adaptive.py, test_floor.py,
+each cell are tested on injected costs in tests/test_policy.py, test_adaptive.py, test_floor.py,
 test_batch_floor.py and test_stretch.py). Ratios, not absolute numbers, carry over, and
 only within one run.
 """
