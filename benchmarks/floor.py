@@ -229,8 +229,8 @@ def child(args) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import GenerateOptions, batch_generate, generate, load_pair
-    from dflash_mlx.demo import SHIPPED, demo_pair
     from dflash_mlx.calibration import cache_path, calibration_key
+    from dflash_mlx.demo import SHIPPED, demo_pair
 
     target_dir, draft_dir = demo_pair()
     full_dirs = nowindow_pair(target_dir, draft_dir)
