@@ -924,6 +924,11 @@ def test_a_prefill_is_dormant_where_its_batch_expects_plain_decoding(target, dra
     curves = CPU if policy == "plain" else CostCurves(BLAS.verify, BLAS.draft, context=0.005)
     auto = AutoPolicy(curves, BLOCK)
     auto.window = 8
+    if policy == "speculates":  # the pair's drafts seen right (the prior alone bets nothing)
+        from dflash_mlx.speed.policy import teach
+
+        for _ in range(8):
+            teach(auto.pool, BLOCK, BLOCK - 1)
     dec = BatchDecoder(Pair(model, draft), tok, max_batch=2)
     rows = [dec.submit(ids, GenerateOptions(max_tokens=16)) for _ in range(1 + others)]
     for r in rows:

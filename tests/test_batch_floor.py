@@ -144,10 +144,13 @@ def test_where_batched_speculation_pays_the_batch_speculates_near_the_best_width
 @pytest.mark.parametrize("alpha", [0.6, 0.9])
 def test_where_batched_speculation_pays_the_batch_beats_plain_batching(alpha):
     """... and above plain batching, on average over seeds (one seed at alpha 0.6 is at
-    1.00x plain, where the best fixed width gives 1.55x: notes/tests-port.md, 5)."""
+    1.00x plain, where the best fixed width gives 1.55x: notes/tests-port.md, 5). 1.1x:
+    a first probe on the uniform prior alone is paid from the bank in full (1.13x at alpha
+    0.6 since; on the 24-layer stand-in at c = 8 a free first probe on that prior, W=7
+    over 8 rows, lost where no width pays)."""
     plain = decode(FLAT, FLAT, alpha, fixed=1)
     auto = sum(decode(FLAT, FLAT, alpha, seed=s) for s in range(3)) / 3
-    assert auto >= 1.15 * plain, f"{auto / plain:.3f}x plain batching"
+    assert auto >= 1.1 * plain, f"{auto / plain:.3f}x plain batching"
 
 
 @pytest.mark.parametrize("alpha", [0.6, 0.9])

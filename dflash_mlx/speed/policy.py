@@ -39,6 +39,7 @@ class Estimate:
     alphas: tuple[float, ...]
     sds: tuple[float, ...]
     left: int
+    seen: bool = True  # resting on cycles seen (this text's or the pair's), not the prior alone
 
     def tokens(self, width: int, low: bool = False) -> float:
         """E[accepted + 1] of a cycle of `width` (`low`: each alpha one sd lower)."""
@@ -79,7 +80,8 @@ def choose(
         # floor), less catching up spread over the cycles left (it is paid once).
         spread = catch / max(left / max(mean / n, 1.0), 1.0)
         if mean * step - costs[w - 1] - spread > 0:
-            hopeful.append(w)
+            if all(r.seen for r in rows):  # a hope on the prior alone is paid in full
+                hopeful.append(w)
             if low * step - costs[w - 1] - spread > 0 and mean / costs[w - 1] > rate:
                 best, rate = w, mean / costs[w - 1]
     if best > 1:
@@ -143,7 +145,8 @@ class AutoPolicy:
             alphas.append(a)
             sds.append(math.sqrt(a * (1.0 - a) / (n + 1.0)))
             prev = a
-        return Estimate(tuple(alphas), tuple(sds), max(ask.left, 1))
+        seen = own.trials[1] + pool.trials[1] > 0
+        return Estimate(tuple(alphas), tuple(sds), max(ask.left, 1), seen)
 
     def block_for(self, width: int, depth: int) -> int:
         """The draft block L a width drafts: fixed, else the cheapest block covering it."""
