@@ -5,13 +5,12 @@ evidence), `plan`s a batch's next cycle from what each row asks (`Ask`) and answ
 (each row's verify width W and draft block L, whether plain passes capture features for the
 draft, and for how many plain steps the plan stands), `learn`s from what one cycle did
 (`Record`: its shape, seconds and each row's acceptance) and `forget`s what requests taught.
-`plan` changes nothing; only `learn` does. A fixed width is the same port with a constant
-rule (`FixedPolicy`).
+`plan` changes nothing; only `learn` does. A request that fixes its width asks no policy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 
@@ -86,27 +85,3 @@ class Policy(Protocol):
     def learn(self, record: Record) -> None: ...
 
     def forget(self) -> None: ...
-
-
-@dataclass
-class FixedPolicy:
-    """Width `width` and block `block` every cycle, whatever costs or acceptance say."""
-
-    width: int
-    block: int
-    window: int = 0
-    spent: list[float] = field(default_factory=list)
-
-    def begin(self, tokens: int | None) -> Ticket:
-        return Ticket([0.0] * self.block, [0.0] * self.block, tokens)
-
-    def plan(self, asks: list[Ask], rows: int = 0) -> Plan:
-        widths = tuple(max(1, min(self.width, a.left)) for a in asks)
-        return Plan(widths, (self.block,) * len(asks))
-
-    def learn(self, record: Record) -> None:
-        if record.seconds is not None:
-            self.spent.append(record.seconds * record.times)
-
-    def forget(self) -> None:
-        self.spent.clear()
